@@ -1,0 +1,270 @@
+"""The software aggregator (PS fallback): the aggregation engine behind a UDP socket.
+
+It speaks the same wire protocol as the switch. Differences from the switch: workers
+are admitted by their source IPv4 address and UDP port (not an ingress port), and the
+multicast of a RESULT is a unicast to each worker's address.
+
+Admission is configured from a JSON file or at run time over a ZeroMQ control socket
+(JSON requests, see docs/protocol.md), which also serves counters on demand. For
+tests it can drop, duplicate and reorder packets with a seeded generator.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from . import wire
+from .aggregation import AggregationEngine, ConfigError, Emission, JobSpec
+from .transport import BatchSocket, pack_address, parse_endpoint, unpack_address
+
+log = logging.getLogger("passing.aggregator")
+
+CONTROL_VERSION = 1
+DEFAULT_SLOTS = 4096
+
+
+@dataclass
+class Impairment:
+    """Seeded packet drop / duplication / reordering on one direction."""
+
+    drop: float = 0.0
+    duplicate: float = 0.0
+    reorder: bool = False
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    dropped: int = 0
+    duplicated: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("drop", "duplicate"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"{name} probability must be in [0, 1), got {p}")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.drop or self.duplicate or self.reorder)
+
+    def apply(self, count: int) -> np.ndarray:
+        """Indices of the packets that survive, in the order they go on."""
+        keep = np.flatnonzero(self.rng.random(count) >= self.drop)
+        self.dropped += count - keep.size
+        if self.duplicate:
+            extra = keep[self.rng.random(keep.size) < self.duplicate]
+            self.duplicated += extra.size
+            keep = np.concatenate([keep, extra])
+        if self.reorder:
+            self.rng.shuffle(keep)
+        return keep
+
+
+def job_from_json(obj: dict[str, Any]) -> JobSpec:
+    """{"job": 1, "base": 0, "pool": 256, "workers": ["10.0.0.1:20000", ...], "epoch": 7?}"""
+    try:
+        workers = obj["workers"]
+        if not isinstance(workers, list) or not workers:
+            raise ConfigError("'workers' must be a non-empty list of 'ip:port'")
+        sources = [pack_address(*parse_endpoint(str(w), wire.UDP_PORT)) for w in workers]
+        return JobSpec(
+            job=int(obj["job"]), base=int(obj.get("base", 0)), pool=int(obj["pool"]),
+            sources=sources, epoch=None if obj.get("epoch") is None else int(obj["epoch"]),
+        )
+    except KeyError as e:
+        raise ConfigError(f"job entry lacks {e}") from None
+    except (TypeError, ValueError, OSError) as e:
+        raise ConfigError(f"bad job entry {obj!r}: {e}") from None
+
+
+def job_to_json(spec: JobSpec) -> dict[str, Any]:
+    return {
+        "job": spec.job, "base": spec.base, "pool": spec.pool, "epoch": spec.epoch,
+        "workers": ["{}:{}".format(*unpack_address(s)) for s in spec.sources],
+    }
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """The aggregator config file: {"lanes": 64, "slots": 4096, "jobs": [...]}."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read aggregator config {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: the config must be a JSON object")
+    unknown = set(config) - {"lanes", "slots", "jobs"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}")
+    return config
+
+
+class SoftwareAggregator:
+    """A UDP aggregation service. ``serve()`` runs until ``stop()`` or a signal."""
+
+    def __init__(
+        self,
+        listen: str | tuple[str, int] = ("0.0.0.0", wire.UDP_PORT),
+        control: str | None = "tcp://127.0.0.1:9878",
+        slots: int = DEFAULT_SLOTS,
+        lanes: int = wire.DEFAULT_LANES,
+        jobs: list[JobSpec] | None = None,
+        ingress: Impairment | None = None,
+        egress: Impairment | None = None,
+        batch: int = 1024,
+    ) -> None:
+        self.engine = AggregationEngine(slots, lanes)
+        for spec in jobs or []:
+            self.engine.add_job(spec)
+        if isinstance(listen, str):
+            listen = parse_endpoint(listen, wire.UDP_PORT)
+        self.socket = BatchSocket(listen, batch=batch, max_datagram=max(9000, wire.packet_size(lanes)))
+        self.ingress = ingress or Impairment()
+        self.egress = egress or Impairment()
+        self._zmq = zmq.Context.instance()
+        self.control: zmq.Socket | None = None
+        self.control_endpoint: str | None = None
+        if control:
+            self.control = self._zmq.socket(zmq.REP)
+            self.control.setsockopt(zmq.LINGER, 0)
+            try:
+                self.control.bind(control)
+            except zmq.ZMQError as e:
+                self.socket.close()
+                self.control.close()
+                raise OSError(f"cannot bind control socket {control}: {e}") from None
+            self.control_endpoint = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.socket.address
+
+    def stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGINT, self.stop)
+        signal.signal(signal.SIGTERM, self.stop)
+
+    def close(self) -> None:
+        self.socket.close()
+        if self.control is not None:
+            self.control.close()
+
+    # ---- serving ---------------------------------------------------------------------
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket.fd, zmq.POLLIN)
+        if self.control is not None:
+            poller.register(self.control, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(100))
+                if self.socket.fd in events:
+                    self.pump()
+                if self.control is not None and self.control in events:
+                    self._answer_control()
+        finally:
+            self.close()
+
+    def pump(self, max_batches: int = 64) -> int:
+        """Process what is queued (up to max_batches batches); returns packets taken."""
+        taken = 0
+        for _ in range(max_batches):
+            view, lengths, sources = self.socket.recv_packets(self.engine.lanes)
+            if len(lengths) == 0:
+                break
+            taken += len(lengths)
+            if self.ingress.active:
+                keep = self.ingress.apply(len(lengths))
+                view, lengths, sources = view[keep], lengths[keep], sources[keep]
+            self.send(self.engine.process(view, sources, lengths))
+        return taken
+
+    def send(self, out: Emission) -> None:
+        if len(out) == 0:
+            return
+        rows = self.egress.apply(len(out)) if self.egress.active else None
+        self.socket.send_batch(out.packets, out.dest if rows is None else out.dest[rows], rows)
+
+    # ---- control -----------------------------------------------------------------------
+
+    def stats(self, job: int | None = None) -> dict[str, Any]:
+        jobs = [job] if job is not None else [s.job for s in self.engine.jobs()]
+        return {
+            "totals": self.engine.counters(),
+            "jobs": {str(j): self.engine.counters(j) for j in jobs},
+            "injected": {
+                "ingress_dropped": self.ingress.dropped, "ingress_duplicated": self.ingress.duplicated,
+                "egress_dropped": self.egress.dropped, "egress_duplicated": self.egress.duplicated,
+            },
+            "transport": self.socket.stats.as_dict(),
+        }
+
+    def handle(self, request: Any) -> dict[str, Any]:
+        """One control request -> its reply. Never raises: errors become replies."""
+        try:
+            if not isinstance(request, dict):
+                raise ConfigError("a request must be a JSON object")
+            if request.get("version") != CONTROL_VERSION:
+                raise ConfigError(f"unsupported control version {request.get('version')!r} (want {CONTROL_VERSION})")
+            cmd = request.get("cmd")
+            if cmd == "ping":
+                return {"ok": True, "lanes": self.engine.lanes, "slots": self.engine.slots}
+            if cmd == "stats":
+                job = request.get("job")
+                return {"ok": True, **self.stats(None if job is None else int(job))}
+            if cmd == "jobs":
+                return {"ok": True, "jobs": [job_to_json(s) for s in self.engine.jobs()]}
+            if cmd == "add_job":
+                spec = self.engine.add_job(job_from_json(request.get("job") or {}))
+                log.info("admitted job %d: slots %d..%d, %d workers", spec.job, spec.base,
+                         spec.base + spec.pool - 1, spec.workers)
+                return {"ok": True, "job": job_to_json(spec)}
+            if cmd == "remove_job":
+                spec = self.engine.remove_job(int(request["job"]))
+                log.info("removed job %d", spec.job)
+                return {"ok": True, "job": job_to_json(spec)}
+            raise ConfigError(f"unknown command {cmd!r}")
+        except (ConfigError, KeyError, TypeError, ValueError) as e:
+            return {"ok": False, "error": str(e)}
+
+    def _answer_control(self) -> None:
+        raw = self.control.recv()
+        try:
+            request = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            reply = {"ok": False, "error": f"request is not JSON: {e}"}
+        else:
+            reply = self.handle(request)
+        self.control.send(json.dumps(reply).encode())
+
+
+class ControlClient:
+    """Talks to an aggregator's control socket (used by the CLI, tests and the controller)."""
+
+    def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
+        self.endpoint, self.timeout = endpoint, timeout
+        self._ctx = zmq.Context.instance()
+
+    def request(self, cmd: str, **fields: Any) -> dict[str, Any]:
+        sock = self._ctx.socket(zmq.REQ)  # a fresh REQ per call: a lost reply never wedges it
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.endpoint)
+            sock.send(json.dumps({"version": CONTROL_VERSION, "cmd": cmd, **fields}).encode())
+            if not sock.poll(int(self.timeout * 1000)):
+                raise TimeoutError(f"aggregator control {self.endpoint} did not answer in {self.timeout} s")
+            reply = json.loads(sock.recv())
+        finally:
+            sock.close()
+        if not reply.get("ok"):
+            raise ConfigError(f"aggregator refused {cmd}: {reply.get('error')}")
+        return reply

@@ -1,0 +1,245 @@
+"""Command-line entry points.
+
+passing-aggregator serve|stats|jobs|add-job|remove-job   the software aggregator
+passing-allreduce                                        one worker's allreduce, self-checked
+passing-local                                            aggregator + N workers on loopback
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from . import quantize, wire
+from .aggregation import ConfigError
+from .aggregator import ControlClient, Impairment, SoftwareAggregator, job_from_json, load_config
+from .stream import Group, PassingError
+
+# ---- passing-aggregator ---------------------------------------------------------------
+
+
+def aggregator_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="passing-aggregator", description="PASSING software aggregator (PS fallback)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the aggregator until SIGINT/SIGTERM")
+    s.add_argument("--listen", default=f"0.0.0.0:{wire.UDP_PORT}", help="UDP address (port 0: any free port)")
+    s.add_argument("--control", default="tcp://127.0.0.1:9878", help="ZeroMQ control endpoint ('none' to disable)")
+    s.add_argument("--config", help="JSON file: {lanes, slots, jobs: [{job, base, pool, workers}]}")
+    s.add_argument("--slots", type=int, help=f"slots of state (default {4096})")
+    s.add_argument("--lanes", type=int, help=f"int32 values per packet (default {wire.DEFAULT_LANES})")
+    s.add_argument("--drop-ingress", type=float, default=0.0, help="probability of dropping a received packet")
+    s.add_argument("--drop-egress", type=float, default=0.0, help="probability of dropping a sent RESULT")
+    s.add_argument("--duplicate", type=float, default=0.0, help="probability of duplicating a packet, each way")
+    s.add_argument("--reorder", action="store_true", help="shuffle every batch, each way")
+    s.add_argument("--seed", type=int, default=0, help="seed of the loss/duplication generator")
+    s.add_argument("-v", "--verbose", action="store_true")
+    for name, helptext in (("stats", "print counters"), ("jobs", "list admitted jobs"),
+                           ("add-job", "admit a job"), ("remove-job", "remove a job")):
+        c = sub.add_parser(name, help=helptext)
+        c.add_argument("--control", default="tcp://127.0.0.1:9878")
+        if name == "stats":
+            c.add_argument("--job", type=int)
+        if name == "add-job":
+            c.add_argument("spec", help='JSON: {"job": 1, "base": 0, "pool": 256, "workers": ["ip:port", ...]}')
+        if name == "remove-job":
+            c.add_argument("job", type=int)
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "serve":
+            return _serve(args)
+        client = ControlClient(args.control)
+        if args.cmd == "stats":
+            reply = client.request("stats", **({"job": args.job} if args.job is not None else {}))
+        elif args.cmd == "jobs":
+            reply = client.request("jobs")
+        elif args.cmd == "add-job":
+            reply = client.request("add_job", job=json.loads(args.spec))
+        else:
+            reply = client.request("remove_job", job=args.job)
+        reply.pop("ok")
+        print(json.dumps(reply, indent=2))
+        return 0
+    except (ConfigError, OSError, ValueError) as e:  # TimeoutError is an OSError
+        print(f"passing-aggregator: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = load_config(args.config) if args.config else {}
+    rng = np.random.default_rng(args.seed)
+    server = SoftwareAggregator(
+        listen=args.listen,
+        control=None if args.control == "none" else args.control,
+        slots=args.slots or config.get("slots", 4096),
+        lanes=args.lanes or config.get("lanes", wire.DEFAULT_LANES),
+        jobs=[job_from_json(j) for j in config.get("jobs", [])],
+        ingress=Impairment(args.drop_ingress, args.duplicate, args.reorder, rng),
+        egress=Impairment(args.drop_egress, args.duplicate, args.reorder, rng),
+    )
+    server.install_signal_handlers()
+    host, port = server.address
+    print(json.dumps({"event": "ready", "data": f"{host}:{port}", "control": server.control_endpoint,
+                      "lanes": server.engine.lanes, "slots": server.engine.slots}), flush=True)
+    server.serve()
+    print(json.dumps({"event": "stopped", **server.stats()}), flush=True)
+    return 0
+
+
+# ---- passing-allreduce --------------------------------------------------------------------
+
+
+def worker_inputs(seed: int, worker: int, size: int, dtype: str) -> np.ndarray:
+    """The deterministic input of one worker: every worker can recompute everyone's."""
+    rng = np.random.default_rng([seed, worker])
+    if dtype == "int32":
+        return rng.integers(-1000, 1000, size, dtype=np.int32)
+    magnitude = 10.0 ** rng.uniform(-4, 2, size)  # mixed sign and magnitude
+    return (magnitude * rng.choice([-1.0, 1.0], size)).astype(np.float32)
+
+
+def allreduce_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="passing-allreduce", description="one worker's allreduce, checked")
+    p.add_argument("--job", type=int, default=1)
+    p.add_argument("--worker", type=int, required=True)
+    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--aggregator", action="append", required=True, help="host:port (repeat for shards)")
+    p.add_argument("--bind", required=True, help="this worker's admitted address, ip:port")
+    p.add_argument("--pool", type=int, default=256)
+    p.add_argument("--lanes", type=int, default=wire.DEFAULT_LANES)
+    p.add_argument("--size", type=int, default=1 << 20, help="elements")
+    p.add_argument("--dtype", choices=("float32", "int32"), default="float32")
+    p.add_argument("--iterations", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--scale", default="auto", help="'auto' or a fixed number")
+    args = p.parse_args(argv)
+    scale: str | float = args.scale if args.scale == "auto" else float(args.scale)
+    inputs = [worker_inputs(args.seed, w, args.size, args.dtype) for w in range(args.workers)]
+    x = inputs[args.worker]
+    expected = np.sum(inputs, axis=0, dtype=np.float64)
+    try:
+        with Group(args.job, args.worker, args.workers, args.aggregator, pool=args.pool, lanes=args.lanes,
+                   bind=args.bind, scale=scale, timeout=args.timeout) as g:
+            start = time.perf_counter()
+            for _ in range(args.iterations):
+                out = g.allreduce(x)
+            elapsed = (time.perf_counter() - start) / args.iterations
+            stats = g.stats.as_dict()
+    except (PassingError, OSError, ValueError) as e:
+        print(f"passing-allreduce: worker {args.worker}: error: {e}", file=sys.stderr)
+        return 1
+    error = float(np.max(np.abs(out - expected))) if args.size else 0.0
+    bound = float_error_bound(inputs, expected) if args.dtype == "float32" else 0.0
+    report = {"worker": args.worker, "elements": args.size, "seconds": elapsed,
+              "gbit_per_s": args.size * 4 * 8 / elapsed / 1e9, "max_error": error, "bound": bound,
+              "ok": error <= bound, **stats}
+    print(json.dumps(report), flush=True)
+    return 0 if report["ok"] else 1
+
+
+def float_error_bound(inputs: list[np.ndarray], expected: np.ndarray) -> float:
+    """Worst-case |error| of an auto-scaled float32 sum: rounding plus the float32 cast.
+
+    Every shard's scale comes from its own max |x| over all workers, at most the
+    global one, so the global one gives a scale no larger and a bound no smaller.
+    """
+    max_input = max(float(np.max(np.abs(x))) for x in inputs) if expected.size else 0.0
+    if max_input == 0:
+        return 0.0
+    workers = len(inputs)
+    rounding = quantize.error_bound(quantize.auto_scale(max_input, workers), workers)
+    return rounding + float(np.max(np.abs(expected))) * 2.0**-23
+
+
+# ---- passing-local ------------------------------------------------------------------------
+
+
+def free_udp_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def start_aggregator(
+    extra: list[str] | None = None, host: str = "127.0.0.1"
+) -> tuple[subprocess.Popen, dict[str, Any]]:
+    """Start `passing-aggregator serve` on free ports; returns the process and its ready line."""
+    cmd = [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", f"{host}:0",
+           "--control", f"tcp://{host}:*", *(extra or [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait()
+        raise RuntimeError(f"aggregator exited with {proc.returncode} before it was ready")
+    return proc, json.loads(line)
+
+
+def local_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="passing-local",
+                                description="run an aggregator and N allreduce workers on loopback")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--size", type=int, default=1 << 20)
+    p.add_argument("--pool", type=int, default=256)
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--drop", type=float, default=0.0, help="loss probability each way at the aggregator")
+    args = p.parse_args(argv)
+    agg, ready = start_aggregator(["--drop-ingress", str(args.drop), "--drop-egress", str(args.drop)])
+    try:
+        ports = free_udp_ports(args.workers)
+        workers = [f"127.0.0.1:{port}" for port in ports]
+        ControlClient(ready["control"]).request("add_job", job={"job": 1, "pool": args.pool, "workers": workers})
+        print(f"aggregator at {ready['data']}, {args.workers} workers, {args.size} float32 each", flush=True)
+        procs = [
+            subprocess.Popen([sys.executable, "-m", "passing.cli", "allreduce", "--worker", str(w), "--workers",
+                              str(args.workers), "--aggregator", ready["data"], "--bind", workers[w], "--pool",
+                              str(args.pool), "--size", str(args.size), "--iterations", str(args.iterations)],
+                             stdout=subprocess.PIPE, text=True)
+            for w in range(args.workers)
+        ]
+        ok = True
+        for proc in procs:
+            out, _ = proc.communicate()
+            ok &= proc.returncode == 0
+            for line in out.splitlines():
+                r = json.loads(line)
+                print(f"worker {r['worker']}: {r['seconds'] * 1e3:.1f} ms per allreduce, "
+                      f"{r['gbit_per_s']:.3f} Gbit/s, max error {r['max_error']:.3g} (bound {r['bound']:.3g}), "
+                      f"{r['retransmissions']} retransmissions", flush=True)
+        stats = ControlClient(ready["control"]).request("stats")
+        print("aggregator:", json.dumps(stats["totals"]), flush=True)
+        print("OK" if ok else "FAILED", flush=True)
+        return 0 if ok else 1
+    finally:
+        agg.terminate()
+        agg.wait(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m passing.cli {aggregator,allreduce,local} ...`"""
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"aggregator": aggregator_main, "allreduce": allreduce_main, "local": local_main}
+    if not argv or argv[0] not in commands:
+        print(f"usage: python -m passing.cli {{{','.join(commands)}}} ...", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

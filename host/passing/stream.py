@@ -1,0 +1,335 @@
+"""The host streaming engine: allreduce of one group's array through aggregators.
+
+A group (job, worker) streams its array as packets of ``lanes`` int32 values. With p
+aggregators the packets are split into p contiguous blocks, one per aggregator, each
+with its own slot pool and psn stream. Per aggregator the window is self-clocked:
+psn p uses slot p mod pool, and p + pool is sent only once the RESULT of p is in, so at
+most ``pool`` packets are in flight and the aggregator's two sets per slot always hold
+every round someone may still ask for. Lost packets are resent on a timer with
+exponential back-off; a packet unanswered for ``timeout`` seconds ends the call with
+AggregatorUnreachable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import quantize, wire
+from .transport import BatchSocket, TransportStats, pack_address, parse_endpoint, unpack_address
+
+
+class PassingError(RuntimeError):
+    """Base class of PASSING's run-time errors."""
+
+
+class AggregatorUnreachable(PassingError, TimeoutError):
+    """No RESULT within the timeout: the aggregator is down or a peer stopped sending."""
+
+
+class PassingOverflow(PassingError, OverflowError):
+    """A sum left the int32 range (reported by the aggregator's OVERFLOW flag)."""
+
+
+OPS = ("sum", "avg")
+
+
+@dataclass
+class Aggregator:
+    """Where one shard of the stream goes: an address and the job's slot pool there."""
+
+    host: str
+    port: int = wire.UDP_PORT
+    pool: int = 256
+
+    @property
+    def packed(self) -> int:
+        return pack_address(self.host, self.port)
+
+
+class Group:
+    """One worker's membership in an aggregation group.
+
+    Example::
+
+        g = Group(job=1, worker=0, workers=2, aggregators=["127.0.0.1:9877"], pool=256,
+                  bind="127.0.0.1:20000")
+        total = g.allreduce(np.ones(1000, np.float32))   # == 2.0 everywhere
+
+    ``scale`` is ``"auto"`` (a MAX round picks a power-of-two scale per aggregator) or
+    a number (fixed scale; ``on_overflow="auto"`` redoes an overflowing call in auto
+    mode, ``"raise"`` raises PassingOverflow). The aggregator admits this worker by
+    its source address, so ``bind`` must be the address given to the aggregator.
+    """
+
+    def __init__(
+        self,
+        job: int,
+        worker: int,
+        workers: int,
+        aggregators: Sequence[str | tuple[str, int] | Aggregator],
+        pool: int = 256,
+        lanes: int = wire.DEFAULT_LANES,
+        bind: str | tuple[str, int] = ("0.0.0.0", 0),
+        scale: str | float = "auto",
+        on_overflow: str = "raise",
+        rto: float = 0.02,
+        max_rto: float = 1.0,
+        timeout: float = 30.0,
+    ) -> None:
+        if not 0 <= job < 1 << 16:
+            raise ValueError(f"job {job} outside 0..65535")
+        if not 1 <= workers <= wire.MAX_WORKERS:
+            raise ValueError(f"workers must be 1..{wire.MAX_WORKERS}, got {workers}")
+        if not 0 <= worker < workers:
+            raise ValueError(f"worker {worker} outside 0..{workers - 1}")
+        if scale != "auto" and not (isinstance(scale, (int, float)) and scale > 0):
+            raise ValueError(f"scale must be 'auto' or a positive number, got {scale!r}")
+        if on_overflow not in ("raise", "auto"):
+            raise ValueError(f"on_overflow must be 'raise' or 'auto', got {on_overflow!r}")
+        if not aggregators:
+            raise ValueError("at least one aggregator is needed")
+        self.job, self.worker, self.workers, self.lanes = job, worker, workers, lanes
+        self.aggregators = [self._aggregator(a, pool) for a in aggregators]
+        for a in self.aggregators:
+            if not 1 <= a.pool <= 1 << 16:
+                raise ValueError(f"pool must be 1..65536, got {a.pool}")
+        self.scale, self.on_overflow = scale, on_overflow
+        self.rto_min, self.max_rto, self.timeout = rto, max_rto, timeout
+        self._srtt = rto
+        self._agg_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
+        self._next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
+        self._failed: str | None = None  # after a failed call the psn streams are out of step
+        if isinstance(bind, str):
+            bind = parse_endpoint(bind, 0)
+        self.socket = BatchSocket(bind, max_datagram=max(2048, wire.packet_size(lanes)))
+
+    @staticmethod
+    def _aggregator(spec: str | tuple[str, int] | Aggregator, pool: int) -> Aggregator:
+        if isinstance(spec, Aggregator):
+            return spec
+        host, port = parse_endpoint(spec, wire.UDP_PORT) if isinstance(spec, str) else spec
+        return Aggregator(host, port, pool)
+
+    @property
+    def stats(self) -> TransportStats:
+        return self.socket.stats
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.socket.address
+
+    def close(self) -> None:
+        self.socket.close()
+
+    def __enter__(self) -> Group:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- public API ----------------------------------------------------------------
+
+    def allreduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Sum (or average) ``array`` over all workers of the group; returns a new array.
+
+        float32 goes through scaling (exact to within ``quantize.error_bound``); int32
+        is summed exactly and raises PassingOverflow when a sum leaves int32.
+        """
+        x = np.asarray(array)
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        if x.dtype not in (np.float32, np.int32):
+            raise TypeError(f"allreduce takes float32 or int32 arrays, got {x.dtype}")
+        if x.dtype == np.int32 and op == "avg":
+            raise TypeError("op 'avg' needs a float32 array (an int32 average is not an int32)")
+        if self._failed:
+            raise PassingError(
+                f"job {self.job} worker {self.worker}: group unusable after an earlier error: {self._failed}"
+            )
+        flat = np.ascontiguousarray(x).reshape(-1)
+        if flat.size == 0:
+            return x.copy()
+        try:
+            return self._allreduce(x, flat, op)
+        except (AggregatorUnreachable, OSError) as e:
+            self._failed = str(e)
+            raise
+
+    def _allreduce(self, x: np.ndarray, flat: np.ndarray, op: str) -> np.ndarray:
+        blocks = self._split(flat)
+        if x.dtype == np.int32:
+            sums, overflow = self._stream([b.reshape(-1, self.lanes) for b in blocks], wire.SUM)
+            if any(overflow):
+                raise PassingOverflow(f"job {self.job}: an int32 sum left the int32 range")
+            out = np.concatenate([s.reshape(-1) for s in sums])[: flat.size]
+        else:
+            out = self._float_allreduce(blocks, flat.size)
+            if op == "avg":
+                out /= np.float32(self.workers)
+        return out.reshape(x.shape)
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _split(self, flat: np.ndarray) -> list[np.ndarray]:
+        """Pad to whole packets and cut into one contiguous block per aggregator."""
+        packets = -(-flat.size // self.lanes)
+        padded = np.zeros(packets * self.lanes, dtype=flat.dtype)
+        padded[: flat.size] = flat
+        bounds = np.linspace(0, packets, len(self.aggregators) + 1).astype(np.int64) * self.lanes
+        return [padded[bounds[i] : bounds[i + 1]] for i in range(len(self.aggregators))]
+
+    def _float_allreduce(self, blocks: list[np.ndarray], size: int) -> np.ndarray:
+        mode = self.scale
+        while True:
+            if mode == "auto":
+                scales = self._auto_scales(blocks)
+            else:
+                scales = [float(mode)] * len(blocks)
+            quantized, flags = [], []
+            for block, scale in zip(blocks, scales):
+                q, saturated = quantize.quantize(block, scale if scale else 1.0)
+                rows = q.reshape(-1, self.lanes)
+                quantized.append(rows if scale else rows[:0])  # an all-zero shard needs no SUM
+                flags.append(np.where(saturated.reshape(rows.shape).any(axis=1), wire.FLAG_OVERFLOW, 0))
+            sums, overflow = self._stream(quantized, wire.SUM, flags)
+            if not any(overflow):
+                break
+            if mode == "auto" or self.on_overflow == "raise":
+                raise PassingOverflow(
+                    f"job {self.job}: the sum overflowed int32 at scale {mode}; "
+                    "use scale='auto' or a smaller fixed scale (or on_overflow='auto')"
+                )
+            mode = "auto"  # every worker saw the same flags, so all of them redo it
+        parts = [
+            quantize.dequantize(s.reshape(-1), sc) if sc else np.zeros(b.size, np.float32)
+            for s, sc, b in zip(sums, scales, blocks)
+        ]
+        return np.concatenate(parts)[:size]
+
+    def _auto_scales(self, blocks: list[np.ndarray]) -> list[float]:
+        """One MAX round per aggregator; 0.0 marks a shard that is zero everywhere."""
+        rows = []
+        for block in blocks:
+            row = np.zeros((1, self.lanes), dtype=np.int32)
+            row[0, 0] = quantize.max_abs_bits(block)
+            rows.append(row)
+        maxima, _ = self._stream(rows, wire.MAX)
+        scales = []
+        for m in maxima:
+            max_abs = quantize.bits_to_float(int(m[0, 0]))
+            if not np.isfinite(max_abs):
+                raise ValueError(f"job {self.job}: the input holds NaN or infinity on some worker")
+            scales.append(quantize.auto_scale(max_abs, self.workers) if max_abs > 0 else 0.0)
+        return scales
+
+    def _stream(
+        self, blocks: list[np.ndarray], op: int, flags: list[np.ndarray] | None = None
+    ) -> tuple[list[np.ndarray], list[bool]]:
+        """Aggregate one (n_i, lanes) int32 block per aggregator; all shards at once.
+
+        Returns each shard's summed rows and whether any of its RESULTs carried OVERFLOW.
+        """
+        counts = np.array([len(b) for b in blocks], dtype=np.int64)
+        starts = np.r_[0, np.cumsum(counts)[:-1]]
+        total = int(counts.sum())
+        pools = np.array([a.pool for a in self.aggregators], dtype=np.int64)
+        shard = np.repeat(np.arange(len(blocks)), counts)
+        offset = np.arange(total) - starts[shard]
+        psn = self._next_psn[shard] + offset
+
+        if total == 0:
+            return [b.astype(np.int32) for b in blocks], [False] * len(blocks)
+        packets = wire.encode(
+            type=wire.DATA, job=self.job, worker=self.worker, op=op, psn=psn,
+            slot=psn % pools[shard], set=(psn // pools[shard]) % 2, payload=np.concatenate(blocks),
+            flags=np.concatenate(flags) if flags else 0, lanes=self.lanes,
+        )
+        dest = self._agg_ids[shard]
+        # Self-clocking: the RESULT of row i releases row i + pool of the same shard.
+        successor = np.where(offset + pools[shard] < counts[shard], np.arange(total) + pools[shard], -1)
+
+        results = np.zeros((total, self.lanes), dtype=np.int32)
+        result_flags = np.zeros(total, dtype=np.uint8)
+        done = np.zeros(total, dtype=bool)
+        first_sent = np.zeros(total)
+        retries = np.zeros(total, dtype=np.int64)
+
+        now = time.monotonic()
+        inflight = np.concatenate([np.arange(s, s + min(p, c)) for s, p, c in zip(starts, pools, counts)])
+        inflight = inflight.astype(np.int64)
+        self.socket.send_batch(packets, dest[inflight], inflight)
+        first_sent[inflight] = now
+        deadline = np.full(inflight.size, now + self._rto())
+        remaining = total
+
+        while remaining:
+            wait = float(deadline.min()) - time.monotonic() if inflight.size else 0.05
+            if wait > 0:
+                self.socket.wait_readable(min(wait, 0.05))
+            view, lengths, sources = self.socket.recv_packets(self.lanes)
+            now = time.monotonic()
+            if len(view):
+                rows, positions = self._match(view, lengths, sources, starts, counts)
+                rows, first = np.unique(rows, return_index=True)
+                new = ~done[rows]
+                rows, got = rows[new], view[positions[first[new]]]
+                if rows.size:
+                    results[rows] = got["payload"]
+                    result_flags[rows] = got["hdr"]["flags"]
+                    done[rows] = True
+                    remaining -= rows.size
+                    clean = rows[retries[rows] == 0]  # Karn: only unambiguous RTT samples
+                    if clean.size:
+                        self._srtt = 0.875 * self._srtt + 0.125 * float(np.mean(now - first_sent[clean]))
+                    nxt = successor[rows]
+                    nxt = nxt[nxt >= 0]
+                    if nxt.size:
+                        self.socket.send_batch(packets, dest[nxt], nxt)
+                        first_sent[nxt] = now
+                    keep = ~done[inflight]
+                    inflight = np.r_[inflight[keep], nxt]
+                    deadline = np.r_[deadline[keep], np.full(nxt.size, now + self._rto())]
+            due = np.flatnonzero(deadline <= now)
+            if due.size:
+                rows = inflight[due]
+                late = now - first_sent[rows] > self.timeout
+                if late.any():
+                    r = int(rows[late][0])
+                    s = int(shard[r])
+                    host, port = unpack_address(int(self._agg_ids[s]))
+                    raise AggregatorUnreachable(
+                        f"job {self.job} worker {self.worker}: no RESULT for psn {int(psn[r]) & 0xFFFFFFFF} "
+                        f"from aggregator {host}:{port} after {int(retries[r])} retransmissions in "
+                        f"{self.timeout:g} s: the aggregator is unreachable or a peer worker stopped sending"
+                    )
+                packets["hdr"]["flags"][rows] |= wire.FLAG_RETRANSMIT
+                self.socket.send_batch(packets, dest[rows], rows)
+                self.socket.stats.retransmissions += rows.size
+                retries[rows] += 1
+                backoff = np.minimum(self._rto() * 2.0 ** retries[rows], self.max_rto)
+                deadline[due] = now + backoff
+
+        self._next_psn = (self._next_psn + counts) & 0xFFFFFFFF
+        out = [results[s : s + c] for s, c in zip(starts, counts)]
+        overflow = [bool((result_flags[s : s + c] & wire.FLAG_OVERFLOW).any()) for s, c in zip(starts, counts)]
+        return out, overflow
+
+    def _match(self, view, lengths, sources, starts, counts) -> tuple[np.ndarray, np.ndarray]:
+        """(row, position in view) of each received RESULT that belongs to this call."""
+        hdr = view["hdr"]
+        valid = wire.well_formed(view, lengths, self.lanes, wire.RESULT)
+        valid &= (hdr["job"] == self.job) & (hdr["worker"] == self.worker)
+        which = sources[:, None] == self._agg_ids[None, :]
+        valid &= which.any(axis=1)
+        s = which.argmax(axis=1)
+        offset = (hdr["psn"].astype(np.int64) - self._next_psn[s]) & 0xFFFFFFFF
+        valid &= offset < counts[s]
+        positions = np.flatnonzero(valid)
+        return (starts[s] + offset)[positions], positions
+
+    def _rto(self) -> float:
+        return float(np.clip(3.0 * self._srtt, self.rto_min, self.max_rto))
