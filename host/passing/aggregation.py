@@ -200,7 +200,7 @@ class AggregationEngine:
             & (slot < jobs.pool[dc])
         )
         rejected = ok & ~admitted
-        self.totals[_C["rejected"]] += int(rejected.sum())
+        self.totals[_C["rejected"]] += int((rejected & ~known).sum())  # no job to charge them to
         self._count_jobs(d[rejected & known], "rejected")
 
         idx = np.flatnonzero(admitted)

@@ -1,0 +1,106 @@
+"""Real multi-process runs on loopback: aggregator processes plus worker processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from passing.aggregator import ControlClient
+from passing.cli import free_udp_ports, start_aggregator, worker_inputs
+
+
+@dataclass
+class WorkerOutcome:
+    returncode: int
+    report: dict
+    stderr: str
+    result: np.ndarray | None
+    seconds: float
+
+
+@dataclass
+class LocalCluster:
+    """``shards`` aggregators and one job of ``workers`` worker processes."""
+
+    tmp: Path
+    workers: int
+    shards: int = 1
+    pool: int = 64
+    lanes: int = 64
+    aggregator_args: list[str] = field(default_factory=list)
+    job: int = 1
+
+    def __post_init__(self) -> None:
+        self.aggregators = []
+        for i in range(self.shards):
+            args = [a.replace("{shard}", str(i)) for a in self.aggregator_args]
+            proc, ready = start_aggregator(["--lanes", str(self.lanes), *args])
+            self.aggregators.append((proc, ready))
+        self.worker_addresses = [f"127.0.0.1:{p}" for p in free_udp_ports(self.workers)]
+        for _, ready in self.aggregators:
+            ControlClient(ready["control"]).request(
+                "add_job", job={"job": self.job, "pool": self.pool, "workers": self.worker_addresses}
+            )
+
+    def control(self, shard: int = 0) -> ControlClient:
+        return ControlClient(self.aggregators[shard][1]["control"])
+
+    def stats(self, shard: int = 0) -> dict:
+        return self.control(shard).request("stats")
+
+    def start_worker(self, worker: int, size: int, dtype: str = "float32", seed: int = 0, extra: list[str] = ()
+                     ) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "passing.cli", "allreduce", "--job", str(self.job), "--worker", str(worker),
+               "--workers", str(self.workers), "--bind", self.worker_addresses[worker], "--pool", str(self.pool),
+               "--lanes", str(self.lanes), "--size", str(size), "--dtype", dtype, "--seed", str(seed),
+               "--out", str(self.tmp / f"result-{worker}.npy"), "--no-check", *extra]
+        for _, ready in self.aggregators:
+            cmd += ["--aggregator", ready["data"]]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def run(self, size: int, dtype: str = "float32", seed: int = 0, extra: list[str] = (),
+            timeout: float = 240) -> list[WorkerOutcome]:
+        for w in range(self.workers):
+            (self.tmp / f"result-{w}.npy").unlink(missing_ok=True)
+        start = time.monotonic()
+        procs = [self.start_worker(w, size, dtype, seed, list(extra)) for w in range(self.workers)]
+        outcomes = []
+        for w, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=max(1.0, timeout - (time.monotonic() - start)))
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                raise
+            path = self.tmp / f"result-{w}.npy"
+            outcomes.append(WorkerOutcome(
+                returncode=proc.returncode,
+                report=json.loads(out.splitlines()[-1]) if out.strip() else {},
+                stderr=err,
+                result=np.load(path) if path.exists() else None,
+                seconds=time.monotonic() - start,
+            ))
+        return outcomes
+
+    def results(self, size: int, dtype: str = "float32", seed: int = 0, extra: list[str] = ()) -> list[np.ndarray]:
+        """Run and insist that every worker succeeded."""
+        outcomes = self.run(size, dtype, seed, extra)
+        for w, o in enumerate(outcomes):
+            assert o.returncode == 0 and o.result is not None, f"worker {w} failed: {o.stderr}"
+        return [o.result for o in outcomes]
+
+    def inputs(self, size: int, dtype: str = "float32", seed: int = 0) -> list[np.ndarray]:
+        return [worker_inputs(seed, w, size, dtype) for w in range(self.workers)]
+
+    def close(self) -> None:
+        for proc, _ in self.aggregators:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()

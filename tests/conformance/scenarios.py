@@ -1,0 +1,199 @@
+"""The aggregation scenario table (design §4), as data.
+
+Every target that implements the state machine (the pure engine, the software
+aggregator over UDP, BMv2, the Tofino review) runs this same table through
+``runner.run_scenario``. Payloads are short patterns repeated to the target's lane
+count, so one table serves 64-lane switches and any software lane count.
+
+A scenario admits its jobs, then plays its steps in order. A ``Send`` says what the
+header holds, which admitted (job, worker) origin sends it (by default the one the
+header names; ``"stranger"`` is an origin no job admits), and what must come back: the
+RESULTs, each to the listed workers of its job, and the change of the aggregator's
+total counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from passing import wire
+
+MAX32 = wire.INT32_MAX
+MIN32 = wire.INT32_MIN
+RT = wire.FLAG_RETRANSMIT
+OVF = wire.FLAG_OVERFLOW
+
+
+@dataclass(frozen=True)
+class Job:
+    job: int
+    workers: int
+    base: int
+    pool: int
+
+
+@dataclass(frozen=True)
+class Result:
+    to: tuple[int, ...]  # worker indices of the job that receive this RESULT
+    psn: int
+    values: tuple[int, ...]
+    job: int = 1
+    op: int = wire.SUM
+    flags: int = 0
+
+
+@dataclass(frozen=True)
+class Send:
+    worker: int
+    psn: int
+    values: tuple[int, ...]
+    job: int = 1
+    op: int = wire.SUM
+    flags: int = 0
+    origin: tuple[int, int] | str | None = None  # (job, worker) whose origin sends; "stranger"; None: the header's
+    slot: int | None = None  # default: psn mod pool
+    set: int | None = None  # default: (psn div pool) mod 2
+    expect: tuple[Result, ...] = ()
+    counters: dict[str, int] = field(default_factory=dict)  # expected change of totals
+
+
+@dataclass(frozen=True)
+class Admit:
+    job: Job
+
+
+@dataclass(frozen=True)
+class Remove:
+    job: int
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    jobs: tuple[Job, ...]
+    steps: tuple[Send | Admit | Remove, ...]
+    switch_only: bool = False  # e.g. plain L2 forwarding: no software equivalent
+
+
+def _both(job: Job) -> tuple[int, ...]:
+    return tuple(range(job.workers))
+
+
+J2 = Job(job=1, workers=2, base=0, pool=4)
+AGG = {"aggregated": 1}
+DONE = {"aggregated": 1, "completed": 1}
+
+
+def _round(psn: int, a: tuple[int, ...], b: tuple[int, ...], total: tuple[int, ...], job: int = 1) -> tuple[Send, ...]:
+    """Both workers of a 2-worker job contribute to psn; the second completes it."""
+    return (
+        Send(0, psn, a, job=job, counters=AGG),
+        Send(1, psn, b, job=job, expect=(Result((0, 1), psn, total, job=job),), counters=DONE),
+    )
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("basic_reduction", (J2,), _round(0, (1, 2, 3, -4), (10, 20, 30, 40), (11, 22, 33, 36))),
+    Scenario("max_op", (J2,), (
+        Send(0, 0, (5, -7, 3, 0), op=wire.MAX, counters=AGG),
+        Send(1, 0, (2, -1, 9, 0), op=wire.MAX, expect=(Result((0, 1), 0, (5, -1, 9, 0), op=wire.MAX),),
+             counters=DONE),
+    )),
+    Scenario("retransmit_after_completion", (J2,), (
+        *_round(0, (1,), (2,), (3,)),
+        Send(0, 0, (1,), flags=RT, expect=(Result((0,), 0, (3,)),), counters={"duplicate_answered": 1}),
+        Send(1, 0, (2,), flags=RT, expect=(Result((1,), 0, (3,)),), counters={"duplicate_answered": 1}),
+    )),
+    Scenario("retransmit_before_completion", (J2,), (
+        Send(0, 0, (7,), counters=AGG),
+        Send(0, 0, (7,), flags=RT, counters={"duplicate": 1}),
+        Send(1, 0, (1,), expect=(Result((0, 1), 0, (8,)),), counters=DONE),  # 8, not 15
+    )),
+    Scenario("both_sets_in_flight", (Job(1, 2, 0, 2),), (
+        *_round(0, (1,), (2,), (3,)),
+        *_round(1, (4,), (5,), (9,)),
+        Send(0, 2, (100,), counters=AGG),  # worker 0 got psn 0's RESULT: slot 0, set 1
+        # worker 1 lost psn 0's RESULT: set 0 of slot 0 still holds it
+        Send(1, 0, (2,), flags=RT, expect=(Result((1,), 0, (3,)),), counters={"duplicate_answered": 1}),
+        Send(1, 2, (200,), expect=(Result((0, 1), 2, (300,)),), counters=DONE),
+        Send(0, 1, (4,), flags=RT, expect=(Result((0,), 1, (9,)),), counters={"duplicate_answered": 1}),
+    )),
+    Scenario("slot_reuse_many_rounds", (Job(1, 2, 0, 2),), tuple(
+        step for psn in range(12) for step in _round(psn, (psn, -psn), (1000 * psn, 7), (1001 * psn, 7 - psn))
+    )),
+    Scenario("stale_packet", (Job(1, 2, 0, 1),), (
+        *_round(0, (1,), (1,), (2,)),
+        *_round(1, (2,), (2,), (4,)),
+        *_round(2, (3,), (3,), (6,)),  # psn 2 replaced psn 0 in slot 0, set 0
+        Send(0, 0, (50,), flags=RT, counters={"stale": 1}),
+        Send(1, 1, (2,), flags=RT, expect=(Result((1,), 1, (4,)),), counters={"duplicate_answered": 1}),
+        *_round(3, (4,), (4,), (8,)),  # psn 3 replaced psn 1 in slot 0, set 1
+        Send(1, 1, (50,), flags=RT, counters={"stale": 1}),
+        Send(0, 2, (3,), flags=RT, expect=(Result((0,), 2, (6,)),), counters={"duplicate_answered": 1}),
+    )),
+    Scenario("slot_reuse_by_next_job", (J2,), (
+        *_round(0, (1, 1), (2, 2), (3, 3)),
+        Remove(1),
+        Admit(Job(job=2, workers=2, base=0, pool=4)),
+        # Same slot, set and psn as job 1's completed round: a new round, not a duplicate.
+        Send(0, 0, (5, 5), job=2, counters=AGG),
+        Send(1, 0, (6, 6), job=2, expect=(Result((0, 1), 0, (11, 11), job=2),), counters=DONE),
+    )),
+    Scenario("unknown_job", (J2,), (
+        Send(0, 0, (1,), job=9, origin="stranger", counters={"rejected": 1}),
+        Send(0, 0, (1,), job=9, origin=(1, 0), counters={"rejected": 1}),  # an admitted origin, wrong job id
+        *_round(0, (1,), (2,), (3,)),
+    )),
+    Scenario("unadmitted_source", (J2,), (
+        Send(0, 0, (1000,), origin="stranger", counters={"rejected": 1}),
+        Send(0, 0, (1000,), origin=(1, 1), counters={"rejected": 1}),  # worker 1's origin posing as worker 0
+        *_round(0, (1,), (2,), (3,)),
+    )),
+    Scenario("slot_out_of_range", (J2,), (
+        Send(0, 4, (1,), slot=4, set=0, counters={"rejected": 1}),
+        Send(0, 0, (1,), slot=65535, set=0, counters={"rejected": 1}),
+        *_round(0, (1,), (2,), (3,)),
+    )),
+    Scenario("worker_out_of_range", (J2,), (
+        Send(5, 0, (1,), origin=(1, 0), counters={"rejected": 1}),
+        *_round(0, (1,), (2,), (3,)),
+    )),
+    Scenario("overflow", (J2,), (
+        Send(0, 0, (MAX32 - 10, -5, MIN32 + 1), counters=AGG),
+        Send(1, 0, (100, 5, -2), expect=(Result((0, 1), 0, (MAX32, 0, MIN32), flags=OVF),),
+             counters={**DONE, "overflow": 1}),
+        *_round(1, (1,), (2,), (3,)),  # the next round on other slots is clean
+        *_round(4, (1,), (2,), (3,)),  # and so are slot 0's other set
+        *_round(8, (1,), (2,), (3,)),  # and its first set, reused
+    )),
+    Scenario("overflow_flag_from_host", (J2,), (
+        Send(0, 0, (MAX32,), flags=OVF, counters={**AGG, "overflow": 1}),
+        Send(1, 0, (0,), expect=(Result((0, 1), 0, (MAX32,), flags=OVF),), counters=DONE),
+    )),
+    Scenario("single_worker", (Job(1, 1, 0, 2),), (
+        Send(0, 0, (4, 5), expect=(Result((0,), 0, (4, 5)),), counters=DONE),
+        Send(0, 1, (6,), expect=(Result((0,), 1, (6,)),), counters=DONE),
+        Send(0, 0, (4, 5), flags=RT, expect=(Result((0,), 0, (4, 5)),), counters={"duplicate_answered": 1}),
+    )),
+    Scenario("max_workers", (Job(1, wire.MAX_WORKERS, 0, 2),), tuple(
+        Send(w, 0, (w, 1), counters=AGG if w < wire.MAX_WORKERS - 1 else DONE,
+             expect=() if w < wire.MAX_WORKERS - 1 else
+             (Result(tuple(range(wire.MAX_WORKERS)), 0, (sum(range(wire.MAX_WORKERS)), wire.MAX_WORKERS)),))
+        for w in range(wire.MAX_WORKERS)
+    )),
+    Scenario("two_jobs_isolated", (J2, Job(job=2, workers=2, base=4, pool=4)), (
+        Send(0, 0, (1,), counters=AGG),
+        Send(0, 0, (100,), job=2, counters=AGG),  # same slot index, other job's range
+        Send(1, 0, (200,), job=2, expect=(Result((0, 1), 0, (300,), job=2),), counters=DONE),
+        # job 2's worker 0 claims to be job 1's worker 0: its origin is not admitted for job 1
+        Send(0, 0, (9999,), job=1, origin=(2, 0), counters={"rejected": 1}),
+        Send(1, 0, (2,), expect=(Result((0, 1), 0, (3,)),), counters=DONE),
+    )),
+    Scenario("normal_forwarding", (), (), switch_only=True),
+)
+
+COUNTER_NAMES = ("rejected", "aggregated", "completed", "duplicate", "duplicate_answered", "stale", "overflow")
+
+
+def by_name(name: str) -> Scenario:
+    return next(s for s in SCENARIOS if s.name == name)

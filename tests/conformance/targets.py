@@ -1,0 +1,116 @@
+"""Targets for the scenario runner that need no switch: the pure engine and the UDP aggregator."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+from passing import wire
+from passing.aggregation import AggregationEngine, JobSpec
+from passing.aggregator import ControlClient
+from passing.cli import start_aggregator
+from passing.transport import pack_address
+
+from .runner import Origin
+from .scenarios import Job
+
+STRANGER = "stranger"
+
+
+class EngineTarget:
+    """The pure state machine; origins are small integers."""
+
+    def __init__(self, slots: int = 64, lanes: int = 8) -> None:
+        self.lanes = lanes
+        self.engine = AggregationEngine(slots, lanes)
+        self.origins: dict[Origin, int] = {STRANGER: 10_000}
+        self.outbox: list[tuple[Origin, bytes]] = []
+
+    def _origin(self, key: Origin) -> int:
+        return self.origins.setdefault(key, len(self.origins))
+
+    def admit(self, job: Job) -> None:
+        sources = [self._origin((job.job, w)) for w in range(job.workers)]
+        self.engine.add_job(JobSpec(job.job, job.base, job.pool, sources))
+
+    def remove(self, job: int) -> None:
+        self.engine.remove_job(job)
+
+    def send(self, origin: Origin, payload: bytes) -> None:
+        raw = np.frombuffer(payload, dtype=np.uint8)
+        size = wire.packet_size(self.lanes)
+        batch = np.zeros(1, wire.packet_dtype(self.lanes))
+        batch.view(np.uint8)[: min(size, raw.size)] = raw[:size]
+        out = self.engine.process(batch, np.array([self._origin(origin)]), np.array([raw.size]))
+        by_id = {v: k for k, v in self.origins.items()}
+        self.outbox += [(by_id[int(d)], p.tobytes()) for d, p in zip(out.dest, out.packets)]
+
+    def collect(self) -> list[tuple[Origin, bytes]]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    def counters(self) -> dict[str, int]:
+        return self.engine.counters()
+
+
+class UdpAggregatorTarget:
+    """A real `passing-aggregator serve` process; every (job, worker) a real UDP socket."""
+
+    def __init__(self, lanes: int = 8, extra_args: list[str] | None = None) -> None:
+        self.lanes = lanes
+        self.proc, ready = start_aggregator(["--lanes", str(lanes), "--slots", "64", *(extra_args or [])])
+        self.control = ControlClient(ready["control"])
+        host, port = ready["data"].rsplit(":", 1)
+        self.aggregator = (host, int(port))
+        self.sockets: dict[Origin, socket.socket] = {}
+        self.sent = self.counters_raw()["totals"]["received"]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        for s in self.sockets.values():
+            s.close()
+
+    def _socket(self, key: Origin) -> socket.socket:
+        if key not in self.sockets:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind(("127.0.0.1", 0))
+            s.setblocking(False)
+            self.sockets[key] = s
+        return self.sockets[key]
+
+    def admit(self, job: Job) -> None:
+        workers = ["{}:{}".format(*self._socket((job.job, w)).getsockname()) for w in range(job.workers)]
+        self.control.request("add_job", job={"job": job.job, "base": job.base, "pool": job.pool, "workers": workers})
+
+    def remove(self, job: int) -> None:
+        self.control.request("remove_job", job=job)
+
+    def send(self, origin: Origin, payload: bytes) -> None:
+        self._socket(origin).sendto(payload, self.aggregator)
+        self.sent += 1
+
+    def collect(self) -> list[tuple[Origin, bytes]]:
+        deadline = time.monotonic() + 5
+        while self.counters_raw()["totals"]["received"] < self.sent:  # processed, so answers are queued
+            if time.monotonic() > deadline:
+                raise TimeoutError("the aggregator did not process what was sent")
+            time.sleep(0.001)
+        out = []
+        for key, s in self.sockets.items():
+            while True:
+                try:
+                    data, src = s.recvfrom(65536)
+                except BlockingIOError:
+                    break
+                assert pack_address(*src) == pack_address(*self.aggregator), f"RESULT from {src}"
+                out.append((key, data))
+        return out
+
+    def counters_raw(self) -> dict:
+        return self.control.request("stats")
+
+    def counters(self) -> dict[str, int]:
+        return self.counters_raw()["totals"]
+
