@@ -42,10 +42,17 @@ class LocalCluster:
             proc, ready = start_aggregator(["--lanes", str(self.lanes), *args])
             self.aggregators.append((proc, ready))
         self.worker_addresses = [f"127.0.0.1:{p}" for p in free_udp_ports(self.workers)]
-        for _, ready in self.aggregators:
-            ControlClient(ready["control"]).request(
+        self.admitted = False
+
+    def admit(self) -> None:
+        """A fresh allocation: new worker processes start their psn streams at 0 again."""
+        for shard in range(self.shards):
+            if self.admitted:
+                self.control(shard).request("remove_job", job=self.job)
+            self.control(shard).request(
                 "add_job", job={"job": self.job, "pool": self.pool, "workers": self.worker_addresses}
             )
+        self.admitted = True
 
     def control(self, shard: int = 0) -> ControlClient:
         return ControlClient(self.aggregators[shard][1]["control"])
@@ -67,6 +74,7 @@ class LocalCluster:
             timeout: float = 240) -> list[WorkerOutcome]:
         for w in range(self.workers):
             (self.tmp / f"result-{w}.npy").unlink(missing_ok=True)
+        self.admit()
         start = time.monotonic()
         procs = [self.start_worker(w, size, dtype, seed, list(extra)) for w in range(self.workers)]
         outcomes = []

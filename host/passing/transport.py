@@ -158,8 +158,8 @@ class BatchSocket:
         n = _recvmmsg(self.fd, _addr(self._rx_msgs), self.batch, MSG_DONTWAIT, None)
         if n < 0:
             err = ctypes.get_errno()
-            if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
-                n = 0
+            if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.ECONNREFUSED):
+                n = 0  # ECONNREFUSED: an ICMP error for an earlier datagram, not for this call
             else:
                 raise OSError(err, f"recvmmsg: {os.strerror(err)}")
         lengths = self._rx_msgs["len"][:n].astype(np.int64)

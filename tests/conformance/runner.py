@@ -83,7 +83,9 @@ def _play(target: Target, jobs: dict[int, Job], step: Send, where: str, build: B
         for w in r.to
     ]
     if sorted(got) != sorted(want):
-        raise AssertionError(f"{where}: sent {step}\n got  {_describe(got, target.lanes)}\n want {_describe(want, target.lanes)}")
+        raise AssertionError(
+            f"{where}: sent {step}\n got  {_describe(got, target.lanes)}\n want {_describe(want, target.lanes)}"
+        )
     after = target.counters()
     delta = {k: after[k] - before[k] for k in COUNTER_NAMES}
     expected = {k: step.counters.get(k, 0) for k in COUNTER_NAMES}
