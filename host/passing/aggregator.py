@@ -116,14 +116,14 @@ class SoftwareAggregator:
         jobs: list[JobSpec] | None = None,
         ingress: Impairment | None = None,
         egress: Impairment | None = None,
-        batch: int = 1024,
+        offload: bool = True,
     ) -> None:
         self.engine = AggregationEngine(slots, lanes)
         for spec in jobs or []:
             self.engine.add_job(spec)
         if isinstance(listen, str):
             listen = parse_endpoint(listen, wire.UDP_PORT)
-        self.socket = BatchSocket(listen, batch=batch, max_datagram=max(9000, wire.packet_size(lanes)))
+        self.socket = BatchSocket(listen, lanes=lanes, offload=offload)
         self.ingress = ingress or Impairment()
         self.egress = egress or Impairment()
         self._zmq = zmq.Context.instance()
@@ -178,7 +178,7 @@ class SoftwareAggregator:
         """Process what is queued (up to max_batches batches); returns packets taken."""
         taken = 0
         for _ in range(max_batches):
-            view, lengths, sources = self.socket.recv_packets(self.engine.lanes)
+            view, lengths, sources = self.socket.recv_packets()
             if len(lengths) == 0:
                 break
             taken += len(lengths)
@@ -191,8 +191,9 @@ class SoftwareAggregator:
     def send(self, out: Emission) -> None:
         if len(out) == 0:
             return
-        rows = self.egress.apply(len(out)) if self.egress.active else None
-        self.socket.send_batch(out.packets, out.dest if rows is None else out.dest[rows], rows)
+        rows = self.egress.apply(len(out)) if self.egress.active else np.arange(len(out))
+        rows = rows[np.argsort(out.dest[rows], kind="stable")]  # one run per worker: GSO sends it as one
+        self.socket.send_batch(out.packets, out.dest[rows], rows)
 
     # ---- control -----------------------------------------------------------------------
 

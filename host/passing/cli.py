@@ -41,6 +41,7 @@ def aggregator_main(argv: list[str] | None = None) -> int:
     s.add_argument("--duplicate", type=float, default=0.0, help="probability of duplicating a packet, each way")
     s.add_argument("--reorder", action="store_true", help="shuffle every batch, each way")
     s.add_argument("--seed", type=int, default=0, help="seed of the loss/duplication generator")
+    s.add_argument("--no-offload", action="store_true", help="no UDP GSO/GRO: one syscall datagram per packet")
     s.add_argument("-v", "--verbose", action="store_true")
     for name, helptext in (("stats", "print counters"), ("jobs", "list admitted jobs"),
                            ("add-job", "admit a job"), ("remove-job", "remove a job")):
@@ -86,6 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
         jobs=[job_from_json(j) for j in config.get("jobs", [])],
         ingress=Impairment(args.drop_ingress, args.duplicate, args.reorder, rng),
         egress=Impairment(args.drop_egress, args.duplicate, args.reorder, rng),
+        offload=not args.no_offload,
     )
     server.install_signal_handlers()
     host, port = server.address
@@ -120,18 +122,22 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=1 << 20, help="elements")
     p.add_argument("--dtype", choices=("float32", "int32"), default="float32")
     p.add_argument("--iterations", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=0, help="untimed allreduces first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--scale", default="auto", help="'auto' or a fixed number")
     p.add_argument("--op", choices=("sum", "avg"), default="sum")
     p.add_argument("--out", help="save the result here (.npy)")
     p.add_argument("--no-check", action="store_true", help="skip recomputing the expected sum locally")
+    p.add_argument("--no-offload", action="store_true", help="no UDP GSO/GRO")
     args = p.parse_args(argv)
     scale: str | float = args.scale if args.scale == "auto" else float(args.scale)
     x = worker_inputs(args.seed, args.worker, args.size, args.dtype)
     try:
         with Group(args.job, args.worker, args.workers, args.aggregator, pool=args.pool, lanes=args.lanes,
-                   bind=args.bind, scale=scale, timeout=args.timeout) as g:
+                   bind=args.bind, scale=scale, timeout=args.timeout, offload=not args.no_offload) as g:
+            for _ in range(args.warmup):
+                g.allreduce(x, op=args.op)
             start = time.perf_counter()
             for _ in range(args.iterations):
                 out = g.allreduce(x, op=args.op)

@@ -79,6 +79,7 @@ class Group:
         rto: float = 0.02,
         max_rto: float = 1.0,
         timeout: float = 30.0,
+        offload: bool = True,
     ) -> None:
         if not 0 <= job < 1 << 16:
             raise ValueError(f"job {job} outside 0..65535")
@@ -105,7 +106,7 @@ class Group:
         self._failed: str | None = None  # after a failed call the psn streams are out of step
         if isinstance(bind, str):
             bind = parse_endpoint(bind, 0)
-        self.socket = BatchSocket(bind, max_datagram=max(2048, wire.packet_size(lanes)))
+        self.socket = BatchSocket(bind, lanes=lanes, offload=offload)
 
     @staticmethod
     def _aggregator(spec: str | tuple[str, int] | Aggregator, pool: int) -> Aggregator:
@@ -270,7 +271,7 @@ class Group:
             wait = float(deadline.min()) - time.monotonic() if inflight.size else 0.05
             if wait > 0:
                 self.socket.wait_readable(min(wait, 0.05))
-            view, lengths, sources = self.socket.recv_packets(self.lanes)
+            view, lengths, sources = self.socket.recv_packets()
             now = time.monotonic()
             if len(view):
                 rows, positions = self._match(view, lengths, sources, starts, counts)

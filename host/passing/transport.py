@@ -5,6 +5,12 @@ socket addresses live in numpy arrays laid out like the kernel's structs (Linux,
 64-bit), so preparing a batch is a few vectorised assignments, not a Python loop.
 Addresses are packed into one int64, ``ip << 16 | port``, so that they can be
 compared and indexed as numpy arrays.
+
+Where the kernel offers them, UDP segmentation offload (GSO: consecutive packets to
+the same address leave as one message that the stack segments late) and UDP receive
+coalescing (GRO: same-flow packets arrive as one buffer) cut the per-packet kernel
+cost many times over. On the wire every packet is still its own datagram; a receiver
+without GRO, or a switch, sees ordinary packets.
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ _recvmmsg.restype = ctypes.c_int
 
 MSG_DONTWAIT = 0x40
 AF_INET = 2
+SOL_UDP = 17
+UDP_SEGMENT = 103  # cmsg: segment size of a GSO message
+UDP_GRO = 104  # sockopt: deliver coalesced buffers; cmsg: their segment size
+SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33  # like SO_SNDBUF/SO_RCVBUF past the sysctl cap (root only)
+GSO_MAX_BYTES = 65000  # a GSO message is one UDP datagram before segmentation
+MAX_SEGMENTS = 64  # the kernel's UDP_MAX_SEGMENTS on older kernels
 
 # struct mmsghdr { struct msghdr msg_hdr; unsigned int msg_len; } on x86_64/aarch64.
 MMSGHDR = np.dtype(
@@ -48,6 +60,7 @@ MMSGHDR = np.dtype(
 )
 IOVEC = np.dtype([("base", "u8"), ("len", "u8")])
 SOCKADDR_IN = np.dtype([("family", "<u2"), ("port", ">u2"), ("addr", ">u4"), ("zero", "u8")])
+CMSG = np.dtype([("len", "u8"), ("level", "i4"), ("type", "i4"), ("data", "i4"), ("pad", "u4")])  # 24 bytes
 
 
 def pack_address(host: str, port: int) -> int:
@@ -89,14 +102,23 @@ def _addr(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
-class BatchSocket:
-    """A non-blocking UDP socket that sends and receives batches of datagrams."""
+def _row_addresses(array: np.ndarray, count: int) -> np.ndarray:
+    return _addr(array) + np.arange(count, dtype=np.uint64) * array.dtype.itemsize
 
-    def __init__(self, bind: tuple[str, int] = ("0.0.0.0", 0), batch: int = 1024, max_datagram: int = 9000,
-                 buffer_bytes: int = 8 << 20) -> None:
+
+class BatchSocket:
+    """A non-blocking UDP socket that moves batches of fixed-size PASSING packets.
+
+    ``lanes`` fixes the packet size: datagrams of any other size are still received,
+    reported with their true length, for the caller to count as malformed.
+    ``offload=False`` turns GSO/GRO off (one kernel datagram per packet everywhere).
+    """
+
+    def __init__(self, bind: tuple[str, int] = ("0.0.0.0", 0), lanes: int = wire.DEFAULT_LANES,
+                 batch: int = 256, offload: bool = True, buffer_bytes: int = 16 << 20) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
-        for force, plain in ((33, socket.SO_RCVBUF), (32, socket.SO_SNDBUF)):  # SO_*BUFFORCE needs root
+        for force, plain in ((SO_RCVBUFFORCE, socket.SO_RCVBUF), (SO_SNDBUFFORCE, socket.SO_SNDBUF)):
             try:
                 self.sock.setsockopt(socket.SOL_SOCKET, force, buffer_bytes)
             except OSError:
@@ -107,31 +129,49 @@ class BatchSocket:
             self.sock.close()
             raise OSError(e.errno, f"cannot bind UDP {bind[0]}:{bind[1]}: {e.strerror}") from None
         self.fd = self.sock.fileno()
-        self.batch = batch
-        self.max_datagram = max_datagram
+        self.dtype = wire.packet_dtype(lanes)
+        self.size = self.dtype.itemsize
         self.stats = TransportStats()
-        # Receive side: fixed buffers the kernel fills in place.
-        self._rx_buf = np.zeros((batch, max_datagram), dtype=np.uint8)
+        self.gro = offload and self._try_gro()
+        self.gso = offload  # dropped for good at the first message the kernel refuses
+        self.max_segments = max(1, min(MAX_SEGMENTS, GSO_MAX_BYTES // self.size))
+
+        # Receive side: `batch` message buffers the kernel fills in place. A buffer is a
+        # whole number of packet rows, so the segments of a coalesced buffer are rows.
+        self.rows_per_msg = (65536 // self.size + 2) if self.gro else 2  # 2: a longer datagram shows as longer
+        self._rx = np.zeros((batch * self.rows_per_msg, self.size), dtype=np.uint8)
         self._rx_names = np.zeros(batch, dtype=SOCKADDR_IN)
         self._rx_iov = np.zeros(batch, dtype=IOVEC)
-        self._rx_iov["base"] = _addr(self._rx_buf) + np.arange(batch, dtype=np.uint64) * max_datagram
-        self._rx_iov["len"] = max_datagram
+        self._rx_iov["base"] = _addr(self._rx) + np.arange(batch, dtype=np.uint64) * (self.rows_per_msg * self.size)
+        self._rx_iov["len"] = self.rows_per_msg * self.size
+        self._rx_cmsg = np.zeros(batch, dtype=CMSG)
         self._rx_msgs = np.zeros(batch, dtype=MMSGHDR)
-        self._rx_msgs["name"] = _addr(self._rx_names) + np.arange(batch, dtype=np.uint64) * SOCKADDR_IN.itemsize
-        self._rx_msgs["iov"] = _addr(self._rx_iov) + np.arange(batch, dtype=np.uint64) * IOVEC.itemsize
+        self._rx_msgs["name"] = _row_addresses(self._rx_names, batch)
+        self._rx_msgs["iov"] = _row_addresses(self._rx_iov, batch)
         self._rx_msgs["iovlen"] = 1
-        self._rx_msgs["namelen"] = SOCKADDR_IN.itemsize
-        # Send side: headers are filled per batch.
-        self._tx_names = np.zeros(batch, dtype=SOCKADDR_IN)
+        if self.gro:
+            self._rx_msgs["control"] = _row_addresses(self._rx_cmsg, batch)
+
+        # Send side: one iovec per packet, messages grouping consecutive packets.
+        self.tx_packets = 4096
+        self._tx_iov = np.zeros(self.tx_packets, dtype=IOVEC)
+        self._tx_iov["len"] = self.size
+        self._tx_names = np.zeros(1024, dtype=SOCKADDR_IN)  # UIO_MAXIOV messages per sendmmsg
         self._tx_names["family"] = AF_INET
-        self._tx_iov = np.zeros(batch, dtype=IOVEC)
-        self._tx_msgs = np.zeros(batch, dtype=MMSGHDR)
-        self._tx_msgs["name"] = _addr(self._tx_names) + np.arange(batch, dtype=np.uint64) * SOCKADDR_IN.itemsize
+        self._tx_msgs = np.zeros(1024, dtype=MMSGHDR)
+        self._tx_msgs["name"] = _row_addresses(self._tx_names, 1024)
         self._tx_msgs["namelen"] = SOCKADDR_IN.itemsize
-        self._tx_msgs["iov"] = _addr(self._tx_iov) + np.arange(batch, dtype=np.uint64) * IOVEC.itemsize
-        self._tx_msgs["iovlen"] = 1
+        self._tx_cmsg = np.zeros(1, dtype=CMSG)
+        self._tx_cmsg[0] = (16 + 2, SOL_UDP, UDP_SEGMENT, self.size, 0)  # CMSG_LEN(2); data: u16 segment size
         self._poll = select.poll()
         self._poll.register(self.fd, select.POLLIN)
+
+    def _try_gro(self) -> bool:
+        try:
+            self.sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+            return True
+        except OSError:
+            return False
 
     @property
     def address(self) -> tuple[str, int]:
@@ -149,78 +189,105 @@ class BatchSocket:
     def wait_readable(self, timeout: float) -> bool:
         return bool(self._poll.poll(max(0, int(timeout * 1000))))
 
-    def recv_batch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Whatever is queued, up to ``batch`` datagrams, without blocking.
+    def recv_packets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Whatever is queued, without blocking: ``(packets, lengths, sources)``.
 
-        Returns ``(buffers, lengths, sources)``: a (count, max_datagram) uint8 view of
-        the receive buffer (valid until the next call), datagram sizes, packed origins.
+        ``packets`` is a new packet array (one row per received datagram, coalesced
+        buffers split), ``lengths`` the datagram sizes (rows whose length is not the
+        packet size hold garbage past it: ``wire.well_formed`` checks), ``sources``
+        the packed origins.
         """
-        n = _recvmmsg(self.fd, _addr(self._rx_msgs), self.batch, MSG_DONTWAIT, None)
+        msgs = self._rx_msgs
+        batch = len(msgs)
+        msgs["namelen"] = SOCKADDR_IN.itemsize
+        if self.gro:
+            msgs["controllen"] = CMSG.itemsize
+        n = _recvmmsg(self.fd, _addr(msgs), batch, MSG_DONTWAIT, None)
         if n < 0:
             err = ctypes.get_errno()
-            if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.ECONNREFUSED):
-                n = 0  # ECONNREFUSED: an ICMP error for an earlier datagram, not for this call
-            else:
+            if err not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR, errno.ECONNREFUSED):
                 raise OSError(err, f"recvmmsg: {os.strerror(err)}")
-        lengths = self._rx_msgs["len"][:n].astype(np.int64)
+            n = 0  # ECONNREFUSED: an ICMP error for an earlier datagram, not for this call
+        length = msgs["len"][:n].astype(np.int64)
         names = self._rx_names[:n]
-        sources = (names["addr"].astype(np.int64) << 16) | names["port"].astype(np.int64)
-        self._rx_msgs["namelen"][:n] = SOCKADDR_IN.itemsize
-        self.stats.packets_received += n
-        self.stats.bytes_received += int(lengths.sum())
-        return self._rx_buf[:n], lengths, sources
-
-    def recv_packets(self, lanes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Like recv_batch, but the buffers viewed as a packet array (no copy).
-
-        Rows whose length is not a full packet hold garbage beyond the datagram:
-        callers must check ``lengths`` (``wire.well_formed`` does).
-        """
-        buffers, lengths, sources = self.recv_batch()
-        dtype = wire.packet_dtype(lanes)
-        if dtype.itemsize > self.max_datagram:
-            raise ValueError(f"{lanes} lanes do not fit in {self.max_datagram}-byte datagrams")
-        view = np.ndarray(shape=(len(lengths),), dtype=dtype, buffer=self._rx_buf, strides=(self.max_datagram,))
-        return view, lengths, sources
+        source = (names["addr"].astype(np.int64) << 16) | names["port"].astype(np.int64)
+        segment = length.copy()
+        if self.gro:
+            c = self._rx_cmsg[:n]
+            coalesced = (msgs["controllen"][:n] >= 20) & (c["level"] == SOL_UDP) & (c["type"] == UDP_GRO)
+            segment = np.where(coalesced & (c["data"] > 0), c["data"], length)
+        count = np.where(length > 0, -(-length // np.maximum(segment, 1)), 1)
+        msg = np.repeat(np.arange(n), count)
+        j = np.arange(msg.size) - np.repeat(np.cumsum(count) - count, count)
+        seg_len = np.minimum(segment[msg], length[msg] - j * segment[msg])
+        # Segments of the packet size sit on row boundaries; any other size is malformed
+        # and only its length matters, so its row index may point anywhere in the buffer.
+        rows = msg * self.rows_per_msg + np.where(segment[msg] == self.size, j, 0)
+        packets = self._rx[rows].view(self.dtype).reshape(-1)
+        self.stats.packets_received += msg.size
+        self.stats.bytes_received += int(length.sum())
+        return packets, seg_len, source[msg]
 
     def send_batch(self, packets: np.ndarray, dest: np.ndarray | int, rows: np.ndarray | None = None,
                    timeout: float = 5.0) -> None:
         """Send ``packets[rows]`` (all when rows is None), each to its packed ``dest``.
 
-        The datagrams are read in place from ``packets`` (a contiguous structured
-        array), so nothing is copied. Blocks while the socket buffer is full, up to
-        ``timeout`` seconds, then raises TimeoutError.
+        The datagrams are read in place from ``packets`` (a contiguous array of this
+        socket's packet dtype), nothing is copied. Consecutive packets to the same
+        destination share a GSO message. Blocks while the socket buffer is full, up
+        to ``timeout`` seconds, then raises TimeoutError.
         """
-        if rows is None:
-            rows = np.arange(len(packets))
-        count = len(rows)
+        if packets.dtype.itemsize != self.size or not packets.flags.c_contiguous:
+            raise ValueError(f"packets must be a contiguous array of {self.size}-byte packets")
+        count = len(packets) if rows is None else len(rows)
         if count == 0:
             return
-        if not packets.flags.c_contiguous:
-            raise ValueError("packets must be a contiguous array")
-        size = packets.dtype.itemsize
+        rows = np.arange(count) if rows is None else np.asarray(rows)
         dest = np.broadcast_to(np.asarray(dest, dtype=np.int64), (count,))
         base = _addr(packets)
         done = 0
         while done < count:
-            k = min(self.batch, count - done)
+            k = min(self.tx_packets, count - done)
             chunk = slice(done, done + k)
-            self._tx_iov["base"][:k] = base + rows[chunk].astype(np.uint64) * size
-            self._tx_iov["len"][:k] = size
-            self._tx_names["addr"][:k] = dest[chunk] >> 16
-            self._tx_names["port"][:k] = dest[chunk] & 0xFFFF
-            sent = _sendmmsg(self.fd, _addr(self._tx_msgs), k, 0)
-            if sent < 0:
-                err = ctypes.get_errno()
-                if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS):
-                    if not select.select([], [self.fd], [], timeout)[1]:
-                        raise TimeoutError(f"UDP send buffer stayed full for {timeout} s")
-                    continue
-                if err == errno.EINTR:
-                    continue
-                if err == errno.ECONNREFUSED:  # an ICMP error from an earlier datagram
-                    continue
-                raise OSError(err, f"sendmmsg: {os.strerror(err)}")
+            self._tx_iov["base"][:k] = base + rows[chunk].astype(np.uint64) * self.size
+            first, per_msg = self._messages(dest[chunk])
+            sent = self._sendmmsg(dest[chunk][first], first, per_msg, timeout)
             done += sent
             self.stats.packets_sent += sent
-            self.stats.bytes_sent += sent * size
+            self.stats.bytes_sent += sent * self.size
+
+    def _messages(self, dest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Cut a chunk into messages: runs of one destination, at most max_segments long."""
+        i = np.arange(dest.size)
+        change = np.r_[True, dest[1:] != dest[:-1]]
+        if not self.gso:
+            first = i
+        else:
+            run_start = np.maximum.accumulate(np.where(change, i, 0))
+            first = np.flatnonzero(change | ((i - run_start) % self.max_segments == 0))
+        ends = np.r_[first[1:], dest.size]
+        return first[:1024], (ends - first)[:1024]  # at most UIO_MAXIOV messages per sendmmsg
+
+    def _sendmmsg(self, msg_dest: np.ndarray, first: np.ndarray, per_msg: np.ndarray, timeout: float) -> int:
+        """Send the messages; returns how many packets left (at least one message's worth)."""
+        m = first.size
+        msgs = self._tx_msgs
+        self._tx_names["addr"][:m] = msg_dest >> 16
+        self._tx_names["port"][:m] = msg_dest & 0xFFFF
+        msgs["iov"][:m] = _addr(self._tx_iov) + first.astype(np.uint64) * IOVEC.itemsize
+        msgs["iovlen"][:m] = per_msg
+        msgs["control"][:m] = _addr(self._tx_cmsg) if self.gso else 0
+        msgs["controllen"][:m] = CMSG.itemsize if self.gso else 0
+        while True:
+            sent = _sendmmsg(self.fd, _addr(msgs), m, 0)
+            if sent > 0:
+                return int(per_msg[:sent].sum())
+            err = ctypes.get_errno()
+            if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS):
+                if not select.select([], [self.fd], [], timeout)[1]:
+                    raise TimeoutError(f"UDP send buffer stayed full for {timeout} s")
+            elif err in (errno.EIO, errno.EINVAL) and self.gso:
+                self.gso = False  # this path cannot segment: plain datagrams from now on
+                return 0
+            elif err not in (errno.EINTR, errno.ECONNREFUSED):  # ECONNREFUSED: ICMP of an earlier datagram
+                raise OSError(err, f"sendmmsg: {os.strerror(err)}")
