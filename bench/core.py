@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from passing import wire
 from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports, start_aggregator
@@ -67,6 +66,56 @@ def raw_blast(lanes: int, seconds: float, offload: bool) -> dict:
     rate = report["packets"] / report["seconds"]
     return {"sent": sent, "received": report["packets"], "packets_per_s": rate,
             "gbit_per_s": rate * wire.packet_size(lanes) * 8 / 1e9}
+
+
+# ---- the aggregator alone, open loop -----------------------------------------------------
+
+
+def aggregator_capacity(workers: int, lanes: int, pool: int, seconds: float, offload: bool) -> dict:
+    """This process plays `workers` workers sending every round back to back, without waiting
+    for RESULTs; the aggregator process has the other core to itself. Its rate of taking
+    DATA packets (and emitting as many RESULTs) is the aggregator path's packet rate."""
+    flag = [] if offload else ["--no-offload"]
+    agg, ready = start_aggregator(["--lanes", str(lanes), "--slots", str(max(4096, pool)), *flag])
+    socks = [BatchSocket(("127.0.0.1", 0), lanes=lanes, offload=offload, buffer_bytes=1 << 20)
+             for _ in range(workers)]
+    try:
+        control = ControlClient(ready["control"])
+        addresses = ["{}:{}".format(*s.address) for s in socks]
+        control.request("add_job", job={"job": 1, "pool": pool, "workers": addresses})
+        host, port = ready["data"].rsplit(":", 1)
+        dest = pack_address(host, int(port))
+        rounds = 4 * pool  # one block: every slot and both sets, twice
+        psn = np.arange(rounds)
+        blocks = [wire.encode(type=wire.DATA, job=1, worker=w, psn=psn, pool=pool, payload=np.ones(lanes, np.int64),
+                              lanes=lanes) for w in range(workers)]
+        chunk = 512
+        before, cpu_before, start = control.request("stats")["totals"], _cpu_seconds(agg.pid), time.perf_counter()
+        end, base = start + seconds, 0
+        while time.perf_counter() < end:
+            for at in range(0, rounds, chunk):
+                for w, sock in enumerate(socks):
+                    sock.send_batch(blocks[w], dest, np.arange(at, at + chunk))
+            base += rounds
+            for b in blocks:
+                b["hdr"]["psn"] += rounds  # the next block of rounds
+        time.sleep(0.2)  # let it finish what is queued
+        after, cpu, wall = control.request("stats")["totals"], _cpu_seconds(agg.pid) - cpu_before, \
+            time.perf_counter() - start
+    finally:
+        for sock in socks:
+            sock.close()
+        agg.terminate()
+        agg.wait(10)
+    offered = base * workers
+    taken = after["received"] - before["received"]
+    return {"workers": workers, "offered": offered, "received": taken,
+            "aggregated": after["aggregated"] - before["aggregated"],
+            "results_sent": after["results_sent"] - before["results_sent"],
+            "packets_per_s": taken / wall, "cpu_share": cpu / wall,
+            # the sender's core saturates first (loopback delivery runs on it), so the aggregator
+            # idles part of the time: its CPU per packet gives what one busy core would take
+            "cpu_us_per_packet": cpu / taken * 1e6, "capacity_packets_per_s": taken / cpu}
 
 
 # ---- PASSING through the software aggregator -------------------------------------------
@@ -174,6 +223,15 @@ def main() -> int:
         print(f"raw batched UDP blast ({mode}): {raw[mode]['packets_per_s'] / 1e3:.0f} kpps received "
               f"({raw[mode]['gbit_per_s']:.2f} Gbit/s; {raw[mode]['received']}/{raw[mode]['sent']} delivered)",
               flush=True)
+    capacity = {}
+    for mode, offload in modes.items():
+        for n in args.workers:
+            c = aggregator_capacity(n, args.lanes, args.pool, args.blast_seconds, offload)
+            capacity[f"{mode}-{n}"] = c
+            print(f"aggregator alone ({mode}, {n} workers, open loop): took {c['packets_per_s'] / 1e3:.0f} kpps "
+                  f"at {c['cpu_share']:.0%} of a core = {c['cpu_us_per_packet']:.2f} us/packet -> "
+                  f"{c['capacity_packets_per_s'] / 1e3:.0f} kpps per busy core = "
+                  f"{c['capacity_packets_per_s'] / raw[mode]['packets_per_s']:.0%} of the raw {mode} rate", flush=True)
     rows = []
     print(f"{'workers':>7} | {'mode':>7} | {'PASSING ms':>10} | {'Gbit/s/worker':>13} | {'agg rx kpps':>11} | "
           f"{'vs raw':>6} | {'agg CPU':>7} | {'retx':>5} | {'gloo ms':>8} | {'gloo Gbit/s':>11}")
@@ -190,8 +248,8 @@ def main() -> int:
                   f"{pa['aggregator_cpu_share']:7.0%} | {pa['retransmissions']:>5} | {gloo_ms} | {gloo_bw}",
                   flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "raw": raw, "runs": rows},
-                                   indent=2))
+    args.out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "raw": raw,
+                                    "aggregator_alone": capacity, "allreduce": rows}, indent=2))
     print(f"wrote {args.out}")
     return 0
 

@@ -181,61 +181,60 @@ class AggregationEngine:
         sources = np.asarray(sources, dtype=np.int64)
         if lengths is None:
             lengths = np.full(n, wire.packet_size(self.lanes))
-        self.totals[_C["received"]] += n
         ok = wire.well_formed(batch, np.asarray(lengths), self.lanes, wire.DATA)
-        self.totals[_C["malformed"]] += n - int(ok.sum())
         hdr = batch["hdr"]
         jobs = self._jobs
-        job = hdr["job"].astype(np.int64)
         worker = hdr["worker"].astype(np.int64)
         slot = hdr["slot"].astype(np.int64)
-        d = jobs.index[job]
+        d = jobs.index[hdr["job"]]
         known = ok & (d >= 0)
         dc = np.where(known, d, 0)
-        wc = np.minimum(worker, wire.MAX_WORKERS - 1)
         admitted = (
             known
             & (worker < jobs.workers[dc])
-            & (jobs.sources[dc, wc] == sources)
+            & (jobs.sources[dc, np.minimum(worker, wire.MAX_WORKERS - 1)] == sources)
             & (slot < jobs.pool[dc])
         )
-        rejected = ok & ~admitted
-        self.totals[_C["rejected"]] += int((rejected & ~known).sum())  # no job to charge them to
-        self._count_jobs(d[rejected & known], "rejected")
+        tally = _Tally(self)
+        tally.total("received", n)
+        tally.total("malformed", n - int(ok.sum()))
+        tally.total("rejected", int((ok & ~known).sum()))  # no job to charge them to
+        tally.jobs("rejected", d[known & ~admitted])
 
         idx = np.flatnonzero(admitted)
-        if idx.size == 0:
-            return self._empty_emission()
-        key = (jobs.base[d[idx]] + slot[idx]) * 2 + hdr["set"][idx].astype(np.int64) % 2
-        # Rank of each packet among those for the same slot/set, in arrival order.
-        order = np.argsort(key, kind="stable")
-        sorted_key = key[order]
-        starts = np.flatnonzero(np.r_[True, sorted_key[1:] != sorted_key[:-1]])
-        group_start = np.repeat(starts, np.diff(np.r_[starts, sorted_key.size]))
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.size) - group_start
         out: list[Emission] = []
-        for r in range(int(rank.max()) + 1):
-            wave = idx[rank == r]  # ascending = arrival order
-            out.append(self._wave(batch[wave], d[wave], worker[wave], key[rank == r]))
-        return _concat(out, self.lanes)
+        if idx.size:
+            key = (jobs.base[d[idx]] + slot[idx]) * 2 + (hdr["set"][idx] & 1)
+            # Rank of each packet among those for the same slot/set, in arrival order.
+            order = np.argsort(key, kind="stable")
+            sorted_key = key[order]
+            first = np.r_[True, sorted_key[1:] != sorted_key[:-1]]
+            position = np.arange(order.size)
+            rank = np.empty_like(order)
+            rank[order] = position - np.maximum.accumulate(np.where(first, position, 0))
+            for r in range(int(rank.max()) + 1):
+                in_wave = rank == r
+                wave = idx[in_wave]  # ascending = arrival order
+                out.append(self._wave(batch[wave], d[wave], worker[wave], key[in_wave], tally))
+        tally.commit()
+        return _concat(out, self.lanes) if out else self._empty_emission()
 
-    def _wave(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, k: np.ndarray) -> Emission:
+    def _wave(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, k: np.ndarray, tally: _Tally) -> Emission:
+        """Packets that all hit distinct slot/sets: one vectorised step of the state machine."""
         jobs = self._jobs
         hdr = pkts["hdr"]
         psn = hdr["psn"].astype(np.int64)
         wbit = np.left_shift(1, worker)
         job_epoch = jobs.epoch[d]
-        full = jobs.full[d]
+        bitmap = self.bitmap[k]
         same_epoch = self.state_epoch[k] == job_epoch
-        tag = self.tag[k]
-        fresh = ~same_epoch | wire.newer(psn, tag)
-        same_round = same_epoch & (tag == psn)
-        stale = ~fresh & ~same_round
-        has_bit = (self.bitmap[k] & wbit) != 0
+        ahead = (psn - self.tag[k]) & 0xFFFFFFFF  # serial-number distance to the slot's round
+        fresh = ~same_epoch | ((ahead != 0) & (ahead < 1 << 31))
+        same_round = same_epoch & (ahead == 0)
+        has_bit = (bitmap & wbit) != 0
         contrib = same_round & ~has_bit
         dup = same_round & has_bit
-        answered = dup & (self.bitmap[k] == full)
+        answered = dup & (bitmap == jobs.full[d])
         flagged = (hdr["flags"] & wire.FLAG_OVERFLOW) != 0
 
         # A new round: the first write resets the slot/set, no separate clearing pass.
@@ -246,62 +245,88 @@ class AggregationEngine:
         self.bitmap[fk] = wbit[fresh]
         self.overflow[fk] = flagged[fresh]
 
-        # A contribution to the current round: saturating add (SUM) or max (MAX).
+        # A contribution to the current round: saturating add (SUM) or max (MAX), in int32.
         ck = k[contrib]
-        current = self.acc[ck].astype(np.int64)
-        incoming = pkts["payload"][contrib].astype(np.int64)
-        summed = current + incoming
-        saturated = ((summed > wire.INT32_MAX) | (summed < wire.INT32_MIN)).any(axis=1)
+        current = self.acc[ck]
+        incoming = pkts["payload"][contrib].astype(np.int32)
+        lane_overflow = flagged[contrib]
         is_max = hdr["op"][contrib] == wire.MAX
-        clipped = np.clip(summed, wire.INT32_MIN, wire.INT32_MAX)
-        combined = np.where(is_max[:, None], np.maximum(current, incoming), clipped)
-        lane_overflow = (saturated & ~is_max) | flagged[contrib]
+        if is_max.all():
+            combined = np.maximum(current, incoming)
+        else:
+            with np.errstate(over="ignore"):
+                combined = current + incoming  # wraps: a wrap is a sign that neither input has
+            wrapped = ((current ^ combined) & (incoming ^ combined)) < 0
+            if wrapped.any():
+                combined[wrapped] = np.where(current[wrapped] < 0, wire.INT32_MIN, wire.INT32_MAX)
+                lane_overflow = lane_overflow | (wrapped.any(axis=1) & ~is_max)
+            if is_max.any():
+                combined[is_max] = np.maximum(current[is_max], incoming[is_max])
         self.acc[ck] = combined
         self.bitmap[ck] |= wbit[contrib]
         self.overflow[ck] |= lane_overflow
 
-        done = (fresh | contrib) & (self.bitmap[k] == full)
-        self._count_jobs(d[fresh | contrib], "aggregated")
-        self._count_jobs(d[done], "completed")
-        self._count_jobs(d[dup & ~answered], "duplicate")
-        self._count_jobs(d[answered], "duplicate_answered")
-        self._count_jobs(d[stale], "stale")
-        self._count_jobs(np.r_[d[fresh & flagged], d[contrib][lane_overflow]], "overflow")
+        done = (fresh | contrib) & (self.bitmap[k] == jobs.full[d])
+        tally.jobs("aggregated", d[fresh | contrib])
+        tally.jobs("completed", d[done])
+        tally.jobs("duplicate", d[dup & ~answered])
+        tally.jobs("duplicate_answered", d[answered])
+        tally.jobs("stale", d[~fresh & ~same_round])
+        tally.jobs("overflow", d[fresh & flagged])
+        tally.jobs("overflow", d[contrib][lane_overflow])
 
         # Completion: one replica per worker of the job (replication id = worker).
         done_i = np.flatnonzero(done)
-        reps = jobs.workers[d[done_i]]
-        m_src = np.repeat(done_i, reps)
-        m_worker = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
         ans_i = np.flatnonzero(answered)
-        src = np.r_[m_src, ans_i]
-        dest_worker = np.r_[m_worker, worker[ans_i]]
+        if done_i.size + ans_i.size == 0:
+            return self._empty_emission()
+        reps = jobs.workers[d[done_i]]
+        src = np.r_[np.repeat(done_i, reps), ans_i]
+        dest_worker = np.r_[np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps), worker[ans_i]]
         res = wire.empty(src.size, self.lanes)
         rh = res["hdr"]
-        rh["type"] = wire.RESULT
         for name in ("op", "job", "slot", "set", "psn"):
             rh[name] = hdr[name][src]
+        rh["type"] = wire.RESULT
         rh["worker"] = dest_worker
-        rh["flags"] = np.where(self.overflow[k[src]], wire.FLAG_OVERFLOW, 0)
+        rh["flags"] = self.overflow[k[src]] * wire.FLAG_OVERFLOW
         res["payload"] = self.acc[k[src]]
-        self._count_jobs(d[src], "results_sent")
+        tally.jobs("results_sent", d[src])
         return Emission(
             packets=res,
             dest=jobs.sources[d[src], dest_worker],
-            multicast=np.r_[np.ones(m_src.size, bool), np.zeros(ans_i.size, bool)],
+            multicast=np.arange(src.size) < src.size - ans_i.size,
         )
-
-    def _count_jobs(self, dense: np.ndarray, name: str) -> None:
-        if dense.size:
-            c = _C[name]
-            np.add.at(self._jobs.counters[:, c], dense, 1)
-            self.totals[c] += dense.size
 
     def _empty_emission(self) -> Emission:
         return Emission(wire.empty(0, self.lanes), np.zeros(0, np.int64), np.zeros(0, bool))
 
 
+class _Tally:
+    """Counter updates of one batch, applied with a single bincount."""
+
+    def __init__(self, engine: AggregationEngine) -> None:
+        self.engine = engine
+        self.parts: list[np.ndarray] = []
+
+    def total(self, name: str, count: int) -> None:
+        self.engine.totals[_C[name]] += count
+
+    def jobs(self, name: str, dense: np.ndarray) -> None:
+        if dense.size:
+            self.parts.append(dense * len(COUNTERS) + _C[name])
+
+    def commit(self) -> None:
+        if not self.parts:
+            return
+        counters = self.engine._jobs.counters
+        flat = np.bincount(np.concatenate(self.parts), minlength=counters.size).reshape(counters.shape)
+        counters += flat
+        self.engine.totals += flat.sum(axis=0)
+
+
 def _concat(parts: list[Emission], lanes: int) -> Emission:
+    parts = [p for p in parts if len(p)] or parts[:1]
     if len(parts) == 1:
         return parts[0]
     # Not np.concatenate: numpy promotes structured dtypes to native byte order.

@@ -100,7 +100,7 @@ class Group:
                 raise ValueError(f"pool must be 1..65536, got {a.pool}")
         self.scale, self.on_overflow = scale, on_overflow
         self.rto_min, self.max_rto, self.timeout = rto, max_rto, timeout
-        self._srtt = rto
+        self._srtt, self._rttvar = rto, rto / 2
         self._agg_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
         self._next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
         self._failed: str | None = None  # after a failed call the psn streams are out of step
@@ -244,11 +244,16 @@ class Group:
 
         if total == 0:
             return [b.astype(np.int32) for b in blocks], [False] * len(blocks)
-        packets = wire.encode(
-            type=wire.DATA, job=self.job, worker=self.worker, op=op, psn=psn,
-            slot=psn % pools[shard], set=(psn // pools[shard]) % 2, payload=np.concatenate(blocks),
-            flags=np.concatenate(flags) if flags else 0, lanes=self.lanes,
-        )
+        packets = wire.empty(total, self.lanes)
+        hdr = packets["hdr"]
+        hdr["type"], hdr["op"], hdr["job"], hdr["worker"] = wire.DATA, op, self.job, self.worker
+        hdr["psn"] = psn & 0xFFFFFFFF
+        hdr["slot"], hdr["set"] = wire.slot_and_set(psn, pools[shard])
+        hdr["flags"] = np.concatenate(flags) if flags else 0
+        at = 0
+        for block in blocks:  # one pass each: int32 rows into big-endian packets
+            packets["payload"][at : at + len(block)] = block
+            at += len(block)
         dest = self._agg_ids[shard]
         # Self-clocking: the RESULT of row i releases row i + pool of the same shard.
         successor = np.where(offset + pools[shard] < counts[shard], np.arange(total) + pools[shard], -1)
@@ -285,7 +290,7 @@ class Group:
                     remaining -= rows.size
                     clean = rows[retries[rows] == 0]  # Karn: only unambiguous RTT samples
                     if clean.size:
-                        self._srtt = 0.875 * self._srtt + 0.125 * float(np.mean(now - first_sent[clean]))
+                        self._rtt_sample(float(np.max(now - first_sent[clean])))
                     nxt = successor[rows]
                     nxt = nxt[nxt >= 0]
                     if nxt.size:
@@ -332,5 +337,10 @@ class Group:
         positions = np.flatnonzero(valid)
         return (starts[s] + offset)[positions], positions
 
+    def _rtt_sample(self, rtt: float) -> None:
+        """RFC 6298 smoothing; the sample is the slowest clean RESULT of a receive batch."""
+        self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
+        self._srtt = 0.875 * self._srtt + 0.125 * rtt
+
     def _rto(self) -> float:
-        return float(np.clip(3.0 * self._srtt, self.rto_min, self.max_rto))
+        return min(max(self._srtt + 4.0 * self._rttvar, self.rto_min), self.max_rto)
