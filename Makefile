@@ -30,6 +30,7 @@ demo: $(STAMP)
 	$(VENV)/bin/passing-local --workers 4 --size 1000000 --iterations 3
 
 bench-core: $(STAMP)
+	$(PY) -m pip install --quiet -e 'host[torch]'
 	$(PY) bench/core.py
 
 clean:

@@ -207,10 +207,10 @@ def start_aggregator(
 def local_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="passing-local",
                                 description="run an aggregator and N allreduce workers on loopback")
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--size", type=int, default=1 << 20)
-    p.add_argument("--pool", type=int, default=256)
-    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--workers", type=int, default=4, help="worker processes (1..32)")
+    p.add_argument("--size", type=int, default=1 << 20, help="float32 elements per allreduce")
+    p.add_argument("--pool", type=int, default=256, help="slots of the job: packets in flight per worker")
+    p.add_argument("--iterations", type=int, default=3, help="allreduces per worker")
     p.add_argument("--drop", type=float, default=0.0, help="loss probability each way at the aggregator")
     args = p.parse_args(argv)
     agg, ready = start_aggregator(["--drop-ingress", str(args.drop), "--drop-egress", str(args.drop)])
