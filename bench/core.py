@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from passing import wire
 from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports, start_aggregator

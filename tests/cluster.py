@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports, start_aggregator, worker_inputs
 

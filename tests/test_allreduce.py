@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from passing.cli import float_error_bound
 
+from passing.cli import float_error_bound
 from tests.cluster import LocalCluster
 
 MIB16 = 4 * 1024 * 1024  # float32 elements in 16 MiB

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from passing import wire
 from passing.aggregation import AggregationEngine, ConfigError, JobSpec
 

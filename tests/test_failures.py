@@ -13,12 +13,12 @@ import time
 import numpy as np
 import pytest
 import zmq
+
 from passing import Group, wire
 from passing.aggregation import ConfigError
 from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports, start_aggregator
 from passing.stream import AggregatorUnreachable, PassingError
-
 from tests.cluster import LocalCluster
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scapy.layers.inet import IP, UDP
+
 from passing import wire
 from passing.scapy_layer import Passing
-from scapy.layers.inet import IP, UDP
 
 
 def test_header_layout_is_the_documented_one():

@@ -194,8 +194,9 @@ class Group:
             for block, scale in zip(blocks, scales):
                 q, saturated = quantize.quantize(block, scale if scale else 1.0)
                 rows = q.reshape(-1, self.lanes)
-                quantized.append(rows if scale else rows[:0])  # an all-zero shard needs no SUM
-                flags.append(np.where(saturated.reshape(rows.shape).any(axis=1), wire.FLAG_OVERFLOW, 0))
+                keep = len(rows) if scale else 0  # a shard that is zero on every worker needs no SUM
+                quantized.append(rows[:keep])
+                flags.append(np.where(saturated.reshape(rows.shape).any(axis=1), wire.FLAG_OVERFLOW, 0)[:keep])
             sums, overflow = self._stream(quantized, wire.SUM, flags)
             if not any(overflow):
                 break

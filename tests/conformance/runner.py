@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
+
 from passing import wire
 
 from .scenarios import COUNTER_NAMES, Admit, Job, Remove, Scenario, Send

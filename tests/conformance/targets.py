@@ -6,6 +6,7 @@ import socket
 import time
 
 import numpy as np
+
 from passing import wire
 from passing.aggregation import AggregationEngine, JobSpec
 from passing.aggregator import ControlClient

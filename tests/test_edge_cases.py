@@ -1,0 +1,122 @@
+"""Edge cases of the streaming engine, with the aggregator and the workers as threads of this process."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from passing import Group
+from passing.aggregator import SoftwareAggregator, job_from_json
+from passing.cli import free_udp_ports
+
+
+def allreduce_all(inputs: list[np.ndarray], shards: int = 1, pool: int = 8, **group_args) -> list:
+    """Run one allreduce per input, each in its own worker thread; returns results or exceptions."""
+    workers = len(inputs)
+    ports = free_udp_ports(workers)
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    aggregators = [
+        SoftwareAggregator(listen=("127.0.0.1", 0), control=None,
+                           jobs=[job_from_json({"job": 1, "pool": pool, "workers": addresses})])
+        for _ in range(shards)
+    ]
+    servers = [threading.Thread(target=a.serve) for a in aggregators]
+    for t in servers:
+        t.start()
+    results: list = [None] * workers
+
+    def work(w: int) -> None:
+        try:
+            with Group(1, w, workers, [a.address for a in aggregators], pool=pool, bind=addresses[w],
+                       timeout=10, **group_args) as g:
+                results[w] = g.allreduce(inputs[w])
+        except Exception as e:  # handed to the test
+            results[w] = e
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for a in aggregators:
+        a.stop()
+    for t in servers:
+        t.join(10)
+    return results
+
+
+@pytest.mark.timeout(60)
+def test_zero_shards_skip_their_sum_round():
+    """Two aggregators; the first block is zero on every worker, the second is not."""
+    a = np.r_[np.zeros(640), np.arange(640)].astype(np.float32)
+    results = allreduce_all([a, 2 * a], shards=2)
+    for r in results:
+        assert np.array_equal(r, 3 * a)
+
+
+@pytest.mark.timeout(60)
+def test_all_zero_input():
+    results = allreduce_all([np.zeros(100, np.float32)] * 2, shards=2)
+    for r in results:
+        assert np.array_equal(r, np.zeros(100, np.float32))
+
+
+@pytest.mark.timeout(60)
+def test_more_aggregators_than_packets():
+    x = np.arange(10, dtype=np.float32)
+    for r in allreduce_all([x, x, x], shards=3):
+        assert np.array_equal(r, 3 * x)
+
+
+@pytest.mark.timeout(60)
+def test_shape_and_dtype_are_kept():
+    x = np.arange(24, dtype=np.int32).reshape(2, 3, 4)
+    for r in allreduce_all([x, -x, x]):
+        assert r.shape == (2, 3, 4) and r.dtype == np.int32
+        assert np.array_equal(r, x)
+
+
+@pytest.mark.timeout(60)
+def test_int32_overflow_raises_on_every_worker():
+    x = np.full(70, 2**30, np.int32)
+    results = allreduce_all([x, x])
+    assert all(isinstance(r, OverflowError) for r in results), results
+
+
+@pytest.mark.timeout(60)
+def test_fixed_scale_overflow_can_fall_back_to_auto():
+    x = np.linspace(-50, 50, 300).astype(np.float32)
+    results = allreduce_all([x, x], scale=1e8, on_overflow="auto")
+    for r in results:
+        assert np.max(np.abs(r - 2 * x)) < 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_many_calls_wrap_the_slot_sets():
+    """Several calls in a row on a tiny pool: psns run on across calls and sets alternate."""
+    ports = free_udp_ports(2)
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    agg = SoftwareAggregator(listen=("127.0.0.1", 0), control=None,
+                             jobs=[job_from_json({"job": 1, "pool": 3, "workers": addresses})])
+    server = threading.Thread(target=agg.serve)
+    server.start()
+    out: dict[int, list] = {0: [], 1: []}
+
+    def work(w: int) -> None:
+        with Group(1, w, 2, [agg.address], pool=3, bind=addresses[w], timeout=10) as g:
+            for i in range(20):
+                out[w].append(g.allreduce(np.full(100 + i, w + i, np.int32)))
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    agg.stop()
+    server.join(10)
+    for w in range(2):
+        assert len(out[w]) == 20
+        for i, r in enumerate(out[w]):
+            assert np.array_equal(r, np.full(100 + i, 1 + 2 * i, np.int32))
