@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup test lint demo bench-core clean
+.PHONY: all setup test lint demo bench-core p4 clean
 
 all: test
 
@@ -19,11 +19,11 @@ setup: $(STAMP)
 # Runs everything that needs no BMv2; BMv2/Mininet tests skip with a reason when absent.
 # pytest's exit 5 ("no tests collected") is a failure here, never a pass.
 test: $(STAMP)
-	$(PY) -m ruff check host controller tests bench
+	$(PY) -m ruff check host controller tests bench bmv2_tests
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(PY) -m ruff check host controller tests bench
+	$(PY) -m ruff check host controller tests bench bmv2_tests
 
 # The main job: an aggregator and 4 worker processes on loopback, results checked.
 demo: $(STAMP)
@@ -32,6 +32,16 @@ demo: $(STAMP)
 bench-core: $(STAMP)
 	$(PY) -m pip install --quiet -e 'host[torch]'
 	$(PY) bench/core.py
+
+# The BMv2 program: BMv2 JSON + P4Info in build/v1model/. Needs p4c (docs/bmv2.md).
+P4_SOURCES := $(wildcard p4/include/*.p4) p4/v1model/passing.p4
+p4: build/v1model/passing.json
+
+build/v1model/passing.json: $(P4_SOURCES)
+	@command -v p4c-bm2-ss >/dev/null || { echo "make p4: p4c-bm2-ss not found; install p4c from upstream (docs/bmv2.md)" >&2; exit 1; }
+	mkdir -p build/v1model
+	p4c-bm2-ss --arch v1model --std p4-16 --p4runtime-files build/v1model/passing.p4info.txt \
+		-o build/v1model/passing.json p4/v1model/passing.p4
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,206 @@
+"""A Mininet network of hosts around one BMv2 `simple_switch_grpc`, programmed over P4Runtime.
+
+Mininet traps (docs/bmv2.md): never `mn -c`, always `net.stop()`; no OVS is needed
+(`controller=None` and our own Switch subclass); offloads are turned off on every veth
+so BMv2, which reads raw frames, sees real checksummed single packets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "build" / "v1model"
+AGGREGATION_MAC = "02:00:00:00:00:fe"
+AGGREGATION_IP = "10.0.0.254"
+
+
+def import_mininet():
+    """Mininet comes from Debian's package (system site-packages), not from PyPI."""
+    try:
+        import mininet.net  # noqa: F401
+    except ImportError:
+        sys.path.append("/usr/lib/python3/dist-packages")
+        import mininet.net  # noqa: F401
+    return mininet
+
+
+def missing_requirements() -> str | None:
+    """Why the BMv2 suite cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "BMv2 tests need root (Mininet network namespaces)"
+    for tool in ("simple_switch_grpc", "p4c-bm2-ss", "mnexec"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found (docs/bmv2.md: install BMv2, p4c and Mininet from upstream)"
+    try:
+        import_mininet()
+    except ImportError:
+        return "the mininet Python package is not importable (apt-get install mininet)"
+    return None
+
+
+def compile_p4() -> tuple[Path, Path]:
+    """`make p4`: BMv2 JSON and P4Info in build/v1model."""
+    subprocess.run(["make", "-s", "p4"], cwd=REPO, check=True)
+    return BUILD / "passing.p4info.txt", BUILD / "passing.json"
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def host_mac(i: int) -> str:
+    return f"02:00:00:00:00:{i:02x}"
+
+
+@dataclass
+class HostInfo:
+    name: str
+    mac: str
+    ip: str
+    port: int  # switch port
+
+
+class Agent:
+    """The JSON-lines agent (bmv2_tests/agent.py) inside one host."""
+
+    def __init__(self, host) -> None:
+        self.proc = host.popen([sys.executable, str(Path(__file__).with_name("agent.py"))],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def call(self, **request) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("host agent exited")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise RuntimeError(f"host agent: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(5)
+
+
+def make_switch_class():
+    import_mininet()
+    from mininet.node import Switch
+
+    class BMv2Switch(Switch):
+        """Starts simple_switch_grpc on the switch's interfaces, with no program:
+        the controller pushes the pipeline over P4Runtime."""
+
+        def __init__(self, name, grpc_port: int, log_dir: str, **params):
+            super().__init__(name, **params)
+            self.grpc_port = grpc_port
+            self.log_dir = log_dir
+            self.process: subprocess.Popen | None = None
+
+        def start(self, controllers):
+            ports = [f"{port}@{intf.name}" for intf, port in self.ports.items() if intf.name != "lo"]
+            for intf in self.intfList():
+                if intf.name != "lo":
+                    _no_offload(intf.name)
+            args = ["simple_switch_grpc", "--device-id", "0", "--no-p4",
+                    "--log-file", os.path.join(self.log_dir, f"{self.name}"), "--log-flush"]
+            for p in ports:
+                args += ["-i", p]
+            args += ["--", "--grpc-server-addr", f"127.0.0.1:{self.grpc_port}"]
+            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+        def stop(self, deleteIntfs=True):
+            if self.process is not None:
+                self.process.terminate()
+                try:
+                    self.process.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                self.process = None
+            super().stop(deleteIntfs)
+
+    return BMv2Switch
+
+
+def _no_offload(intf: str) -> None:
+    subprocess.run(["ethtool", "-K", intf, "tx", "off", "rx", "off", "tso", "off", "gso", "off", "gro", "off"],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+class Bmv2Network:
+    """n hosts h1..hn on switch ports 1..n, all in 10.0.0.0/24, and the switch."""
+
+    def __init__(self, hosts: int) -> None:
+        import_mininet()
+        from mininet.net import Mininet
+
+        self.log_dir = tempfile.mkdtemp(prefix="passing-bmv2-")
+        self.grpc_port = free_tcp_port()
+        BMv2Switch = make_switch_class()
+        self.net = Mininet(controller=None, build=False, autoSetMacs=False, autoStaticArp=False)
+        self.switch = self.net.addSwitch("s1", cls=BMv2Switch, grpc_port=self.grpc_port, log_dir=self.log_dir)
+        self.hosts: list[HostInfo] = []
+        for i in range(1, hosts + 1):
+            info = HostInfo(f"h{i}", host_mac(i), f"10.0.0.{i}", i)
+            self.net.addHost(info.name, ip=f"{info.ip}/24", mac=info.mac)
+            self.net.addLink(info.name, "s1", port2=i)
+            self.hosts.append(info)
+        self.net.build()
+        self.net.start()
+        for info in self.hosts:
+            h = self.net.get(info.name)
+            h.cmd(f"ethtool -K {h.defaultIntf().name} tx off rx off tso off gso off gro off")
+            h.cmd("sysctl -qw net.ipv6.conf.all.disable_ipv6=1")
+            h.setARP(AGGREGATION_IP, AGGREGATION_MAC)
+            for other in self.hosts:
+                if other is not info:
+                    h.setARP(other.ip, other.mac)
+        self.agents: dict[str, Agent] = {}
+        self._wait_for_grpc()
+
+    def _wait_for_grpc(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.grpc_port)) == 0:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"simple_switch_grpc did not listen on {self.grpc_port}; log in {self.log_dir}")
+
+    @property
+    def p4runtime_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def topology(self) -> dict:
+        """The controller's topology file for this network."""
+        return {
+            "switch": {"p4runtime": self.p4runtime_address, "device_id": 0, "aggregation_mac": AGGREGATION_MAC,
+                       "aggregation_ip": AGGREGATION_IP},
+            "hosts": [{"name": h.name, "mac": h.mac, "ip": h.ip, "port": h.port} for h in self.hosts],
+        }
+
+    def agent(self, host: str) -> Agent:
+        if host not in self.agents:
+            self.agents[host] = Agent(self.net.get(host))
+        return self.agents[host]
+
+    def stop(self) -> None:
+        for a in self.agents.values():
+            try:
+                a.close()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                a.proc.kill()
+        self.net.stop()
+        shutil.rmtree(self.log_dir, ignore_errors=True)

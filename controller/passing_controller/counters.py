@@ -1,0 +1,27 @@
+"""Reads the P4 program's outcome counters, per job and in total."""
+
+from __future__ import annotations
+
+from .p4runtime import Switch
+
+MAX_JOBS = 1024  # PASSING_MAX_JOBS in p4/include/constants.p4: counters are indexed by job mod this
+INGRESS = ("received", "rejected", "aggregated", "completed", "duplicate", "duplicate_answered", "stale",
+           "overflow")
+EGRESS = ("results_sent",)
+
+
+def read_all(switch: Switch) -> dict[str, dict[int, int]]:
+    """counter name -> {index: packets}; 'malformed' has index 0 only."""
+    out = {name: switch.read_counter(f"Ingress.{name}") for name in INGRESS}
+    out.update({name: switch.read_counter(f"Egress.{name}") for name in EGRESS})
+    out["malformed"] = switch.read_counter("Ingress.malformed")
+    return out
+
+
+def totals(switch: Switch) -> dict[str, int]:
+    return {name: sum(per_index.values()) for name, per_index in read_all(switch).items()}
+
+
+def for_job(switch: Switch, job: int) -> dict[str, int]:
+    index = job % MAX_JOBS
+    return {name: per_index.get(index, 0) for name, per_index in read_all(switch).items() if name != "malformed"}

@@ -1,0 +1,26 @@
+"""Programs plain L2 forwarding: every host's MAC to its port, broadcast flooded."""
+
+from __future__ import annotations
+
+from p4.v1 import p4runtime_pb2
+
+from .p4runtime import Switch
+from .topology import Topology, mac_to_int
+
+TABLE = "Ingress.l2_forward"
+FLOOD_GROUP = 0xFFFF  # PASSING_FLOOD_GROUP in p4/include/constants.p4
+BROADCAST = "ff:ff:ff:ff:ff:ff"
+
+
+def entries(switch: Switch, topo: Topology) -> list[p4runtime_pb2.Entity]:
+    forward = [
+        switch.table_entry(TABLE, {"dst_addr": mac_to_int(h.mac)}, "Ingress.forward", {"port": h.port})
+        for h in topo.hosts
+    ]
+    flood = switch.table_entry(TABLE, {"dst_addr": mac_to_int(BROADCAST)}, "Ingress.flood")
+    group = switch.multicast_group(FLOOD_GROUP, [(h.port, 0) for h in topo.hosts])
+    return [group, *forward, flood]
+
+
+def install(switch: Switch, topo: Topology) -> None:
+    switch.write([switch.update("insert", e) for e in entries(switch, topo)])

@@ -1,0 +1,109 @@
+"""The topology file: which host sits on which switch port, with which addresses.
+
+JSON::
+
+    {
+      "switch": {"p4runtime": "127.0.0.1:9559", "device_id": 0,
+                 "aggregation_mac": "02:00:00:00:00:fe", "aggregation_ip": "10.0.0.254",
+                 "slots": 1024, "lanes": 64},
+      "hosts": [{"name": "h1", "mac": "02:00:00:00:00:01", "ip": "10.0.0.1", "port": 1}, ...],
+      "ps": [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878"}]
+    }
+
+Nothing about ports or addresses is hard-coded anywhere else.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class TopologyError(ValueError):
+    """A topology file that cannot be used, with the reason."""
+
+
+def mac_to_int(mac: str) -> int:
+    parts = mac.split(":")
+    if len(parts) != 6 or not all(len(p) == 2 for p in parts):
+        raise TopologyError(f"bad MAC address {mac!r}")
+    try:
+        return int("".join(parts), 16)
+    except ValueError:
+        raise TopologyError(f"bad MAC address {mac!r}") from None
+
+
+def ip_to_int(ip: str) -> int:
+    try:
+        return int(ipaddress.IPv4Address(ip))
+    except ValueError:
+        raise TopologyError(f"bad IPv4 address {ip!r}") from None
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    mac: str
+    ip: str
+    port: int
+
+
+@dataclass(frozen=True)
+class PsEndpoint:
+    data: str  # host:port of the software aggregator's UDP socket
+    control: str  # its ZeroMQ control endpoint
+
+
+@dataclass
+class Topology:
+    p4runtime: str
+    device_id: int
+    aggregation_mac: str
+    aggregation_ip: str
+    slots: int
+    lanes: int
+    hosts: list[Host]
+    ps: list[PsEndpoint] = field(default_factory=list)
+
+    def host(self, name_or_ip: str) -> Host:
+        for h in self.hosts:
+            if name_or_ip in (h.name, h.ip):
+                return h
+        raise TopologyError(f"no host {name_or_ip!r} in the topology")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Topology:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise TopologyError(f"cannot read topology {path}: {e}") from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Topology:
+        try:
+            sw = raw["switch"]
+            hosts = [Host(str(h["name"]), str(h["mac"]), str(h["ip"]), int(h["port"])) for h in raw["hosts"]]
+            topo = cls(
+                p4runtime=str(sw["p4runtime"]), device_id=int(sw.get("device_id", 0)),
+                aggregation_mac=str(sw["aggregation_mac"]), aggregation_ip=str(sw["aggregation_ip"]),
+                slots=int(sw.get("slots", 1024)), lanes=int(sw.get("lanes", 64)), hosts=hosts,
+                ps=[PsEndpoint(str(p["data"]), str(p["control"])) for p in raw.get("ps", [])],
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise TopologyError(f"topology: missing or bad field {e}") from None
+        for h in topo.hosts:
+            mac_to_int(h.mac)
+            ip_to_int(h.ip)
+            if not 0 <= h.port < 512:
+                raise TopologyError(f"host {h.name}: switch port {h.port} outside 0..511")
+        mac_to_int(topo.aggregation_mac)
+        ip_to_int(topo.aggregation_ip)
+        for attr in ("name", "mac", "ip", "port"):
+            values = [getattr(h, attr) for h in topo.hosts]
+            if len(set(values)) != len(values):
+                raise TopologyError(f"two hosts share a {attr}")
+        return topo

@@ -1,0 +1,39 @@
+/* PASSING constants shared by every target. They mirror host/passing/wire.py:
+ * change one, change both (docs/protocol.md is the contract). */
+#ifndef PASSING_CONSTANTS_P4
+#define PASSING_CONSTANTS_P4
+
+#define PASSING_UDP_PORT 9877
+#define PASSING_VERSION 1
+
+#define PASSING_TYPE_DATA 1
+#define PASSING_TYPE_RESULT 2
+
+#define PASSING_OP_SUM 0
+#define PASSING_OP_MAX 1
+
+#define PASSING_FLAG_OVERFLOW 0x01
+#define PASSING_FLAG_RETRANSMIT 0x02
+
+/* int32 values per packet: a compile-time constant (-DPASSING_LANES=N to change). */
+#ifndef PASSING_LANES
+#define PASSING_LANES 64
+#endif
+
+/* Slots of aggregation state (each has two sets); jobs get ranges of them. */
+#ifndef PASSING_SLOTS
+#define PASSING_SLOTS 1024
+#endif
+
+/* Per-job counters are indexed by job id modulo this. */
+#ifndef PASSING_MAX_JOBS
+#define PASSING_MAX_JOBS 1024
+#endif
+
+/* Multicast group that floods broadcast frames (ARP) to every host port. */
+#define PASSING_FLOOD_GROUP 0xFFFF
+
+const bit<16> ETHERTYPE_IPV4 = 0x0800;
+const bit<8> IP_PROTO_UDP = 17;
+
+#endif

@@ -1,0 +1,62 @@
+/* Headers of the PASSING wire format (docs/protocol.md), shared by every target. */
+#ifndef PASSING_HEADERS_P4
+#define PASSING_HEADERS_P4
+
+#include "constants.p4"
+
+header ethernet_h {
+    bit<48> dst_addr;
+    bit<48> src_addr;
+    bit<16> ether_type;
+}
+
+header ipv4_h {
+    bit<4> version;
+    bit<4> ihl;
+    bit<8> diffserv;
+    bit<16> total_len;
+    bit<16> identification;
+    bit<3> flags;
+    bit<13> frag_offset;
+    bit<8> ttl;
+    bit<8> protocol;
+    bit<16> hdr_checksum;
+    bit<32> src_addr;
+    bit<32> dst_addr;
+}
+
+header udp_h {
+    bit<16> src_port;
+    bit<16> dst_port;
+    bit<16> length;
+    bit<16> checksum;
+}
+
+/* 16 bytes, field for field as passing.wire.HEADER_DTYPE. */
+header passing_h {
+    bit<8> version;
+    bit<8> type;
+    bit<8> op;
+    bit<8> flags;
+    bit<16> job;
+    bit<16> slot;
+    bit<8> worker;
+    bit<8> set;
+    bit<16> reserved;
+    bit<32> psn;
+}
+
+/* One int32 value of the payload (a lane). */
+header lane_h {
+    bit<32> value;
+}
+
+struct headers_t {
+    ethernet_h ethernet;
+    ipv4_h ipv4;
+    udp_h udp;
+    passing_h passing;
+    lane_h[PASSING_LANES] lanes;
+}
+
+#endif

@@ -1,0 +1,54 @@
+/* The parser every target shares: Ethernet / IPv4 / UDP / PASSING / lanes.
+ * A PASSING packet is a UDP datagram to (or from) PASSING_UDP_PORT; only a datagram of
+ * exactly header + PASSING_LANES values gets its lanes parsed (anything else is left for
+ * the ingress to count as malformed). */
+#ifndef PASSING_PARSER_P4
+#define PASSING_PARSER_P4
+
+#include <core.p4>
+#include "headers.p4"
+
+#define PASSING_UDP_LENGTH (8 + 16 + 4 * PASSING_LANES)
+
+parser PassingParser(packet_in pkt, out headers_t hdr) {
+    state start {
+        pkt.extract(hdr.ethernet);
+        transition select(hdr.ethernet.ether_type) {
+            ETHERTYPE_IPV4: parse_ipv4;
+            default: accept;
+        }
+    }
+    state parse_ipv4 {
+        pkt.extract(hdr.ipv4);
+        transition select(hdr.ipv4.ihl, hdr.ipv4.frag_offset, hdr.ipv4.protocol) {
+            (5, 0, IP_PROTO_UDP): parse_udp;
+            default: accept;
+        }
+    }
+    state parse_udp {
+        pkt.extract(hdr.udp);
+        transition select(hdr.udp.dst_port) {
+            PASSING_UDP_PORT: parse_passing;
+            default: accept;
+        }
+    }
+    state parse_passing {
+        transition select(hdr.udp.length) {
+            PASSING_UDP_LENGTH: parse_passing_header;
+            default: accept;  /* wrong size: passing header stays invalid, ingress counts it */
+        }
+    }
+    state parse_passing_header {
+        pkt.extract(hdr.passing);
+        transition parse_lanes;
+    }
+    state parse_lanes {
+        pkt.extract(hdr.lanes.next);
+        transition select(hdr.lanes.lastIndex) {
+            PASSING_LANES - 1: accept;
+            default: parse_lanes;
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,282 @@
+/* PASSING data plane for BMv2 (v1model): the aggregation state machine of
+ * docs/protocol.md in registers, plus plain L2 forwarding for all other traffic.
+ *
+ * Control-plane names (tables, actions, registers, counters) are shared with the TNA
+ * program wherever the behaviour is the same; the controller programs both alike. */
+#include <core.p4>
+#include <v1model.p4>
+
+#include "../include/headers.p4"
+#include "../include/lanes.p4"
+#include "../include/parser.p4"
+
+#define PASSING_SLOT_SETS (2 * PASSING_SLOTS)
+
+struct metadata_t {
+    bit<32> base;        /* first slot of the job's range */
+    bit<16> pool;        /* slots of the job */
+    bit<32> full;        /* bitmap with every worker's bit */
+    bit<32> epoch;       /* unique per allocation */
+    bit<16> group;       /* multicast group of the job's workers */
+    bit<32> worker_bit;
+    bit<32> job_index;   /* counter index */
+    bit<32> slot_set;    /* (base + slot) * 2 + set */
+    bit<32> lane_base;   /* slot_set * PASSING_LANES */
+    bit<1> admitted;
+    bit<1> result_multicast;  /* a completed round: egress rewrites each replica */
+    bit<1> flood;
+}
+
+parser V1Parser(packet_in pkt, out headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
+    PassingParser() passing_parser;
+    state start {
+        passing_parser.apply(pkt, hdr);
+        transition accept;
+    }
+}
+
+control V1VerifyChecksum(inout headers_t hdr, inout metadata_t meta) {
+    apply { }
+}
+
+control Ingress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
+    /* ---- state per slot and set ---- */
+    register<bit<32>>(PASSING_SLOT_SETS) slot_epoch;
+    register<bit<32>>(PASSING_SLOT_SETS) slot_tag;
+    register<bit<32>>(PASSING_SLOT_SETS) slot_bitmap;
+    register<bit<8>>(PASSING_SLOT_SETS) slot_overflow;
+    register<bit<32>>(PASSING_SLOT_SETS * PASSING_LANES) lane_acc;
+
+    /* ---- outcomes, per job (index = job id mod PASSING_MAX_JOBS) ---- */
+    counter(1, CounterType.packets) malformed;
+    counter(PASSING_MAX_JOBS, CounterType.packets) received;
+    counter(PASSING_MAX_JOBS, CounterType.packets) rejected;
+    counter(PASSING_MAX_JOBS, CounterType.packets) aggregated;
+    counter(PASSING_MAX_JOBS, CounterType.packets) completed;
+    counter(PASSING_MAX_JOBS, CounterType.packets) duplicate;
+    counter(PASSING_MAX_JOBS, CounterType.packets) duplicate_answered;
+    counter(PASSING_MAX_JOBS, CounterType.packets) stale;
+    counter(PASSING_MAX_JOBS, CounterType.packets) overflow;
+
+    action drop() {
+        mark_to_drop(sm);
+    }
+
+    /* ---- admission: (job, worker, ingress port) -> the job's allocation ---- */
+    action admit(bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
+        meta.admitted = 1;
+        meta.base = base;
+        meta.pool = pool;
+        meta.full = full;
+        meta.epoch = epoch;
+        meta.group = group;
+    }
+    action reject() {
+        meta.admitted = 0;
+    }
+    table admission {
+        key = {
+            hdr.passing.job: exact @name("job");
+            hdr.passing.worker: exact @name("worker");
+            sm.ingress_port: exact @name("ingress_port");
+        }
+        actions = { admit; @defaultonly reject; }
+        const default_action = reject();
+        size = 4096;
+    }
+
+    /* ---- plain L2 forwarding for everything that is not PASSING DATA ---- */
+    action forward(bit<9> port) {
+        sm.egress_spec = port;
+    }
+    action flood() {
+        sm.mcast_grp = PASSING_FLOOD_GROUP;
+        meta.flood = 1;
+    }
+    table l2_forward {
+        key = { hdr.ethernet.dst_addr: exact @name("dst_addr"); }
+        actions = { forward; flood; drop; }
+        const default_action = drop();
+        size = 1024;
+    }
+
+    /* A lane of a new round or of a contribution: first write, saturating add, or max. */
+    #define LANE_UPDATE(i) {                                                           \
+        bit<32> cur;                                                                   \
+        lane_acc.read(cur, meta.lane_base + (i));                                      \
+        bit<32> inc = hdr.lanes[i].value;                                              \
+        bit<32> next = inc;                                                            \
+        if (!fresh) {                                                                  \
+            if (hdr.passing.op == PASSING_OP_MAX) {                                    \
+                if ((int<32>)cur > (int<32>)inc) { next = cur; }                       \
+            } else {                                                                   \
+                int<32> saturated = (int<32>)cur |+| (int<32>)inc;                     \
+                if (saturated != (int<32>)cur + (int<32>)inc) { lane_overflow = 1; }   \
+                next = (bit<32>)saturated;                                             \
+            }                                                                          \
+        }                                                                              \
+        lane_acc.write(meta.lane_base + (i), next);                                    \
+        hdr.lanes[i].value = next;                                                     \
+    }
+    /* A lane of a completed round, read back for a retransmitting worker. */
+    #define LANE_READ(i) { lane_acc.read(hdr.lanes[i].value, meta.lane_base + (i)); }
+
+    apply {
+        if (sm.parser_error != error.NoError) {
+            malformed.count(0);
+            drop();
+        } else if (hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT) {
+            if (!hdr.passing.isValid() || hdr.passing.version != PASSING_VERSION
+                    || hdr.passing.type != PASSING_TYPE_DATA) {
+                malformed.count(0);
+                drop();
+            } else {
+                meta.job_index = (bit<32>)hdr.passing.job & (PASSING_MAX_JOBS - 1);
+                received.count(meta.job_index);
+                admission.apply();
+                if (meta.admitted == 0 || hdr.passing.slot >= meta.pool) {
+                    rejected.count(meta.job_index);
+                    drop();
+                } else {
+                    meta.worker_bit = (bit<32>)1 << (bit<8>)hdr.passing.worker;
+                    meta.slot_set = ((meta.base + (bit<32>)hdr.passing.slot) << 1) | (bit<32>)hdr.passing.set[0:0];
+                    meta.lane_base = meta.slot_set * PASSING_LANES;
+                    bit<32> epoch;
+                    bit<32> tag;
+                    bit<32> bitmap;
+                    bit<8> round_overflow;
+                    slot_epoch.read(epoch, meta.slot_set);
+                    slot_tag.read(tag, meta.slot_set);
+                    slot_bitmap.read(bitmap, meta.slot_set);
+                    slot_overflow.read(round_overflow, meta.slot_set);
+                    bit<32> ahead = hdr.passing.psn - tag;  /* serial-number distance */
+                    bool same_epoch = epoch == meta.epoch;
+                    bool fresh = !same_epoch || (ahead != 0 && ahead[31:31] == 0);
+                    bool same_round = same_epoch && ahead == 0;
+                    bool has_bit = (bitmap & meta.worker_bit) != 0;
+                    bit<8> flagged = hdr.passing.flags & PASSING_FLAG_OVERFLOW;
+
+                    if (fresh || (same_round && !has_bit)) {
+                        bit<1> lane_overflow = 0;
+                        FOR_EACH_LANE(LANE_UPDATE)
+                        if (fresh) {
+                            /* a new round: the first write resets the slot/set */
+                            slot_epoch.write(meta.slot_set, meta.epoch);
+                            slot_tag.write(meta.slot_set, hdr.passing.psn);
+                            bitmap = meta.worker_bit;
+                            round_overflow = flagged;
+                        } else {
+                            bitmap = bitmap | meta.worker_bit;
+                            round_overflow = round_overflow | flagged;
+                            if (lane_overflow == 1) {
+                                round_overflow = PASSING_FLAG_OVERFLOW;
+                            }
+                        }
+                        if (flagged != 0 || lane_overflow == 1) {
+                            overflow.count(meta.job_index);
+                        }
+                        slot_bitmap.write(meta.slot_set, bitmap);
+                        slot_overflow.write(meta.slot_set, round_overflow);
+                        aggregated.count(meta.job_index);
+                        if (bitmap == meta.full) {
+                            completed.count(meta.job_index);
+                            hdr.passing.type = PASSING_TYPE_RESULT;
+                            hdr.passing.flags = round_overflow;
+                            sm.mcast_grp = meta.group;
+                            meta.result_multicast = 1;
+                        } else {
+                            drop();
+                        }
+                    } else if (same_round && bitmap == meta.full) {
+                        /* a retransmission to a completed round: answer this worker alone */
+                        duplicate_answered.count(meta.job_index);
+                        FOR_EACH_LANE(LANE_READ)
+                        hdr.passing.type = PASSING_TYPE_RESULT;
+                        hdr.passing.flags = round_overflow;
+                        sm.egress_spec = sm.ingress_port;
+                        bit<48> mac = hdr.ethernet.dst_addr;
+                        hdr.ethernet.dst_addr = hdr.ethernet.src_addr;
+                        hdr.ethernet.src_addr = mac;
+                        bit<32> ip = hdr.ipv4.dst_addr;
+                        hdr.ipv4.dst_addr = hdr.ipv4.src_addr;
+                        hdr.ipv4.src_addr = ip;
+                        hdr.udp.dst_port = hdr.udp.src_port;
+                        hdr.udp.src_port = PASSING_UDP_PORT;
+                        hdr.udp.checksum = 0;
+                    } else if (same_round) {
+                        duplicate.count(meta.job_index);
+                        drop();
+                    } else {
+                        stale.count(meta.job_index);
+                        drop();
+                    }
+                }
+            }
+        } else if (hdr.ethernet.isValid()) {
+            l2_forward.apply();
+        }
+    }
+}
+
+control Egress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
+    counter(PASSING_MAX_JOBS, CounterType.packets) results_sent;
+
+    /* Each replica of a completed round goes to one worker: replication id = worker. */
+    action to_worker(bit<48> mac, bit<32> ip, bit<16> port) {
+        hdr.ethernet.src_addr = hdr.ethernet.dst_addr;  /* the switch's aggregation address */
+        hdr.ethernet.dst_addr = mac;
+        hdr.ipv4.src_addr = hdr.ipv4.dst_addr;
+        hdr.ipv4.dst_addr = ip;
+        hdr.udp.src_port = PASSING_UDP_PORT;
+        hdr.udp.dst_port = port;
+        hdr.udp.checksum = 0;
+        hdr.passing.worker = (bit<8>)sm.egress_rid;
+    }
+    action drop() {
+        mark_to_drop(sm);
+    }
+    table result_rewrite {
+        key = {
+            hdr.passing.job: exact @name("job");
+            sm.egress_rid: exact @name("worker");  /* replication id = worker */
+        }
+        actions = { to_worker; @defaultonly drop; }
+        const default_action = drop();
+        size = 4096;
+    }
+
+    apply {
+        if (meta.flood == 1 && sm.egress_port == sm.ingress_port) {
+            drop();  /* a flood never goes back where it came from */
+        } else if (hdr.passing.isValid() && hdr.passing.type == PASSING_TYPE_RESULT) {
+            /* a unicast answer was addressed in ingress; a replica is addressed here */
+            if (meta.result_multicast == 0 || result_rewrite.apply().hit) {
+                results_sent.count((bit<32>)hdr.passing.job & (PASSING_MAX_JOBS - 1));
+            }
+        }
+    }
+}
+
+control V1ComputeChecksum(inout headers_t hdr, inout metadata_t meta) {
+    apply {
+        update_checksum(
+            hdr.ipv4.isValid(),
+            { hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.total_len,
+              hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.frag_offset, hdr.ipv4.ttl,
+              hdr.ipv4.protocol, hdr.ipv4.src_addr, hdr.ipv4.dst_addr },
+            hdr.ipv4.hdr_checksum,
+            HashAlgorithm.csum16);
+    }
+}
+
+control V1Deparser(packet_out pkt, in headers_t hdr) {
+    apply {
+        pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.ipv4);
+        pkt.emit(hdr.udp);
+        pkt.emit(hdr.passing);
+        pkt.emit(hdr.lanes);
+    }
+}
+
+V1Switch(V1Parser(), V1VerifyChecksum(), Ingress(), Egress(), V1ComputeChecksum(), V1Deparser()) main;
