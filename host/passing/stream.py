@@ -108,6 +108,15 @@ class Group:
             bind = parse_endpoint(bind, 0)
         self.socket = BatchSocket(bind, lanes=lanes, offload=offload)
 
+    @classmethod
+    def from_answer(cls, answer: dict, bind: str | tuple[str, int], **options) -> Group:
+        """A group from the controller's join answer (passing.control.join): switch or PS alike."""
+        return cls(
+            job=int(answer["job_id"]), worker=int(answer["worker"]), workers=int(answer["workers"]),
+            aggregators=[Aggregator(a["host"], int(a["port"]), int(a["pool"])) for a in answer["aggregators"]],
+            lanes=int(answer["lanes"]), bind=bind, **options,
+        )
+
     @staticmethod
     def _aggregator(spec: str | tuple[str, int] | Aggregator, pool: int) -> Aggregator:
         if isinstance(spec, Aggregator):

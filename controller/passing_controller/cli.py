@@ -1,0 +1,91 @@
+"""passing-controller (the service) and passing-ctl (ask it things)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import zmq
+
+from .p4runtime import Pipeline
+from .service import PROTOCOL_VERSION, Controller
+from .topology import Topology, TopologyError
+
+
+def controller_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="passing-controller", description="PASSING controller service")
+    p.add_argument("--topology", required=True, help="topology JSON (docs/bmv2.md)")
+    p.add_argument("--p4info", type=Path, help="P4Info text file (build/v1model/passing.p4info.txt)")
+    p.add_argument("--device-config", type=Path, help="BMv2 JSON (build/v1model/passing.json) or target binary")
+    p.add_argument("--store", default="passing-controller.sqlite", help="SQLite file of allocations")
+    p.add_argument("--listen", default="tcp://0.0.0.0:9090", help="ZeroMQ endpoint for hosts")
+    p.add_argument("--join-timeout", type=float, default=60.0)
+    p.add_argument("--pool", type=int, default=256, help="slots per group unless a join asks otherwise")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if (args.p4info is None) != (args.device_config is None):
+        p.error("--p4info and --device-config go together")
+    try:
+        topo = Topology.load(args.topology)
+        pipeline = Pipeline(args.p4info, args.device_config) if args.p4info else None
+        ctl = Controller(topo, pipeline, args.store, args.listen, args.join_timeout, args.pool)
+    except (TopologyError, OSError, zmq.ZMQError) as e:
+        print(f"passing-controller: error: {e}", file=sys.stderr)
+        return 2
+    ctl.install_signal_handlers()
+    status = ctl.status()
+    print(json.dumps({"event": "ready", "endpoint": ctl.endpoint, "switch": status["switch"],
+                      "jobs": len(status["jobs"])}), flush=True)
+    ctl.serve()
+    return 0
+
+
+def request(endpoint: str, cmd: str, timeout: float = 10.0, **fields) -> dict:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(json.dumps({"version": PROTOCOL_VERSION, "cmd": cmd, **fields}).encode())
+        if not sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"controller {endpoint} did not answer in {timeout} s")
+        return json.loads(sock.recv())
+    finally:
+        sock.close()
+
+
+def ctl_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="passing-ctl", description="ask the PASSING controller")
+    p.add_argument("--controller", default="tcp://127.0.0.1:9090")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("jobs", help="running job groups and pending joins")
+    sub.add_parser("slots", help="free slots and ranges")
+    s = sub.add_parser("stats", help="per-job counters")
+    s.add_argument("--job-id", type=int)
+    lv = sub.add_parser("leave", help="remove a job group")
+    lv.add_argument("job")
+    lv.add_argument("--group", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        if args.cmd in ("jobs", "slots"):
+            reply = request(args.controller, "status")
+            if reply.get("ok"):
+                keys = ("switch", "jobs", "pending") if args.cmd == "jobs" else ("switch", "slots", "free_slots",
+                                                                                  "free_ranges")
+                reply = {"ok": True, **{k: reply[k] for k in keys}}
+        elif args.cmd == "stats":
+            reply = request(args.controller, "stats", **({"job_id": args.job_id} if args.job_id else {}))
+        else:
+            reply = request(args.controller, "leave", job=args.job, group=args.group)
+    except (OSError, zmq.ZMQError) as e:
+        print(f"passing-ctl: error: {e}", file=sys.stderr)
+        return 2
+    if not reply.pop("ok", False):
+        print(f"passing-ctl: error: {reply.get('error')}", file=sys.stderr)
+        return 1
+    print(json.dumps(reply, indent=2))
+    return 0

@@ -1,0 +1,327 @@
+"""The controller service: hosts join and leave job groups over ZeroMQ (docs/control.md).
+
+One thread, one ROUTER socket: a join is answered only when every worker of its group
+has joined (or its wait times out), so replies are deferred per request. A group gets a
+slot range on the switch when the switch is reachable and has room; otherwise it gets a
+software aggregator (PS fallback), and the answer says so and why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from . import admission, counters, l2_forward, result_rewrite
+from .allocation import Allocation, Worker
+from .allocator import SlotAllocator, SlotsExhausted
+from .p4runtime import Pipeline, Switch, SwitchError
+from .store import Record, Store
+from .topology import PsEndpoint, Topology, TopologyError
+
+log = logging.getLogger("passing_controller")
+
+PROTOCOL_VERSION = 1
+UDP_PORT = 9877  # docs/protocol.md: the aggregator's PASSING port
+MAX_WORKERS = 32
+
+
+class RequestError(ValueError):
+    """A request the controller refuses; the text goes back to the host."""
+
+
+@dataclass
+class PendingGroup:
+    workers: int
+    pool: int
+    deadline: float
+    members: dict[int, tuple[bytes, dict]] = field(default_factory=dict)  # worker -> (identity, request)
+
+
+class Controller:
+    def __init__(self, topology: Topology, pipeline: Pipeline | None, store: str | Path, listen: str,
+                 join_timeout: float = 60.0, default_pool: int = 256, switch_timeout: float = 5.0) -> None:
+        self.topo = topology
+        self.pipeline = pipeline
+        self.store = Store(store)
+        self.join_timeout, self.default_pool, self.switch_timeout = join_timeout, default_pool, switch_timeout
+        self.allocator = SlotAllocator(topology.slots)
+        self.ps_allocators = {ps.control: SlotAllocator(4096) for ps in topology.ps}
+        self.switch: Switch | None = None
+        self.switch_error: str | None = None
+        self.pending: dict[tuple[str, int], PendingGroup] = {}
+        for r in self.store.all():
+            (self.allocator if r.mode == "switch" else self.ps_allocators.setdefault(
+                r.aggregator["control"], SlotAllocator(4096))).reserve(r.base, r.pool)
+        self.connect_switch()
+        self._ctx = zmq.Context.instance()
+        self.socket = self._ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(listen)
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+
+    # ---- the switch ----------------------------------------------------------------------
+
+    def connect_switch(self) -> None:
+        """Connect, then either load the pipeline (a fresh switch) or reconcile with it."""
+        try:
+            sw = Switch(self.topo.p4runtime, self.topo.device_id, timeout=self.switch_timeout)
+        except SwitchError as e:
+            self.switch, self.switch_error = None, str(e)
+            log.warning("switch unavailable, PS fallback only: %s", e)
+            return
+        try:
+            try:
+                sw.fetch_pipeline()
+                running = sw.p4info is not None and admission.TABLE in sw.p4info.tables
+            except SwitchError:
+                running = False
+            if not running:
+                if self.pipeline is None:
+                    raise SwitchError("the switch runs no PASSING pipeline and none was given (--p4info/--bmv2-json)")
+                sw.set_pipeline(self.pipeline)
+                log.info("pipeline loaded on %s", self.topo.p4runtime)
+            self._reconcile(sw)
+        except SwitchError as e:
+            sw.close()
+            self.switch, self.switch_error = None, str(e)
+            log.warning("switch unusable, PS fallback only: %s", e)
+            return
+        self.switch, self.switch_error = sw, None
+
+    def _reconcile(self, sw: Switch) -> None:
+        """Make the switch's tables exactly what the store says (registers stay as they are)."""
+        deletes = []
+        for table in (admission.TABLE, result_rewrite.TABLE, l2_forward.TABLE):
+            deletes += [sw.update("delete", e) for e in sw.read_table(table)]
+        deletes += [sw.update("delete", e) for e in sw.read_multicast_groups()]
+        sw.write(deletes)
+        l2_forward.install(sw, self.topo)
+        for r in self.store.all():
+            if r.mode == "switch":
+                a = self._allocation(r)
+                admission.install(sw, a)
+                result_rewrite.install(sw, a)
+        log.info("switch reconciled: %d switch allocations", sum(r.mode == "switch" for r in self.store.all()))
+
+    def _allocation(self, r: Record) -> Allocation:
+        workers = tuple(Worker(w["index"], self.topo.host(w["host"]), w["udp_port"]) for w in r.workers)
+        return Allocation(r.job_id, r.epoch, r.base, r.pool, workers)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if dict(poller.poll(100)).get(self.socket):
+                    identity, _, raw = self.socket.recv_multipart()
+                    self._handle(identity, raw)
+                self._expire()
+        finally:
+            self.close()
+
+    def stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGINT, self.stop)
+        signal.signal(signal.SIGTERM, self.stop)
+
+    def close(self) -> None:
+        self.socket.close()
+        if self.switch is not None:
+            self.switch.close()
+        self.store.close()
+
+    def _reply(self, identity: bytes, reply: dict) -> None:
+        self.socket.send_multipart([identity, b"", json.dumps(reply).encode()])
+
+    def _handle(self, identity: bytes, raw: bytes) -> None:
+        try:
+            request = json.loads(raw)
+            if not isinstance(request, dict):
+                raise RequestError("a request must be a JSON object")
+            if request.get("version") != PROTOCOL_VERSION:
+                raise RequestError(f"unsupported protocol version {request.get('version')!r} "
+                                   f"(this controller speaks {PROTOCOL_VERSION})")
+            cmd = request.get("cmd")
+            if cmd == "join":
+                self._join(identity, request)
+                return  # answered when the group is complete
+            if cmd == "leave":
+                reply = self._leave(request)
+            elif cmd == "status":
+                reply = self.status()
+            elif cmd == "stats":
+                reply = self.stats(request.get("job_id"))
+            else:
+                raise RequestError(f"unknown command {cmd!r}")
+            self._reply(identity, {"ok": True, **reply})
+        except (RequestError, TopologyError, SwitchError, json.JSONDecodeError, UnicodeDecodeError, KeyError,
+                TypeError, ValueError) as e:
+            self._reply(identity, {"ok": False, "error": str(e)})
+
+    def _join(self, identity: bytes, req: dict) -> None:
+        name, group, worker, workers = str(req["job"]), int(req.get("group", 0)), int(req["worker"]), \
+            int(req["workers"])
+        if not 1 <= workers <= MAX_WORKERS or not 0 <= worker < workers:
+            raise RequestError(f"worker {worker} of {workers}: need 0 <= worker < workers <= {MAX_WORKERS}")
+        self.topo.host(str(req["host"]))  # a clear error for an unknown host, now
+        if not 0 < int(req["udp_port"]) < 65536:
+            raise RequestError(f"bad udp_port {req['udp_port']}")
+        if any(r.job_name == name and r.group == group for r in self.store.all()):
+            raise RequestError(f"job {name!r} group {group} is running; leave it first")
+        key = (name, group)
+        pending = self.pending.setdefault(
+            key, PendingGroup(workers, int(req.get("pool", self.default_pool)), time.monotonic() + self.join_timeout))
+        if pending.workers != workers:
+            raise RequestError(f"job {name!r} group {group} has {pending.workers} workers, not {workers}")
+        if worker in pending.members:
+            raise RequestError(f"worker {worker} of job {name!r} group {group} joined already")
+        pending.members[worker] = (identity, req)
+        if len(pending.members) < workers:
+            return
+        del self.pending[key]
+        try:
+            record, reason = self._allocate(name, group, pending)
+        except (RequestError, SwitchError, OSError) as e:
+            for ident, _ in pending.members.values():
+                self._reply(ident, {"ok": False, "error": f"job {name!r} group {group}: {e}"})
+            return
+        host, port = record.aggregator["data"].rsplit(":", 1)
+        for w, (ident, _) in pending.members.items():
+            self._reply(ident, {
+                "ok": True, "mode": record.mode, "reason": reason, "job": name, "group": group,
+                "job_id": record.job_id, "worker": w, "workers": workers, "pool": record.pool,
+                "lanes": self.topo.lanes, "aggregators": [{"host": host, "port": int(port), "pool": record.pool}],
+            })
+
+    def _allocate(self, name: str, group: int, pending: PendingGroup) -> tuple[Record, str]:
+        used = {r.job_id for r in self.store.all()}
+        job_id = next(i for i in range(1, 0xFFFF) if i not in used)
+        workers = [{"index": w, "host": self.topo.host(str(req["host"])).name, "udp_port": int(req["udp_port"])}
+                   for w, (_, req) in sorted(pending.members.items())]
+        epoch = self.store.next("epoch")
+        reason = ""
+        if self.switch is not None:
+            try:
+                base = self.allocator.allocate(pending.pool)
+            except SlotsExhausted as e:
+                reason = f"switch slots exhausted: {e}"
+            else:
+                r = Record(job_id, name, group, "switch", epoch, base, pending.pool, workers,
+                           {"data": f"{self.topo.aggregation_ip}:{UDP_PORT}"})
+                a = self._allocation(r)
+                try:
+                    admission.install(self.switch, a)
+                    result_rewrite.install(self.switch, a)
+                except SwitchError:
+                    self.allocator.release(base)
+                    raise
+                self.store.add(r)
+                log.info("job %s group %d -> switch slots %d..%d (job id %d)", name, group, base,
+                         base + pending.pool - 1, job_id)
+                return r, "in-network aggregation on the switch"
+        else:
+            reason = f"switch unreachable: {self.switch_error}"
+        return self._allocate_ps(job_id, name, group, epoch, pending.pool, workers, reason), reason
+
+    def _allocate_ps(self, job_id: int, name: str, group: int, epoch: int, pool: int, workers: list[dict],
+                     reason: str) -> Record:
+        if not self.topo.ps:
+            raise RequestError(f"{reason}; and no PS fallback is configured")
+        ps: PsEndpoint = self.topo.ps[job_id % len(self.topo.ps)]
+        allocator = self.ps_allocators.setdefault(ps.control, SlotAllocator(4096))
+        base = allocator.allocate(pool)
+        addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
+        try:
+            ps_request(ps.control, "add_job",
+                       job={"job": job_id, "base": base, "pool": pool, "workers": addresses, "epoch": epoch})
+        except (OSError, RequestError):
+            allocator.release(base)
+            raise
+        r = Record(job_id, name, group, "ps", epoch, base, pool, workers, {"data": ps.data, "control": ps.control})
+        self.store.add(r)
+        log.info("job %s group %d -> PS %s (%s)", name, group, ps.data, reason)
+        return r
+
+    def _leave(self, req: dict) -> dict:
+        name, group = str(req["job"]), int(req.get("group", 0))
+        for r in self.store.all():
+            if r.job_name == name and r.group == group:
+                if r.mode == "switch":
+                    if self.switch is not None:
+                        a = self._allocation(r)
+                        admission.remove(self.switch, a)
+                        result_rewrite.remove(self.switch, a)
+                    self.allocator.release(r.base)
+                else:
+                    ps_request(r.aggregator["control"], "remove_job", job=r.job_id)
+                    self.ps_allocators[r.aggregator["control"]].release(r.base)
+                self.store.remove(r.job_id)
+                return {"left": {"job": name, "group": group, "job_id": r.job_id}}
+        raise RequestError(f"job {name!r} group {group} is not running")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key, pending in list(self.pending.items()):
+            if now > pending.deadline:
+                del self.pending[key]
+                missing = sorted(set(range(pending.workers)) - set(pending.members))
+                for ident, _ in pending.members.values():
+                    self._reply(ident, {"ok": False, "error": f"job {key[0]!r} group {key[1]}: workers {missing} "
+                                                              f"did not join within {self.join_timeout:g} s"})
+
+    # ---- status and counters ---------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "switch": "connected" if self.switch is not None else f"unavailable: {self.switch_error}",
+            "slots": self.allocator.slots, "free_slots": self.allocator.free(),
+            "free_ranges": self.allocator.free_ranges(),
+            "jobs": [{"job": r.job_name, "group": r.group, "job_id": r.job_id, "mode": r.mode, "base": r.base,
+                      "pool": r.pool, "epoch": r.epoch, "workers": len(r.workers),
+                      "aggregator": r.aggregator["data"]} for r in self.store.all()],
+            "pending": [{"job": k[0], "group": k[1], "joined": sorted(p.members), "workers": p.workers}
+                        for k, p in self.pending.items()],
+        }
+
+    def stats(self, job_id: int | None) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.switch is not None:
+            out["switch_totals"] = counters.totals(self.switch)
+        for r in self.store.all():
+            if job_id is not None and r.job_id != int(job_id):
+                continue
+            if r.mode == "switch" and self.switch is not None:
+                out[str(r.job_id)] = counters.for_job(self.switch, r.job_id)
+            elif r.mode == "ps":
+                out[str(r.job_id)] = ps_request(r.aggregator["control"], "stats", job=r.job_id)["jobs"][str(r.job_id)]
+        return out
+
+
+def ps_request(endpoint: str, cmd: str, timeout: float = 5.0, **fields: Any) -> dict:
+    """One request to a software aggregator's control channel (docs/protocol.md)."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(json.dumps({"version": 1, "cmd": cmd, **fields}).encode())
+        if not sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"software aggregator {endpoint} did not answer in {timeout} s")
+        reply = json.loads(sock.recv())
+    finally:
+        sock.close()
+    if not reply.get("ok"):
+        raise RequestError(f"software aggregator {endpoint} refused {cmd}: {reply.get('error')}")
+    return reply

@@ -1,0 +1,51 @@
+"""The host side of the controller protocol (docs/control.md): join a job group, leave it.
+
+The controller answers a join once every worker of the group has joined, with where to
+send (a switch or a software aggregator) and the group's parameters; ``Group.from_answer``
+turns that answer into a streaming group, so switch and PS runs use one code path.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import zmq
+
+from .stream import PassingError
+
+PROTOCOL_VERSION = 1
+
+
+class ControllerError(PassingError):
+    """The controller refused, or did not answer in time."""
+
+
+def request(controller: str, cmd: str, timeout: float = 10.0, **fields: Any) -> dict[str, Any]:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(controller)
+        sock.send(json.dumps({"version": PROTOCOL_VERSION, "cmd": cmd, **fields}).encode())
+        if not sock.poll(int(timeout * 1000)):
+            raise ControllerError(f"controller {controller} did not answer {cmd} within {timeout:g} s")
+        reply = json.loads(sock.recv())
+    finally:
+        sock.close()
+    if not reply.get("ok"):
+        raise ControllerError(f"controller refused {cmd}: {reply.get('error')}")
+    return reply
+
+
+def join(controller: str, job: str, worker: int, workers: int, host: str, udp_port: int, group: int = 0,
+         pool: int | None = None, timeout: float = 120.0) -> dict[str, Any]:
+    """Wait until the whole group has joined; returns the controller's answer."""
+    fields: dict[str, Any] = {"job": job, "group": group, "worker": worker, "workers": workers, "host": host,
+                              "udp_port": udp_port}
+    if pool is not None:
+        fields["pool"] = pool
+    return request(controller, "join", timeout=timeout, **fields)
+
+
+def leave(controller: str, job: str, group: int = 0, timeout: float = 10.0) -> dict[str, Any]:
+    return request(controller, "leave", timeout=timeout, job=job, group=group)

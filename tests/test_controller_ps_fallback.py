@@ -1,0 +1,146 @@
+"""The controller service with no switch to serve: joins are answered with the PS fallback.
+
+Real processes and sockets: a software aggregator process, the controller service, worker
+threads that join through passing.control and allreduce through Group.from_answer.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from passing import Group
+from passing.aggregator import ControlClient
+from passing.cli import free_udp_ports, start_aggregator
+from passing.control import ControllerError, join, leave, request
+from passing_controller.service import Controller
+from passing_controller.topology import Topology
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ps():
+    proc, ready = start_aggregator()
+    yield ready
+    proc.terminate()
+    proc.wait(10)
+
+
+def topology(ps_ready: dict) -> Topology:
+    return Topology.from_dict({
+        "switch": {"p4runtime": f"127.0.0.1:{closed_port()}", "aggregation_mac": "02:00:00:00:00:fe",
+                   "aggregation_ip": "10.0.0.254"},
+        "hosts": [{"name": "local", "mac": "02:00:00:00:00:01", "ip": "127.0.0.1", "port": 1}],
+        "ps": [{"data": ps_ready["data"], "control": ps_ready["control"]}],
+    })
+
+
+class Running:
+    def __init__(self, topo: Topology, store, join_timeout: float = 10.0) -> None:
+        self.ctl = Controller(topo, None, store, "tcp://127.0.0.1:*", join_timeout=join_timeout, default_pool=16,
+                              switch_timeout=0.5)
+        self.endpoint = self.ctl.endpoint
+        self.thread = threading.Thread(target=self.ctl.serve)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.ctl.stop()
+        self.thread.join(10)
+
+
+def run_workers(endpoint: str, job: str, workers: int, data: list[np.ndarray]) -> list:
+    ports = free_udp_ports(workers)
+    out: list = [None] * workers
+
+    def work(w: int) -> None:
+        try:
+            answer = join(endpoint, job, w, workers, host="127.0.0.1", udp_port=ports[w], timeout=30)
+            with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=10) as g:
+                out[w] = (answer, g.allreduce(data[w]))
+        except Exception as e:  # handed to the test
+            out[w] = e
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_switch_falls_back_to_the_ps_and_says_so(ps, tmp_path):
+    running = Running(topology(ps), tmp_path / "ctl.sqlite")
+    try:
+        data = [np.arange(1000, dtype=np.float32) * (w + 1) for w in range(3)]
+        results = run_workers(running.endpoint, "resnet", 3, data)
+        for answer, result in results:
+            assert answer["mode"] == "ps" and "switch unreachable" in answer["reason"]
+            assert np.array_equal(result, np.arange(1000, dtype=np.float32) * 6)
+        status = request(running.endpoint, "status")
+        assert status["switch"].startswith("unavailable") and status["jobs"][0]["mode"] == "ps"
+        assert "1" in ControlClient(ps["control"]).request("stats")["jobs"]  # admitted on the PS
+        leave(running.endpoint, "resnet")
+        assert request(running.endpoint, "status")["jobs"] == []
+        assert ControlClient(ps["control"]).request("jobs")["jobs"] == []  # and removed there
+    finally:
+        running.stop()
+
+
+@pytest.mark.timeout(120)
+def test_allocations_survive_a_controller_restart(ps, tmp_path):
+    store = tmp_path / "ctl.sqlite"
+    running = Running(topology(ps), store)
+    try:
+        results = run_workers(running.endpoint, "vgg", 2, [np.ones(10, np.float32)] * 2)
+        assert all(not isinstance(r, Exception) for r in results), results
+    finally:
+        running.stop()
+    running = Running(topology(ps), store)
+    try:
+        jobs = request(running.endpoint, "status")["jobs"]
+        assert [(j["job"], j["mode"]) for j in jobs] == [("vgg", "ps")]
+        with pytest.raises(ControllerError, match="is running"):
+            join(running.endpoint, "vgg", 0, 2, host="127.0.0.1", udp_port=30000, timeout=5)
+    finally:
+        running.stop()
+
+
+@pytest.mark.timeout(60)
+def test_join_errors_are_clear(ps, tmp_path):
+    running = Running(topology(ps), tmp_path / "ctl.sqlite", join_timeout=1.0)
+    try:
+        with pytest.raises(ControllerError, match="no host"):
+            join(running.endpoint, "j", 0, 2, host="10.9.9.9", udp_port=30000, timeout=5)
+        with pytest.raises(ControllerError, match="need 0 <= worker"):
+            join(running.endpoint, "j", 3, 2, host="127.0.0.1", udp_port=30000, timeout=5)
+        with pytest.raises(ControllerError, match=r"workers \[1\] did not join"):
+            join(running.endpoint, "j", 0, 2, host="127.0.0.1", udp_port=30000, timeout=5)
+        with pytest.raises(ControllerError, match="protocol version"):
+            _bad_version(running.endpoint)
+        with pytest.raises(ControllerError, match="not running"):
+            leave(running.endpoint, "nothing")
+    finally:
+        running.stop()
+
+
+def _bad_version(endpoint: str) -> None:
+    import json
+
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.connect(endpoint)
+    sock.send(json.dumps({"version": 7, "cmd": "status"}).encode())
+    assert sock.poll(5000)
+    reply = json.loads(sock.recv())
+    sock.close()
+    raise ControllerError(reply["error"])
