@@ -54,3 +54,17 @@ def test_duplication_and_reordering(tmp_path, clean_results):
     assert stats["injected"]["ingress_duplicated"] > 0 and stats["injected"]["egress_duplicated"] > 0
     # a duplicated DATA packet is never added twice: every round took exactly one packet per worker
     assert stats["totals"]["aggregated"] == 3 * stats["totals"]["completed"]
+
+
+@pytest.mark.timeout(180)
+def test_loss_injected_at_the_hosts(tmp_path, clean_results):
+    """The host agent's own impairment (used where the aggregator is a switch)."""
+    c = LocalCluster(tmp_path, workers=3, pool=64)
+    try:
+        floats = c.results(SIZE, extra=["--drop", "0.1", "--timeout", "60"])
+        stats = c.stats()
+    finally:
+        c.close()
+    for r in floats:
+        assert np.array_equal(r, clean_results[0][0])
+    assert stats["totals"]["duplicate"] + stats["totals"]["duplicate_answered"] > 0

@@ -15,14 +15,16 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import quantize, wire
+from . import control, quantize, wire
 from .aggregation import ConfigError
 from .aggregator import ControlClient, Impairment, SoftwareAggregator, job_from_json, load_config
 from .stream import Group, PassingError
+from .transport import parse_endpoint
 
 # ---- passing-aggregator ---------------------------------------------------------------
 
@@ -112,10 +114,16 @@ def worker_inputs(seed: int, worker: int, size: int, dtype: str) -> np.ndarray:
 
 def allreduce_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="passing-allreduce", description="one worker's allreduce, checked")
-    p.add_argument("--job", type=int, default=1)
+    p.add_argument("--job", type=int, default=1, help="wire job id (without --controller)")
     p.add_argument("--worker", type=int, required=True)
     p.add_argument("--workers", type=int, required=True)
-    p.add_argument("--aggregator", action="append", required=True, help="host:port (repeat for shards)")
+    p.add_argument("--aggregator", action="append", help="host:port (repeat for shards), without --controller")
+    p.add_argument("--controller", help="join through this controller (tcp://host:port) instead of --aggregator")
+    p.add_argument("--job-name", default="passing-allreduce", help="job name to join with --controller")
+    p.add_argument("--group", type=int, default=0, help="group index to join with --controller")
+    p.add_argument("--leave", action="store_true", help="worker 0 leaves the job at the end (--controller)")
+    p.add_argument("--drop", type=float, default=0.0, help="test: drop this fraction of packets each way, here")
+    p.add_argument("--gate", help="test: between iterations, wait until this file exists")
     p.add_argument("--bind", required=True, help="this worker's admitted address, ip:port")
     p.add_argument("--pool", type=int, default=256)
     p.add_argument("--lanes", type=int, default=wire.DEFAULT_LANES)
@@ -131,24 +139,42 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-check", action="store_true", help="skip recomputing the expected sum locally")
     p.add_argument("--no-offload", action="store_true", help="no UDP GSO/GRO")
     args = p.parse_args(argv)
+    if (args.controller is None) == (args.aggregator is None):
+        p.error("give either --aggregator or --controller")
     scale: str | float = args.scale if args.scale == "auto" else float(args.scale)
     x = worker_inputs(args.seed, args.worker, args.size, args.dtype)
+    options = dict(scale=scale, timeout=args.timeout, offload=not args.no_offload, drop=args.drop,
+                   drop_seed=args.seed * 1000 + args.worker)
+    mode = "direct"
     try:
-        with Group(args.job, args.worker, args.workers, args.aggregator, pool=args.pool, lanes=args.lanes,
-                   bind=args.bind, scale=scale, timeout=args.timeout, offload=not args.no_offload) as g:
+        if args.controller:
+            host, port = parse_endpoint(args.bind, 0)
+            answer = control.join(args.controller, args.job_name, args.worker, args.workers, host, port,
+                                  group=args.group, pool=args.pool, timeout=args.timeout)
+            mode = answer["mode"]
+            group = Group.from_answer(answer, bind=args.bind, **options)
+        else:
+            group = Group(args.job, args.worker, args.workers, args.aggregator, pool=args.pool, lanes=args.lanes,
+                          bind=args.bind, **options)
+        with group as g:
             for _ in range(args.warmup):
                 g.allreduce(x, op=args.op)
             start = time.perf_counter()
-            for _ in range(args.iterations):
+            for i in range(args.iterations):
+                if i and args.gate:
+                    while not Path(args.gate).exists():
+                        time.sleep(0.05)
                 out = g.allreduce(x, op=args.op)
             elapsed = (time.perf_counter() - start) / args.iterations
             stats = g.stats.as_dict()
+        if args.controller and args.leave and args.worker == 0:
+            control.leave(args.controller, args.job_name, args.group)
     except (PassingError, OSError, ValueError) as e:
         print(f"passing-allreduce: worker {args.worker}: error: {e}", file=sys.stderr)
         return 1
     if args.out:
         np.save(args.out, out)
-    report = {"worker": args.worker, "elements": args.size, "seconds": elapsed,
+    report = {"worker": args.worker, "mode": mode, "elements": args.size, "seconds": elapsed,
               "gbit_per_s": args.size * 4 * 8 / elapsed / 1e9, "ok": True, **stats}
     if not args.no_check:
         inputs = [worker_inputs(args.seed, w, args.size, args.dtype) for w in range(args.workers)]

@@ -80,6 +80,8 @@ class Group:
         max_rto: float = 1.0,
         timeout: float = 30.0,
         offload: bool = True,
+        drop: float = 0.0,
+        drop_seed: int | None = None,
     ) -> None:
         if not 0 <= job < 1 << 16:
             raise ValueError(f"job {job} outside 0..65535")
@@ -93,6 +95,10 @@ class Group:
             raise ValueError(f"on_overflow must be 'raise' or 'auto', got {on_overflow!r}")
         if not aggregators:
             raise ValueError("at least one aggregator is needed")
+        if not 0.0 <= drop < 1.0:
+            raise ValueError(f"drop must be in [0, 1), got {drop}")
+        # Test impairment: this fraction of packets is lost each way, here at the host.
+        self.drop, self._drop_rng = drop, np.random.default_rng(drop_seed)
         self.job, self.worker, self.workers, self.lanes = job, worker, workers, lanes
         self.aggregators = [self._aggregator(a, pool) for a in aggregators]
         for a in self.aggregators:
@@ -277,7 +283,7 @@ class Group:
         now = time.monotonic()
         inflight = np.concatenate([np.arange(s, s + min(p, c)) for s, p, c in zip(starts, pools, counts)])
         inflight = inflight.astype(np.int64)
-        self.socket.send_batch(packets, dest[inflight], inflight)
+        self._send(packets, dest, inflight)
         first_sent[inflight] = now
         deadline = np.full(inflight.size, now + self._rto())
         remaining = total
@@ -287,6 +293,9 @@ class Group:
             if wait > 0:
                 self.socket.wait_readable(min(wait, 0.05))
             view, lengths, sources = self.socket.recv_packets()
+            if self.drop and len(view):
+                keep = self._drop_rng.random(len(view)) >= self.drop
+                view, lengths, sources = view[keep], lengths[keep], sources[keep]
             now = time.monotonic()
             if len(view):
                 rows, positions = self._match(view, lengths, sources, starts, counts)
@@ -304,7 +313,7 @@ class Group:
                     nxt = successor[rows]
                     nxt = nxt[nxt >= 0]
                     if nxt.size:
-                        self.socket.send_batch(packets, dest[nxt], nxt)
+                        self._send(packets, dest, nxt)
                         first_sent[nxt] = now
                     keep = ~done[inflight]
                     inflight = np.r_[inflight[keep], nxt]
@@ -323,7 +332,7 @@ class Group:
                         f"{self.timeout:g} s: the aggregator is unreachable or a peer worker stopped sending"
                     )
                 packets["hdr"]["flags"][rows] |= wire.FLAG_RETRANSMIT
-                self.socket.send_batch(packets, dest[rows], rows)
+                self._send(packets, dest, rows)
                 self.socket.stats.retransmissions += rows.size
                 retries[rows] += 1
                 backoff = np.minimum(self._rto() * 2.0 ** retries[rows], self.max_rto)
@@ -333,6 +342,11 @@ class Group:
         out = [results[s : s + c] for s, c in zip(starts, counts)]
         overflow = [bool((result_flags[s : s + c] & wire.FLAG_OVERFLOW).any()) for s, c in zip(starts, counts)]
         return out, overflow
+
+    def _send(self, packets: np.ndarray, dest: np.ndarray, rows: np.ndarray) -> None:
+        if self.drop:
+            rows = rows[self._drop_rng.random(rows.size) >= self.drop]
+        self.socket.send_batch(packets, dest[rows], rows)
 
     def _match(self, view, lengths, sources, starts, counts) -> tuple[np.ndarray, np.ndarray]:
         """(row, position in view) of each received RESULT that belongs to this call."""
