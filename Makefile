@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup test lint demo bench-core p4 clean
+.PHONY: all setup test lint demo bench-core bench-bmv2 p4 clean
 
 all: test
 
@@ -32,6 +32,10 @@ demo: $(STAMP)
 bench-core: $(STAMP)
 	$(PY) -m pip install --quiet -e 'host[torch]'
 	$(PY) bench/core.py
+
+# BMv2 forwarding vs aggregation rates in Mininet (root, BMv2, p4c, Mininet: docs/bmv2.md).
+bench-bmv2: $(STAMP)
+	$(PY) bench/bmv2.py
 
 # The BMv2 program: BMv2 JSON + P4Info in build/v1model/. Needs p4c (docs/bmv2.md).
 P4_SOURCES := $(wildcard p4/include/*.p4) p4/v1model/passing.p4
