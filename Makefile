@@ -44,7 +44,7 @@ p4: build/v1model/passing.json
 build/v1model/passing.json: $(P4_SOURCES)
 	@command -v p4c-bm2-ss >/dev/null || { echo "make p4: p4c-bm2-ss not found; install p4c from upstream (docs/bmv2.md)" >&2; exit 1; }
 	mkdir -p build/v1model
-	p4c-bm2-ss --arch v1model --std p4-16 --p4runtime-files build/v1model/passing.p4info.txt \
+	p4c-bm2-ss --arch v1model --std p4-16 --p4runtime-files build/v1model/passing.p4info.txtpb \
 		-o build/v1model/passing.json p4/v1model/passing.p4
 
 clean:

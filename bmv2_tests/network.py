@@ -51,7 +51,7 @@ def missing_requirements() -> str | None:
 def compile_p4() -> tuple[Path, Path]:
     """`make p4`: BMv2 JSON and P4Info in build/v1model."""
     subprocess.run(["make", "-s", "p4"], cwd=REPO, check=True)
-    return BUILD / "passing.p4info.txt", BUILD / "passing.json"
+    return BUILD / "passing.p4info.txtpb", BUILD / "passing.json"
 
 
 def free_tcp_port() -> int:
@@ -114,12 +114,13 @@ def make_switch_class():
             for intf in self.intfList():
                 if intf.name != "lo":
                     _no_offload(intf.name)
-            args = ["simple_switch_grpc", "--device-id", "0", "--no-p4",
+            args = ["simple_switch_grpc", "--device-id", "0", "--no-p4", "--thrift-port", str(free_tcp_port()),
                     "--log-file", os.path.join(self.log_dir, f"{self.name}"), "--log-flush"]
             for p in ports:
                 args += ["-i", p]
             args += ["--", "--grpc-server-addr", f"127.0.0.1:{self.grpc_port}"]
-            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            self.output = open(os.path.join(self.log_dir, f"{self.name}.out"), "w")  # noqa: SIM115
+            self.process = subprocess.Popen(args, stdout=self.output, stderr=subprocess.STDOUT)
 
         def stop(self, deleteIntfs=True):
             if self.process is not None:
@@ -140,9 +141,14 @@ def _no_offload(intf: str) -> None:
 
 
 class Bmv2Network:
-    """n hosts h1..hn on switch ports 1..n, all in 10.0.0.0/24, and the switch."""
+    """n hosts h1..hn on switch ports 1..n, all in 10.0.0.0/24, and the switch.
 
-    def __init__(self, hosts: int) -> None:
+    ``extra`` adds named hosts after them, e.g. a PS host, or a host in the root
+    namespace (``root=True``) where the controller runs: it reaches the switch's gRPC
+    port on localhost and the hosts through the switch.
+    """
+
+    def __init__(self, hosts: int, extra: tuple[tuple[str, str, bool], ...] = ()) -> None:
         import_mininet()
         from mininet.net import Mininet
 
@@ -152,17 +158,19 @@ class Bmv2Network:
         self.net = Mininet(controller=None, build=False, autoSetMacs=False, autoStaticArp=False)
         self.switch = self.net.addSwitch("s1", cls=BMv2Switch, grpc_port=self.grpc_port, log_dir=self.log_dir)
         self.hosts: list[HostInfo] = []
-        for i in range(1, hosts + 1):
-            info = HostInfo(f"h{i}", host_mac(i), f"10.0.0.{i}", i)
-            self.net.addHost(info.name, ip=f"{info.ip}/24", mac=info.mac)
+        specs = [(f"h{i}", f"10.0.0.{i}", False) for i in range(1, hosts + 1)] + list(extra)
+        for i, (name, ip, root) in enumerate(specs, start=1):
+            info = HostInfo(name, host_mac(i), ip, i)
+            self.net.addHost(info.name, ip=f"{info.ip}/24", mac=info.mac, inNamespace=not root)
             self.net.addLink(info.name, "s1", port2=i)
             self.hosts.append(info)
         self.net.build()
         self.net.start()
         for info in self.hosts:
             h = self.net.get(info.name)
-            h.cmd(f"ethtool -K {h.defaultIntf().name} tx off rx off tso off gso off gro off")
-            h.cmd("sysctl -qw net.ipv6.conf.all.disable_ipv6=1")
+            intf = h.defaultIntf().name
+            h.cmd(f"ethtool -K {intf} tx off rx off tso off gso off gro off")
+            h.cmd(f"sysctl -qw net.ipv6.conf.{intf}.disable_ipv6=1")  # no IPv6 chatter through the switch
             h.setARP(AGGREGATION_IP, AGGREGATION_MAC)
             for other in self.hosts:
                 if other is not info:

@@ -7,8 +7,8 @@ from p4.v1 import p4runtime_pb2
 from .allocation import Allocation
 from .p4runtime import Switch
 
-TABLE = "Ingress.admission"
-ACTION = "Ingress.admit"
+TABLE = "PassingIngress.admission"
+ACTION = "PassingIngress.admit"
 
 
 def entries(switch: Switch, a: Allocation) -> list[p4runtime_pb2.Entity]:

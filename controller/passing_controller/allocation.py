@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from .topology import Host
 
+MAX_JOB_ID = 32766
+
 
 @dataclass(frozen=True)
 class Worker:
@@ -28,5 +30,6 @@ class Allocation:
 
     @property
     def group(self) -> int:
-        """Multicast group of the job's workers (job ids are 16-bit, 0xFFFF is the flood group)."""
+        """Multicast group of the job's workers; group 1 floods broadcasts, and P4Runtime on BMv2
+        reserves groups from 32768 on: job ids are 1..MAX_JOB_ID."""
         return self.job + 1

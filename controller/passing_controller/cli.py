@@ -18,7 +18,7 @@ from .topology import Topology, TopologyError
 def controller_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="passing-controller", description="PASSING controller service")
     p.add_argument("--topology", required=True, help="topology JSON (docs/bmv2.md)")
-    p.add_argument("--p4info", type=Path, help="P4Info text file (build/v1model/passing.p4info.txt)")
+    p.add_argument("--p4info", type=Path, help="P4Info text file (build/v1model/passing.p4info.txtpb)")
     p.add_argument("--device-config", type=Path, help="BMv2 JSON (build/v1model/passing.json) or target binary")
     p.add_argument("--store", default="passing-controller.sqlite", help="SQLite file of allocations")
     p.add_argument("--listen", default="tcp://0.0.0.0:9090", help="ZeroMQ endpoint for hosts")

@@ -12,9 +12,9 @@ EGRESS = ("results_sent",)
 
 def read_all(switch: Switch) -> dict[str, dict[int, int]]:
     """counter name -> {index: packets}; 'malformed' has index 0 only."""
-    out = {name: switch.read_counter(f"Ingress.{name}") for name in INGRESS}
-    out.update({name: switch.read_counter(f"Egress.{name}") for name in EGRESS})
-    out["malformed"] = switch.read_counter("Ingress.malformed")
+    out = {name: switch.read_counter(f"PassingIngress.{name}") for name in INGRESS}
+    out.update({name: switch.read_counter(f"PassingEgress.{name}") for name in EGRESS})
+    out["malformed"] = switch.read_counter("PassingIngress.malformed")
     return out
 
 

@@ -38,6 +38,14 @@ def encode(value: int | bytes, bitwidth: int) -> bytes:
     return value.to_bytes(max(1, (value.bit_length() + 7) // 8), "big")
 
 
+def _write_error(e: grpc.RpcError) -> str:
+    """The per-update errors of a failed Write, as p4runtime-shell formats them."""
+    try:
+        return str(P4RuntimeWriteException(e))
+    except Exception:  # not the Write error format (e.g. the switch went away)
+        return f"{e.code().name}: {e.details()}"
+
+
 @dataclass(frozen=True)
 class Pipeline:
     """The compiled program: P4Info (text) and the target's device config."""
@@ -85,7 +93,7 @@ class Switch:
 
     def __init__(self, address: str, device_id: int = 0, election_id: tuple[int, int] = (0, 1),
                  timeout: float = 5.0) -> None:
-        self.address, self.device_id = address, device_id
+        self.address, self.device_id, self.election_id, self.timeout = address, device_id, election_id, timeout
         channel = grpc.insecure_channel(address)
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
@@ -129,11 +137,13 @@ class Switch:
         if not updates:
             return
         req = p4runtime_pb2.WriteRequest()
+        req.device_id = self.device_id
+        req.election_id.high, req.election_id.low = self.election_id
         req.updates.extend(updates)
         try:
-            self.client.write(req)
-        except (P4RuntimeWriteException, P4RuntimeException) as e:
-            raise SwitchError(f"P4Runtime write to {self.address} failed: {e}") from None
+            self.client.stub.Write(req, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise SwitchError(f"P4Runtime write to {self.address} failed: {_write_error(e)}") from None
 
     def table_entry(self, table: str, match: dict[str, int | bytes], action: str | None = None,
                     params: dict[str, int | bytes] | None = None) -> p4runtime_pb2.Entity:
@@ -184,10 +194,13 @@ class Switch:
     # ---- reads -------------------------------------------------------------------------
 
     def read(self, entity: p4runtime_pb2.Entity) -> list[p4runtime_pb2.Entity]:
+        req = p4runtime_pb2.ReadRequest()
+        req.device_id = self.device_id
+        req.entities.append(entity)
         try:
-            return [e for response in self.client.read_one(entity) for e in response.entities]
-        except (P4RuntimeException, grpc.RpcError) as e:
-            raise SwitchError(f"P4Runtime read from {self.address} failed: {e}") from None
+            return [e for response in self.client.stub.Read(req, timeout=self.timeout) for e in response.entities]
+        except grpc.RpcError as e:
+            raise SwitchError(f"P4Runtime read from {self.address} failed: {e.code().name}: {e.details()}") from None
 
     def read_table(self, table: str) -> list[p4runtime_pb2.Entity]:
         entity = p4runtime_pb2.Entity()

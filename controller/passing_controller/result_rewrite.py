@@ -12,8 +12,8 @@ from .allocation import Allocation
 from .p4runtime import Switch
 from .topology import ip_to_int, mac_to_int
 
-TABLE = "Egress.result_rewrite"
-ACTION = "Egress.to_worker"
+TABLE = "PassingEgress.result_rewrite"
+ACTION = "PassingEgress.to_worker"
 
 
 def entries(switch: Switch, a: Allocation) -> list[p4runtime_pb2.Entity]:

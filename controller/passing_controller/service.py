@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from . import admission, counters, l2_forward, result_rewrite
-from .allocation import Allocation, Worker
+from .allocation import MAX_JOB_ID, Allocation, Worker
 from .allocator import SlotAllocator, SlotsExhausted
 from .p4runtime import Pipeline, Switch, SwitchError
 from .store import Record, Store
@@ -208,7 +208,10 @@ class Controller:
 
     def _allocate(self, name: str, group: int, pending: PendingGroup) -> tuple[Record, str]:
         used = {r.job_id for r in self.store.all()}
-        job_id = next(i for i in range(1, 0xFFFF) if i not in used)
+        free_ids = (i for i in range(1, MAX_JOB_ID + 1) if i not in used)
+        job_id = next(free_ids, None)
+        if job_id is None:
+            raise RequestError(f"all {MAX_JOB_ID} job ids are in use")
         workers = [{"index": w, "host": self.topo.host(str(req["host"])).name, "udp_port": int(req["udp_port"])}
                    for w, (_, req) in sorted(pending.members.items())]
         epoch = self.store.next("epoch")

@@ -30,8 +30,9 @@
 #define PASSING_MAX_JOBS 1024
 #endif
 
-/* Multicast group that floods broadcast frames (ARP) to every host port. */
-#define PASSING_FLOOD_GROUP 0xFFFF
+/* Multicast group that floods broadcast frames (ARP) to every host port. Job groups are
+ * job id + 1 (job ids 1..32766): P4Runtime on BMv2 reserves groups from 32768 on. */
+#define PASSING_FLOOD_GROUP 1
 
 const bit<16> ETHERTYPE_IPV4 = 0x0800;
 const bit<8> IP_PROTO_UDP = 17;

@@ -7,6 +7,9 @@
 
 #include <core.p4>
 #include "headers.p4"
+#include "lanes.p4"
+
+#define PASSING_EXTRACT_LANE(i) pkt.extract(hdr.lanes[i]);
 
 #define PASSING_UDP_LENGTH (8 + 16 + 4 * PASSING_LANES)
 
@@ -40,14 +43,8 @@ parser PassingParser(packet_in pkt, out headers_t hdr) {
     }
     state parse_passing_header {
         pkt.extract(hdr.passing);
-        transition parse_lanes;
-    }
-    state parse_lanes {
-        pkt.extract(hdr.lanes.next);
-        transition select(hdr.lanes.lastIndex) {
-            PASSING_LANES - 1: accept;
-            default: parse_lanes;
-        }
+        FOR_EACH_LANE(PASSING_EXTRACT_LANE)  /* unrolled: BMv2 cannot select on a stack's lastIndex */
+        transition accept;
     }
 }
 

@@ -39,7 +39,7 @@ control V1VerifyChecksum(inout headers_t hdr, inout metadata_t meta) {
     apply { }
 }
 
-control Ingress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
+control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
     /* ---- state per slot and set ---- */
     register<bit<32>>(PASSING_SLOT_SETS) slot_epoch;
     register<bit<32>>(PASSING_SLOT_SETS) slot_tag;
@@ -105,18 +105,18 @@ control Ingress(inout headers_t hdr, inout metadata_t meta, inout standard_metad
         bit<32> cur;                                                                   \
         lane_acc.read(cur, meta.lane_base + (i));                                      \
         bit<32> inc = hdr.lanes[i].value;                                              \
-        bit<32> next = inc;                                                            \
+        bit<32> updated = inc;                                                            \
         if (!fresh) {                                                                  \
             if (hdr.passing.op == PASSING_OP_MAX) {                                    \
-                if ((int<32>)cur > (int<32>)inc) { next = cur; }                       \
+                if ((int<32>)cur > (int<32>)inc) { updated = cur; }                       \
             } else {                                                                   \
                 int<32> saturated = (int<32>)cur |+| (int<32>)inc;                     \
                 if (saturated != (int<32>)cur + (int<32>)inc) { lane_overflow = 1; }   \
-                next = (bit<32>)saturated;                                             \
+                updated = (bit<32>)saturated;                                          \
             }                                                                          \
         }                                                                              \
-        lane_acc.write(meta.lane_base + (i), next);                                    \
-        hdr.lanes[i].value = next;                                                     \
+        lane_acc.write(meta.lane_base + (i), updated);                                  \
+        hdr.lanes[i].value = updated;                                                   \
     }
     /* A lane of a completed round, read back for a retransmitting worker. */
     #define LANE_READ(i) { lane_acc.read(hdr.lanes[i].value, meta.lane_base + (i)); }
@@ -218,7 +218,7 @@ control Ingress(inout headers_t hdr, inout metadata_t meta, inout standard_metad
     }
 }
 
-control Egress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
+control PassingEgress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
     counter(PASSING_MAX_JOBS, CounterType.packets) results_sent;
 
     /* Each replica of a completed round goes to one worker: replication id = worker. */
@@ -279,4 +279,4 @@ control V1Deparser(packet_out pkt, in headers_t hdr) {
     }
 }
 
-V1Switch(V1Parser(), V1VerifyChecksum(), Ingress(), Egress(), V1ComputeChecksum(), V1Deparser()) main;
+V1Switch(V1Parser(), V1VerifyChecksum(), PassingIngress(), PassingEgress(), V1ComputeChecksum(), V1Deparser()) main;

@@ -1,0 +1,211 @@
+"""End to end on BMv2 in Mininet: the controller programs the switch, workers join and allreduce.
+
+Hosts h1..h4 run workers, `ps` runs a software aggregator (the fallback), `ctl` is a host
+in the root namespace where passing-controller runs: it reaches BMv2's gRPC port on
+localhost and the hosts through the switch, like the control channel of a real rack.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from passing.cli import float_error_bound, worker_inputs
+from tests.cluster import LocalCluster
+
+from .network import REPO
+
+HOSTS = 4
+EXTRA = (("ps", "10.0.0.100", False), ("ctl", "10.0.0.253", True))
+CONTROLLER = "tcp://10.0.0.253:9090"
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def network():
+    from .network import Bmv2Network
+
+    net = Bmv2Network(HOSTS, extra=EXTRA)
+    yield net
+    net.stop()
+
+
+@pytest.fixture(scope="module")
+def ps(network):
+    proc = network.net.get("ps").popen(
+        [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", "10.0.0.100:9877",
+         "--control", "tcp://10.0.0.100:9878"], stdout=subprocess.PIPE, text=True)
+    assert json.loads(proc.stdout.readline())["event"] == "ready"
+    yield proc
+    proc.terminate()
+    proc.wait(10)
+
+
+class ControllerProcess:
+    def __init__(self, network, pipeline, tmp: Path) -> None:
+        topo = network.topology()
+        topo["ps"] = [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878"}]
+        self.topology = tmp / "topology.json"
+        self.topology.write_text(json.dumps(topo))
+        self.store = tmp / "controller.sqlite"
+        self.pipeline = pipeline
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> dict:
+        self.proc = subprocess.Popen(
+            [str(VENV_BIN / "passing-controller"), "--topology", str(self.topology), "--p4info",
+             str(self.pipeline.p4info), "--device-config", str(self.pipeline.device_config), "--store",
+             str(self.store), "--listen", CONTROLLER, "--join-timeout", "60"],
+            stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        assert line, "passing-controller exited"
+        return json.loads(line)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+    def ctl(self, *args: str) -> dict:
+        out = subprocess.run([str(VENV_BIN / "passing-ctl"), "--controller", CONTROLLER, *args],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def controller(network, pipeline, ps, tmp_path_factory):
+    c = ControllerProcess(network, pipeline, tmp_path_factory.mktemp("controller"))
+    ready = c.start()
+    assert ready["switch"] == "connected", ready
+    yield c
+    c.stop()
+
+
+def run_workers(network, tmp: Path, job: str, hosts: list[str], size: int, extra: list[str] = (),
+                wait: bool = True) -> list:
+    procs = []
+    for w, h in enumerate(hosts):
+        ip = network.net.get(h).IP()
+        procs.append(network.net.get(h).popen(
+            [sys.executable, "-m", "passing.cli", "allreduce", "--controller", CONTROLLER, "--job-name", job,
+             "--worker", str(w), "--workers", str(len(hosts)), "--bind", f"{ip}:{20000 + w}", "--size", str(size),
+             "--out", str(tmp / f"{job}-{w}.npy"), "--no-check", "--timeout", "60", "--pool", "64", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO)))
+    return procs if not wait else finish(procs, tmp, job)
+
+
+def finish(procs, tmp: Path, job: str) -> list:
+    out = []
+    for w, p in enumerate(procs):
+        stdout, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, f"worker {w} of {job}: {stderr}"
+        out.append((json.loads(stdout.splitlines()[-1]), np.load(tmp / f"{job}-{w}.npy")))
+    return out
+
+
+def expected(workers: int, size: int) -> tuple[np.ndarray, float]:
+    inputs = [worker_inputs(0, w, size, "float32") for w in range(workers)]
+    total = np.sum(inputs, axis=0, dtype=np.float64)
+    return total, float_error_bound(inputs, total)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("workers", [2, 4])
+def test_allreduce_through_bmv2_matches_the_software_aggregator(network, controller, tmp_path, workers):
+    size = 20_000
+    results = run_workers(network, tmp_path, f"flat{workers}", [f"h{i + 1}" for i in range(workers)], size,
+                          extra=["--leave"])
+    total, bound = expected(workers, size)
+    for report, r in results:
+        assert report["mode"] == "switch"
+        assert np.max(np.abs(r - total)) <= bound
+    # the same inputs through the software aggregator give the very same bits
+    c = LocalCluster(tmp_path, workers=workers, pool=64)
+    try:
+        software = c.results(size)
+    finally:
+        c.close()
+    for (_, r), s in zip(results, software):
+        assert np.array_equal(r, s)
+
+
+@pytest.mark.timeout(600)
+def test_loss_at_the_hosts(network, controller, tmp_path):
+    size = 20_000
+    results = run_workers(network, tmp_path, "lossy", ["h1", "h2", "h3"], size, extra=["--drop", "0.05", "--leave"])
+    total, bound = expected(3, size)
+    for report, r in results:
+        assert report["retransmissions"] > 0
+        assert np.max(np.abs(r - total)) <= bound
+
+
+@pytest.mark.timeout(600)
+def test_two_jobs_at_once_on_disjoint_ranges(network, controller, tmp_path):
+    size = 20_000
+    a = run_workers(network, tmp_path, "job-a", ["h1", "h2"], size, wait=False)
+    b = run_workers(network, tmp_path, "job-b", ["h3", "h4"], size, wait=False)
+    deadline = time.monotonic() + 60
+    while len(controller.ctl("jobs")["jobs"]) < 2:
+        assert time.monotonic() < deadline, "the two jobs did not both join"
+        time.sleep(0.2)
+    jobs = {j["job"]: j for j in controller.ctl("jobs")["jobs"]}
+    ra, rb = jobs["job-a"], jobs["job-b"]
+    assert ra["mode"] == rb["mode"] == "switch"
+    assert ra["base"] + ra["pool"] <= rb["base"] or rb["base"] + rb["pool"] <= ra["base"]
+    total, bound = expected(2, size)
+    for _, r in finish(a, tmp_path, "job-a") + finish(b, tmp_path, "job-b"):
+        assert np.max(np.abs(r - total)) <= bound
+    for job in ("job-a", "job-b"):
+        controller.ctl("leave", job)
+
+
+@pytest.mark.timeout(600)
+def test_controller_restart_between_two_allreduces(network, controller, tmp_path):
+    size = 20_000
+    gate = tmp_path / "restarted"
+    procs = run_workers(network, tmp_path, "restart", ["h1", "h2"], size, extra=["--iterations", "2", "--gate",
+                                                                                  str(gate)], wait=False)
+    packets = -(-size // 64) + 1
+    deadline = time.monotonic() + 60
+    while True:  # the first allreduce is done when its rounds have completed
+        jobs = [j for j in controller.ctl("jobs")["jobs"] if j["job"] == "restart"]
+        if jobs:
+            stats = controller.ctl("stats", "--job-id", str(jobs[0]["job_id"]))
+            if stats[str(jobs[0]["job_id"])]["completed"] >= packets:
+                break
+        assert time.monotonic() < deadline, "the first allreduce did not finish"
+        time.sleep(0.2)
+    controller.stop()
+    ready = controller.start()
+    assert ready["switch"] == "connected" and ready["jobs"] >= 1
+    gate.touch()
+    total, bound = expected(2, size)
+    for _, r in finish(procs, tmp_path, "restart"):
+        assert np.max(np.abs(r - total)) <= bound
+    controller.ctl("leave", "restart")
+
+
+@pytest.mark.timeout(600)
+def test_exhausted_slots_fall_back_to_the_ps(network, controller, tmp_path):
+    size = 5_000
+    big = run_workers(network, tmp_path, "big", ["h1", "h2"], size, extra=["--pool", "1000"], wait=False)
+    deadline = time.monotonic() + 60
+    while not any(j["job"] == "big" for j in controller.ctl("jobs")["jobs"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    results = run_workers(network, tmp_path, "small", ["h3", "h4"], size, extra=["--pool", "100", "--leave"])
+    total, bound = expected(2, size)
+    for report, r in results:
+        assert report["mode"] == "ps"
+        assert np.max(np.abs(r - total)) <= bound
+    for report, _ in finish(big, tmp_path, "big"):
+        assert report["mode"] == "switch"
+    controller.ctl("leave", "big")
