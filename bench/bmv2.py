@@ -97,7 +97,7 @@ def main() -> int:
     if missing:
         print(f"bench-bmv2: {missing}", file=sys.stderr)
         return 2
-    from passing_controller import l2_forward
+    from passing_controller import aggregator_address, l2_forward
     from passing_controller.p4runtime import Pipeline, Switch
     from passing_controller.topology import Topology
 
@@ -106,7 +106,9 @@ def main() -> int:
     try:
         switch = Switch(net.p4runtime_address)
         switch.set_pipeline(Pipeline(p4info, device_config))
-        l2_forward.install(switch, Topology.from_dict(net.topology()))
+        topo = Topology.from_dict(net.topology())
+        l2_forward.install(switch, topo)
+        aggregator_address.install(switch, topo)
         time.sleep(0.5)
         l2 = l2_rate(net, 20_000)
         print(f"BMv2 L2 forwarding, {wire.packet_size()}-byte UDP payloads: {l2['packets_per_s'] / 1e3:.1f} kpps "

@@ -39,12 +39,14 @@ def network(request):
 
 @pytest.fixture(scope="module")
 def switch(network, pipeline):
-    from passing_controller import l2_forward
+    from passing_controller import aggregator_address, l2_forward
     from passing_controller.p4runtime import Switch
     from passing_controller.topology import Topology
 
     sw = Switch(network.p4runtime_address)
     sw.set_pipeline(pipeline)
-    l2_forward.install(sw, Topology.from_dict(network.topology()))
+    topo = Topology.from_dict(network.topology())
+    l2_forward.install(sw, topo)
+    aggregator_address.install(sw, topo)
     yield sw
     sw.close()

@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from . import admission, counters, l2_forward, result_rewrite
+from . import admission, aggregator_address, counters, l2_forward, result_rewrite
 from .allocation import MAX_JOB_ID, Allocation, Worker
 from .allocator import SlotAllocator, SlotsExhausted
 from .p4runtime import Pipeline, Switch, SwitchError
@@ -100,11 +100,12 @@ class Controller:
     def _reconcile(self, sw: Switch) -> None:
         """Make the switch's tables exactly what the store says (registers stay as they are)."""
         deletes = []
-        for table in (admission.TABLE, result_rewrite.TABLE, l2_forward.TABLE):
+        for table in (admission.TABLE, result_rewrite.TABLE, l2_forward.TABLE, aggregator_address.TABLE):
             deletes += [sw.update("delete", e) for e in sw.read_table(table)]
         deletes += [sw.update("delete", e) for e in sw.read_multicast_groups()]
         sw.write(deletes)
         l2_forward.install(sw, self.topo)
+        aggregator_address.install(sw, self.topo)
         for r in self.store.all():
             if r.mode == "switch":
                 a = self._allocation(r)

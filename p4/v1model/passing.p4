@@ -85,6 +85,15 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
         size = 4096;
     }
 
+    /* ---- which IPv4 address is the switch's aggregator: PASSING traffic to any other
+     * address (a PS host, say) is ordinary traffic ---- */
+    table aggregator_address {
+        key = { hdr.ipv4.dst_addr: exact @name("ip"); }
+        actions = { NoAction; }
+        const default_action = NoAction();
+        size = 16;
+    }
+
     /* ---- plain L2 forwarding for everything that is not PASSING DATA ---- */
     action forward(bit<9> port) {
         sm.egress_spec = port;
@@ -125,7 +134,7 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
         if (sm.parser_error != error.NoError) {
             malformed.count(0);
             drop();
-        } else if (hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT) {
+        } else if (hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT && aggregator_address.apply().hit) {
             if (!hdr.passing.isValid() || hdr.passing.version != PASSING_VERSION
                     || hdr.passing.type != PASSING_TYPE_DATA) {
                 malformed.count(0);
