@@ -107,6 +107,7 @@ class Group:
         self.scale, self.on_overflow = scale, on_overflow
         self.rto_min, self.max_rto, self.timeout = rto, max_rto, timeout
         self._srtt, self._rttvar = rto, rto / 2
+        self._backoff = 1.0  # Karn: a timeout backs the timer off until a clean RTT sample
         self._agg_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
         self._next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
         self._failed: str | None = None  # after a failed call the psn streams are out of step
@@ -331,6 +332,7 @@ class Group:
                         f"from aggregator {host}:{port} after {int(retries[r])} retransmissions in "
                         f"{self.timeout:g} s: the aggregator is unreachable or a peer worker stopped sending"
                     )
+                self._backoff = min(self._backoff * 2.0, 64.0)
                 packets["hdr"]["flags"][rows] |= wire.FLAG_RETRANSMIT
                 self._send(packets, dest, rows)
                 self.socket.stats.retransmissions += rows.size
@@ -365,6 +367,7 @@ class Group:
         """RFC 6298 smoothing; the sample is the slowest clean RESULT of a receive batch."""
         self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
         self._srtt = 0.875 * self._srtt + 0.125 * rtt
+        self._backoff = 1.0
 
     def _rto(self) -> float:
-        return min(max(self._srtt + 4.0 * self._rttvar, self.rto_min), self.max_rto)
+        return min(max(self._srtt + 4.0 * self._rttvar, self.rto_min) * self._backoff, self.max_rto)
