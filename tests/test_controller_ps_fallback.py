@@ -88,7 +88,10 @@ def test_unreachable_switch_falls_back_to_the_ps_and_says_so(ps, tmp_path):
         status = request(running.endpoint, "status")
         assert status["switch"].startswith("unavailable") and status["jobs"][0]["mode"] == "ps"
         assert "1" in ControlClient(ps["control"]).request("stats")["jobs"]  # admitted on the PS
-        leave(running.endpoint, "resnet")
+        assert leave(running.endpoint, "resnet", worker=0)["remaining"] == [1, 2]
+        assert leave(running.endpoint, "resnet", worker=2)["remaining"] == [1]
+        assert len(request(running.endpoint, "status")["jobs"]) == 1  # a worker is still in
+        assert leave(running.endpoint, "resnet", worker=1)["remaining"] == []
         assert request(running.endpoint, "status")["jobs"] == []
         assert ControlClient(ps["control"]).request("jobs")["jobs"] == []  # and removed there
     finally:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import zmq
 
+from . import rpc
 from .p4runtime import Pipeline
 from .service import PROTOCOL_VERSION, Controller
 from .topology import Topology, TopologyError
@@ -46,16 +47,7 @@ def controller_main(argv: list[str] | None = None) -> int:
 
 
 def request(endpoint: str, cmd: str, timeout: float = 10.0, **fields) -> dict:
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(json.dumps({"version": PROTOCOL_VERSION, "cmd": cmd, **fields}).encode())
-        if not sock.poll(int(timeout * 1000)):
-            raise TimeoutError(f"controller {endpoint} did not answer in {timeout} s")
-        return json.loads(sock.recv())
-    finally:
-        sock.close()
+    return rpc.call(endpoint, {"version": PROTOCOL_VERSION, "cmd": cmd, **fields}, timeout)
 
 
 def ctl_main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from . import admission, aggregator_address, counters, l2_forward, result_rewrite
+from . import admission, aggregator_address, counters, l2_forward, result_rewrite, rpc
 from .allocation import MAX_JOB_ID, Allocation, Worker
 from .allocator import SlotAllocator, SlotsExhausted
 from .p4runtime import Pipeline, Switch, SwitchError
@@ -57,6 +57,7 @@ class Controller:
         self.switch: Switch | None = None
         self.switch_error: str | None = None
         self.pending: dict[tuple[str, int], PendingGroup] = {}
+        self.leaving: dict[int, set[int]] = {}  # job id -> workers that left (the group goes when all have)
         for r in self.store.all():
             (self.allocator if r.mode == "switch" else self.ps_allocators.setdefault(
                 r.aggregator["control"], SlotAllocator(4096))).reserve(r.base, r.pool)
@@ -260,9 +261,22 @@ class Controller:
         return r
 
     def _leave(self, req: dict) -> dict:
+        """A worker's leave (with `worker`) counts it out; the group is torn down when every
+        worker has left, so nobody loses the slots while a slower peer still needs RESULTs.
+        A leave without `worker` (the operator's) tears the group down at once."""
         name, group = str(req["job"]), int(req.get("group", 0))
         for r in self.store.all():
             if r.job_name == name and r.group == group:
+                if req.get("worker") is not None:
+                    worker = int(req["worker"])
+                    if not 0 <= worker < len(r.workers):
+                        raise RequestError(f"job {name!r} group {group} has no worker {worker}")
+                    left = self.leaving.setdefault(r.job_id, set())
+                    left.add(worker)
+                    if len(left) < len(r.workers):
+                        return {"left": {"job": name, "group": group, "job_id": r.job_id, "worker": worker},
+                                "remaining": sorted(set(range(len(r.workers))) - left)}
+                self.leaving.pop(r.job_id, None)
                 if r.mode == "switch":
                     if self.switch is not None:
                         a = self._allocation(r)
@@ -273,7 +287,7 @@ class Controller:
                     ps_request(r.aggregator["control"], "remove_job", job=r.job_id)
                     self.ps_allocators[r.aggregator["control"]].release(r.base)
                 self.store.remove(r.job_id)
-                return {"left": {"job": name, "group": group, "job_id": r.job_id}}
+                return {"left": {"job": name, "group": group, "job_id": r.job_id}, "remaining": []}
         raise RequestError(f"job {name!r} group {group} is not running")
 
     def _expire(self) -> None:
@@ -316,16 +330,7 @@ class Controller:
 
 def ps_request(endpoint: str, cmd: str, timeout: float = 5.0, **fields: Any) -> dict:
     """One request to a software aggregator's control channel (docs/protocol.md)."""
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(json.dumps({"version": 1, "cmd": cmd, **fields}).encode())
-        if not sock.poll(int(timeout * 1000)):
-            raise TimeoutError(f"software aggregator {endpoint} did not answer in {timeout} s")
-        reply = json.loads(sock.recv())
-    finally:
-        sock.close()
+    reply = rpc.call(endpoint, {"version": 1, "cmd": cmd, **fields}, timeout)
     if not reply.get("ok"):
         raise RequestError(f"software aggregator {endpoint} refused {cmd}: {reply.get('error')}")
     return reply

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import wire
+from . import rpc, wire
 from .aggregation import AggregationEngine, ConfigError, Emission, JobSpec
 from .transport import BatchSocket, pack_address, parse_endpoint, unpack_address
 
@@ -253,19 +253,9 @@ class ControlClient:
 
     def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
         self.endpoint, self.timeout = endpoint, timeout
-        self._ctx = zmq.Context.instance()
 
     def request(self, cmd: str, **fields: Any) -> dict[str, Any]:
-        sock = self._ctx.socket(zmq.REQ)  # a fresh REQ per call: a lost reply never wedges it
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(self.endpoint)
-            sock.send(json.dumps({"version": CONTROL_VERSION, "cmd": cmd, **fields}).encode())
-            if not sock.poll(int(self.timeout * 1000)):
-                raise TimeoutError(f"aggregator control {self.endpoint} did not answer in {self.timeout} s")
-            reply = json.loads(sock.recv())
-        finally:
-            sock.close()
+        reply = rpc.call(self.endpoint, {"version": CONTROL_VERSION, "cmd": cmd, **fields}, self.timeout)
         if not reply.get("ok"):
             raise ConfigError(f"aggregator refused {cmd}: {reply.get('error')}")
         return reply

@@ -121,7 +121,8 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     p.add_argument("--controller", help="join through this controller (tcp://host:port) instead of --aggregator")
     p.add_argument("--job-name", default="passing-allreduce", help="job name to join with --controller")
     p.add_argument("--group", type=int, default=0, help="group index to join with --controller")
-    p.add_argument("--leave", action="store_true", help="worker 0 leaves the job at the end (--controller)")
+    p.add_argument("--leave", action="store_true",
+                   help="leave the job at the end; the controller ends it when every worker has (--controller)")
     p.add_argument("--drop", type=float, default=0.0, help="test: drop this fraction of packets each way, here")
     p.add_argument("--gate", help="test: between iterations, wait until this file exists")
     p.add_argument("--bind", required=True, help="this worker's admitted address, ip:port")
@@ -167,8 +168,8 @@ def allreduce_main(argv: list[str] | None = None) -> int:
                 out = g.allreduce(x, op=args.op)
             elapsed = (time.perf_counter() - start) / args.iterations
             stats = g.stats.as_dict()
-        if args.controller and args.leave and args.worker == 0:
-            control.leave(args.controller, args.job_name, args.group)
+        if args.controller and args.leave:
+            control.leave(args.controller, args.job_name, args.group, worker=args.worker)
     except (PassingError, OSError, ValueError) as e:
         print(f"passing-allreduce: worker {args.worker}: error: {e}", file=sys.stderr)
         return 1

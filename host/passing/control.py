@@ -7,11 +7,9 @@ turns that answer into a streaming group, so switch and PS runs use one code pat
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import zmq
-
+from . import rpc
 from .stream import PassingError
 
 PROTOCOL_VERSION = 1
@@ -22,16 +20,10 @@ class ControllerError(PassingError):
 
 
 def request(controller: str, cmd: str, timeout: float = 10.0, **fields: Any) -> dict[str, Any]:
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(controller)
-        sock.send(json.dumps({"version": PROTOCOL_VERSION, "cmd": cmd, **fields}).encode())
-        if not sock.poll(int(timeout * 1000)):
-            raise ControllerError(f"controller {controller} did not answer {cmd} within {timeout:g} s")
-        reply = json.loads(sock.recv())
-    finally:
-        sock.close()
+        reply = rpc.call(controller, {"version": PROTOCOL_VERSION, "cmd": cmd, **fields}, timeout)
+    except TimeoutError as e:
+        raise ControllerError(f"controller {e}") from None
     if not reply.get("ok"):
         raise ControllerError(f"controller refused {cmd}: {reply.get('error')}")
     return reply
@@ -47,5 +39,11 @@ def join(controller: str, job: str, worker: int, workers: int, host: str, udp_po
     return request(controller, "join", timeout=timeout, **fields)
 
 
-def leave(controller: str, job: str, group: int = 0, timeout: float = 10.0) -> dict[str, Any]:
-    return request(controller, "leave", timeout=timeout, job=job, group=group)
+def leave(controller: str, job: str, group: int = 0, worker: int | None = None,
+          timeout: float = 10.0) -> dict[str, Any]:
+    """With ``worker``: this worker is done; the group goes when all its workers are.
+    Without: end the group now."""
+    fields: dict[str, Any] = {"job": job, "group": group}
+    if worker is not None:
+        fields["worker"] = worker
+    return request(controller, "leave", timeout=timeout, **fields)
