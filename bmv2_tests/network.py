@@ -120,8 +120,8 @@ def make_switch_class():
             for p in ports:
                 args += ["-i", p]
             args += ["--", "--grpc-server-addr", f"127.0.0.1:{self.grpc_port}"]
-            self.output = open(os.path.join(self.log_dir, f"{self.name}.out"), "w")  # noqa: SIM115
-            self.process = subprocess.Popen(args, stdout=self.output, stderr=subprocess.STDOUT)
+            with open(os.path.join(self.log_dir, f"{self.name}.out"), "w") as output:  # the child keeps its copy
+                self.process = subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT)
 
         def stop(self, deleteIntfs=True):
             if self.process is not None:
@@ -209,7 +209,7 @@ class Bmv2Network:
         for a in self.agents.values():
             try:
                 a.close()
-            except Exception:  # noqa: BLE001 - best effort on the way out
+            except Exception:  # best effort on the way out
                 a.proc.kill()
         self.net.stop()
         shutil.rmtree(self.log_dir, ignore_errors=True)

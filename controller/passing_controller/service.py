@@ -31,6 +31,7 @@ log = logging.getLogger("passing_controller")
 PROTOCOL_VERSION = 1
 UDP_PORT = 9877  # docs/protocol.md: the aggregator's PASSING port
 MAX_WORKERS = 32
+SWITCH_RETRY_SECONDS = 30.0  # a switch that was unavailable is tried again at a join after this long
 
 
 class RequestError(ValueError):
@@ -56,6 +57,7 @@ class Controller:
         self.ps_allocators = {ps.control: SlotAllocator(4096) for ps in topology.ps}
         self.switch: Switch | None = None
         self.switch_error: str | None = None
+        self._switch_retry_at = 0.0
         self.pending: dict[tuple[str, int], PendingGroup] = {}
         self.leaving: dict[int, set[int]] = {}  # job id -> workers that left (the group goes when all have)
         for r in self.store.all():
@@ -77,6 +79,7 @@ class Controller:
             sw = Switch(self.topo.p4runtime, self.topo.device_id, timeout=self.switch_timeout)
         except SwitchError as e:
             self.switch, self.switch_error = None, str(e)
+            self._switch_retry_at = time.monotonic() + SWITCH_RETRY_SECONDS
             log.warning("switch unavailable, PS fallback only: %s", e)
             return
         try:
@@ -94,6 +97,7 @@ class Controller:
         except SwitchError as e:
             sw.close()
             self.switch, self.switch_error = None, str(e)
+            self._switch_retry_at = time.monotonic() + SWITCH_RETRY_SECONDS
             log.warning("switch unusable, PS fallback only: %s", e)
             return
         self.switch, self.switch_error = sw, None
@@ -218,6 +222,8 @@ class Controller:
                    for w, (_, req) in sorted(pending.members.items())]
         epoch = self.store.next("epoch")
         reason = ""
+        if self.switch is None and time.monotonic() >= self._switch_retry_at:
+            self.connect_switch()  # it may be back
         if self.switch is not None:
             try:
                 base = self.allocator.allocate(pending.pool)
