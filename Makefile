@@ -19,15 +19,16 @@ setup: $(STAMP)
 # Runs everything that needs no BMv2; BMv2/Mininet tests skip with a reason when absent.
 # pytest's exit 5 ("no tests collected") is a failure here, never a pass.
 test: $(STAMP)
-	$(PY) -m ruff check host controller tests bench bmv2_tests
+	$(PY) -m ruff check host controller tests bench bmv2_tests demo
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(PY) -m ruff check host controller tests bench bmv2_tests
+	$(PY) -m ruff check host controller tests bench bmv2_tests demo
 
-# The main job: an aggregator and 4 worker processes on loopback, results checked.
+# The main job: a multi-host run on BMv2 in Mininet when BMv2, p4c and Mininet are here
+# (as root), else on the software aggregator with worker processes on loopback; it says which.
 demo: $(STAMP)
-	$(VENV)/bin/passing-local --workers 4 --size 1000000 --iterations 3
+	$(PY) demo/run.py
 
 bench-core: $(STAMP)
 	$(PY) -m pip install --quiet -e 'host[torch]'
