@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.conformance.runner import run_scenario, scapy_builder
@@ -30,8 +32,6 @@ def test_normal_forwarding(network, switch):
     b.call(op="bind", key="plain", port=5555)
     a.call(op="bind", key="plain-src", port=5556)
     a.call(op="send", key="plain-src", to="10.0.0.2:5555", payload=b"hello over L2".hex())
-    import time
-
     deadline = time.monotonic() + 5
     got = []
     while not got and time.monotonic() < deadline:
