@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +15,24 @@ import numpy as np
 
 from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports, start_aggregator, worker_inputs
+
+
+def run_threads(work: Callable[[int], object], count: int, timeout: float = 60) -> list:
+    """work(0..count-1), each in its own thread; each one's return value or exception."""
+    out: list = [None] * count
+
+    def run(i: int) -> None:
+        try:
+            out[i] = work(i)
+        except Exception as e:  # handed to the test
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return out
 
 
 @dataclass

@@ -18,6 +18,7 @@ from passing.cli import free_udp_ports, start_aggregator
 from passing.control import ControllerError, join, leave, request
 from passing_controller.service import Controller
 from passing_controller.topology import Topology
+from tests.cluster import run_threads
 
 
 def closed_port() -> int:
@@ -58,22 +59,13 @@ class Running:
 
 def run_workers(endpoint: str, job: str, workers: int, data: list[np.ndarray]) -> list:
     ports = free_udp_ports(workers)
-    out: list = [None] * workers
 
-    def work(w: int) -> None:
-        try:
-            answer = join(endpoint, job, w, workers, host="127.0.0.1", udp_port=ports[w], timeout=30)
-            with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=10) as g:
-                out[w] = (answer, g.allreduce(data[w]))
-        except Exception as e:  # handed to the test
-            out[w] = e
+    def work(w: int) -> tuple:
+        answer = join(endpoint, job, w, workers, host="127.0.0.1", udp_port=ports[w], timeout=30)
+        with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=10) as g:
+            return answer, g.allreduce(data[w])
 
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
+    return run_threads(work, workers)
 
 
 @pytest.mark.timeout(120)

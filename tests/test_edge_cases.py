@@ -10,6 +10,7 @@ import pytest
 from passing import Group
 from passing.aggregator import SoftwareAggregator, job_from_json
 from passing.cli import free_udp_ports
+from tests.cluster import run_threads
 
 
 def allreduce_all(inputs: list[np.ndarray], shards: int = 1, pool: int = 8, **group_args) -> list:
@@ -25,21 +26,13 @@ def allreduce_all(inputs: list[np.ndarray], shards: int = 1, pool: int = 8, **gr
     servers = [threading.Thread(target=a.serve) for a in aggregators]
     for t in servers:
         t.start()
-    results: list = [None] * workers
 
-    def work(w: int) -> None:
-        try:
-            with Group(1, w, workers, [a.address for a in aggregators], pool=pool, bind=addresses[w],
-                       timeout=10, **group_args) as g:
-                results[w] = g.allreduce(inputs[w])
-        except Exception as e:  # handed to the test
-            results[w] = e
+    def work(w: int) -> np.ndarray:
+        with Group(1, w, workers, [a.address for a in aggregators], pool=pool, bind=addresses[w],
+                   timeout=10, **group_args) as g:
+            return g.allreduce(inputs[w])
 
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = run_threads(work, workers)
     for a in aggregators:
         a.stop()
     for t in servers:
@@ -102,21 +95,15 @@ def test_many_calls_wrap_the_slot_sets():
                              jobs=[job_from_json({"job": 1, "pool": 3, "workers": addresses})])
     server = threading.Thread(target=agg.serve)
     server.start()
-    out: dict[int, list] = {0: [], 1: []}
 
-    def work(w: int) -> None:
+    def work(w: int) -> list[np.ndarray]:
         with Group(1, w, 2, [agg.address], pool=3, bind=addresses[w], timeout=10) as g:
-            for i in range(20):
-                out[w].append(g.allreduce(np.full(100 + i, w + i, np.int32)))
+            return [g.allreduce(np.full(100 + i, w + i, np.int32)) for i in range(20)]
 
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = run_threads(work, 2)
     agg.stop()
     server.join(10)
     for w in range(2):
-        assert len(out[w]) == 20
+        assert isinstance(out[w], list) and len(out[w]) == 20, out[w]
         for i, r in enumerate(out[w]):
             assert np.array_equal(r, np.full(100 + i, 1 + 2 * i, np.int32))
