@@ -9,8 +9,8 @@ class SlotsExhausted(RuntimeError):
 
 class SlotAllocator:
     def __init__(self, slots: int) -> None:
-        if slots < 1:
-            raise ValueError("slots must be >= 1")
+        if slots < 0:
+            raise ValueError("slots must be >= 0")  # 0: a topology without a switch
         self.slots = slots
         self.used: dict[int, int] = {}  # base -> pool
 

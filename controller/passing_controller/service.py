@@ -32,6 +32,7 @@ PROTOCOL_VERSION = 1
 UDP_PORT = 9877  # docs/protocol.md: the aggregator's PASSING port
 MAX_WORKERS = 32
 SWITCH_RETRY_SECONDS = 30.0  # a switch that was unavailable is tried again at a join after this long
+AGGREGATOR_CHOICES = ("any", "ps")  # a join's "aggregator": the PS and PSRing baselines ask for "ps"
 
 
 class RequestError(ValueError):
@@ -43,6 +44,7 @@ class PendingGroup:
     workers: int
     pool: int
     deadline: float
+    aggregator: str  # "any": the switch when it can serve, else a PS; "ps": a PS in any case
     members: dict[int, tuple[bytes, dict]] = field(default_factory=dict)  # worker -> (identity, request)
 
 
@@ -75,6 +77,10 @@ class Controller:
 
     def connect_switch(self) -> None:
         """Connect, then either load the pipeline (a fresh switch) or reconcile with it."""
+        if self.topo.p4runtime is None:
+            self.switch, self.switch_error = None, "no switch in the topology (PS only)"
+            self._switch_retry_at = float("inf")
+            return
         try:
             sw = Switch(self.topo.p4runtime, self.topo.device_id, timeout=self.switch_timeout)
         except SwitchError as e:
@@ -187,11 +193,17 @@ class Controller:
             raise RequestError(f"bad udp_port {req['udp_port']}")
         if any(r.job_name == name and r.group == group for r in self.store.all()):
             raise RequestError(f"job {name!r} group {group} is running; leave it first")
+        aggregator = str(req.get("aggregator", "any"))
+        if aggregator not in AGGREGATOR_CHOICES:
+            raise RequestError(f"aggregator must be one of {AGGREGATOR_CHOICES}, got {aggregator!r}")
         key = (name, group)
-        pending = self.pending.setdefault(
-            key, PendingGroup(workers, int(req.get("pool", self.default_pool)), time.monotonic() + self.join_timeout))
+        pending = self.pending.setdefault(key, PendingGroup(
+            workers, int(req.get("pool", self.default_pool)), time.monotonic() + self.join_timeout, aggregator))
         if pending.workers != workers:
             raise RequestError(f"job {name!r} group {group} has {pending.workers} workers, not {workers}")
+        if pending.aggregator != aggregator:
+            raise RequestError(f"job {name!r} group {group} asked for aggregator {pending.aggregator!r}, "
+                               f"not {aggregator!r}")
         if worker in pending.members:
             raise RequestError(f"worker {worker} of job {name!r} group {group} joined already")
         pending.members[worker] = (identity, req)
@@ -221,6 +233,9 @@ class Controller:
         workers = [{"index": w, "host": self.topo.host(str(req["host"])).name, "udp_port": int(req["udp_port"])}
                    for w, (_, req) in sorted(pending.members.items())]
         epoch = self.store.next("epoch")
+        if pending.aggregator == "ps":
+            reason = "a software aggregator (PS), as the job asked"
+            return self._allocate_ps(job_id, name, group, epoch, pending.pool, workers, reason), reason
         reason = ""
         if self.switch is None and time.monotonic() >= self._switch_retry_at:
             self.connect_switch()  # it may be back
@@ -243,6 +258,8 @@ class Controller:
                 log.info("job %s group %d -> switch slots %d..%d (job id %d)", name, group, base,
                          base + pending.pool - 1, job_id)
                 return r, "in-network aggregation on the switch"
+        elif self.topo.p4runtime is None:
+            reason = "no switch in the topology"
         else:
             reason = f"switch unreachable: {self.switch_error}"
         return self._allocate_ps(job_id, name, group, epoch, pending.pool, workers, reason), reason

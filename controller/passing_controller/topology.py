@@ -10,7 +10,9 @@ JSON::
       "ps": [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878"}]
     }
 
-Nothing about ports or addresses is hard-coded anywhere else.
+Without "switch" the controller serves software aggregators (PS) only; "hosts" may then
+be left out, and a join may name its host by any IPv4 address. Nothing about ports or
+addresses is hard-coded anywhere else.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class PsEndpoint:
 
 @dataclass
 class Topology:
-    p4runtime: str
+    p4runtime: str | None  # None: no switch, PS only
     device_id: int
     aggregation_mac: str
     aggregation_ip: str
@@ -72,6 +74,9 @@ class Topology:
         for h in self.hosts:
             if name_or_ip in (h.name, h.ip):
                 return h
+        if self.p4runtime is None:  # PS only: an address is all a software aggregator needs
+            ip_to_int(name_or_ip)
+            return Host(name_or_ip, "00:00:00:00:00:00", name_or_ip, 0)
         raise TopologyError(f"no host {name_or_ip!r} in the topology")
 
     @classmethod
@@ -85,14 +90,22 @@ class Topology:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Topology:
         try:
-            sw = raw["switch"]
-            hosts = [Host(str(h["name"]), str(h["mac"]), str(h["ip"]), int(h["port"])) for h in raw["hosts"]]
-            topo = cls(
-                p4runtime=str(sw["p4runtime"]), device_id=int(sw.get("device_id", 0)),
-                aggregation_mac=str(sw["aggregation_mac"]), aggregation_ip=str(sw["aggregation_ip"]),
-                slots=int(sw.get("slots", 1024)), lanes=int(sw.get("lanes", 64)), hosts=hosts,
-                ps=[PsEndpoint(str(p["data"]), str(p["control"])) for p in raw.get("ps", [])],
-            )
+            ps = [PsEndpoint(str(p["data"]), str(p["control"])) for p in raw.get("ps", [])]
+            if "switch" not in raw:
+                if not ps:
+                    raise TopologyError("topology: neither a switch nor a PS to aggregate on")
+                hosts = [Host(str(h["name"]), str(h.get("mac", "00:00:00:00:00:00")), str(h["ip"]),
+                              int(h.get("port", 0))) for h in raw.get("hosts", [])]
+                topo = cls(p4runtime=None, device_id=0, aggregation_mac="00:00:00:00:00:00",
+                           aggregation_ip="0.0.0.0", slots=0, lanes=int(raw.get("lanes", 64)), hosts=hosts, ps=ps)
+            else:
+                sw = raw["switch"]
+                hosts = [Host(str(h["name"]), str(h["mac"]), str(h["ip"]), int(h["port"])) for h in raw["hosts"]]
+                topo = cls(
+                    p4runtime=str(sw["p4runtime"]), device_id=int(sw.get("device_id", 0)),
+                    aggregation_mac=str(sw["aggregation_mac"]), aggregation_ip=str(sw["aggregation_ip"]),
+                    slots=int(sw.get("slots", 1024)), lanes=int(sw.get("lanes", 64)), hosts=hosts, ps=ps,
+                )
         except (KeyError, TypeError, ValueError) as e:
             raise TopologyError(f"topology: missing or bad field {e}") from None
         for h in topo.hosts:

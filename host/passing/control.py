@@ -30,10 +30,13 @@ def request(controller: str, cmd: str, timeout: float = 10.0, **fields: Any) -> 
 
 
 def join(controller: str, job: str, worker: int, workers: int, host: str, udp_port: int, group: int = 0,
-         pool: int | None = None, timeout: float = 120.0) -> dict[str, Any]:
-    """Wait until the whole group has joined; returns the controller's answer."""
+         pool: int | None = None, aggregator: str = "any", timeout: float = 120.0) -> dict[str, Any]:
+    """Wait until the whole group has joined; returns the controller's answer.
+
+    ``aggregator="ps"`` asks for a software aggregator even when the switch could serve
+    (the PS and PSRing baselines)."""
     fields: dict[str, Any] = {"job": job, "group": group, "worker": worker, "workers": workers, "host": host,
-                              "udp_port": udp_port}
+                              "udp_port": udp_port, "aggregator": aggregator}
     if pool is not None:
         fields["pool"] = pool
     return request(controller, "join", timeout=timeout, **fields)

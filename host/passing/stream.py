@@ -62,7 +62,8 @@ class Group:
     ``scale`` is ``"auto"`` (a MAX round picks a power-of-two scale per aggregator) or
     a number (fixed scale; ``on_overflow="auto"`` redoes an overflowing call in auto
     mode, ``"raise"`` raises PassingOverflow). The aggregator admits this worker by
-    its source address, so ``bind`` must be the address given to the aggregator.
+    its source address, so ``bind`` must be the address given to the aggregator; it may
+    be a BatchSocket bound earlier (to learn the port before a join), which the group then owns.
     """
 
     def __init__(
@@ -73,7 +74,7 @@ class Group:
         aggregators: Sequence[str | tuple[str, int] | Aggregator],
         pool: int = 256,
         lanes: int = wire.DEFAULT_LANES,
-        bind: str | tuple[str, int] = ("0.0.0.0", 0),
+        bind: str | tuple[str, int] | BatchSocket = ("0.0.0.0", 0),
         scale: str | float = "auto",
         on_overflow: str = "raise",
         rto: float = 0.02,
@@ -111,12 +112,16 @@ class Group:
         self._agg_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
         self._next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
         self._failed: str | None = None  # after a failed call the psn streams are out of step
-        if isinstance(bind, str):
-            bind = parse_endpoint(bind, 0)
-        self.socket = BatchSocket(bind, lanes=lanes, offload=offload)
+        if isinstance(bind, BatchSocket):
+            if bind.dtype != wire.packet_dtype(lanes):
+                raise ValueError(f"the socket was made for other than {lanes} lanes")
+            self.socket = bind
+        else:
+            self.socket = BatchSocket(parse_endpoint(bind, 0) if isinstance(bind, str) else bind, lanes=lanes,
+                                      offload=offload)
 
     @classmethod
-    def from_answer(cls, answer: dict, bind: str | tuple[str, int], **options) -> Group:
+    def from_answer(cls, answer: dict, bind: str | tuple[str, int] | BatchSocket, **options) -> Group:
         """A group from the controller's join answer (passing.control.join): switch or PS alike."""
         return cls(
             job=int(answer["job_id"]), worker=int(answer["worker"]), workers=int(answer["workers"]),

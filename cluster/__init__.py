@@ -1,0 +1,5 @@
+"""Local deployments of PASSING for the demo, the tests and the benchmarks.
+
+``local``: software aggregators and a controller on one machine, and rank processes
+laid out as s servers × n ranks the way torchrun would start them.
+"""

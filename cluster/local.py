@@ -1,0 +1,121 @@
+"""Start PASSING's services and torchrun-like rank processes on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from passing.cli import start_aggregator
+
+BIN = Path(sys.executable).parent
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_controller(topology: dict[str, Any], workdir: Path, listen: str, extra: Sequence[str] = (),
+                     popen=subprocess.Popen) -> tuple[subprocess.Popen, dict[str, Any]]:
+    """`passing-controller` on ``topology``; returns the process and its ready line."""
+    (workdir / "topology.json").write_text(json.dumps(topology))
+    proc = popen([str(BIN / "passing-controller"), "--topology", str(workdir / "topology.json"), "--store",
+                  str(workdir / "controller.sqlite"), "--listen", listen, *extra], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait()
+        raise RuntimeError(f"passing-controller exited with {proc.returncode} before it was ready")
+    return proc, json.loads(line)
+
+
+@dataclass
+class LocalServices:
+    """``ps`` software aggregators and a PS-only controller on loopback (no switch)."""
+
+    ps: int = 1
+    aggregator_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="passing-services-")
+        self.procs: list[subprocess.Popen] = []
+        try:
+            endpoints = []
+            for _ in range(self.ps):
+                proc, ready = start_aggregator(self.aggregator_args)
+                self.procs.append(proc)
+                endpoints.append({"data": ready["data"], "control": ready["control"]})
+            self.controller = f"tcp://127.0.0.1:{free_tcp_port()}"
+            proc, self.ready = start_controller({"ps": endpoints}, Path(self._tmp.name), self.controller)
+            self.procs.append(proc)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> LocalServices:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def rank_env(server: int, local_rank: int, servers: int, ranks: int, master: str,
+             extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment torchrun gives rank ``local_rank`` of node ``server``."""
+    host, port = master.rsplit(":", 1)
+    env = dict(os.environ)
+    env.update({
+        "RANK": str(server * ranks + local_rank), "WORLD_SIZE": str(servers * ranks), "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": str(server), "MASTER_ADDR": host, "MASTER_PORT": port,
+        "OMP_NUM_THREADS": "1",
+    })
+    env.update(extra or {})
+    return env
+
+
+def launch_ranks(argv: Sequence[str], servers: int, ranks: int, extra: dict[str, str] | None = None,
+                 popen_for_server=None) -> list[subprocess.Popen]:
+    """s × n processes running ``argv``; ``popen_for_server(i)`` runs server i's elsewhere (a netns)."""
+    master = f"127.0.0.1:{free_tcp_port()}"
+    procs = []
+    for s in range(servers):
+        popen = popen_for_server(s) if popen_for_server else subprocess.Popen
+        for j in range(ranks):
+            procs.append(popen(list(argv), env=rank_env(s, j, servers, ranks, master, extra),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def collect(procs: Sequence[subprocess.Popen], timeout: float) -> list[tuple[int, dict[str, Any] | None, str]]:
+    """(returncode, last stdout line as JSON or None, stderr) of every process; kills stragglers."""
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            stdout, stderr = p.communicate()
+            stderr += f"\n(killed after {timeout:g} s)"
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+        out.append((p.returncode, json.loads(lines[-1]) if lines else None, stderr))
+    return out

@@ -1,0 +1,216 @@
+"""ProcessGroupPassing: torch.distributed's process group for backend "passing".
+
+all_reduce of one float32 tensor with SUM or AVG goes through PASSING; everything else
+(other collectives, ops, dtypes, several tensors) goes to the gloo backend registered
+for the device, and each kind of fallback is logged once. Collectives run in issue
+order on one thread per group, so async_op=True overlaps them with the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.distributed import PrefixStore, ProcessGroup, ReduceOp
+
+from .. import control, wire
+from ..stream import Group, PassingError
+from ..transport import BatchSocket
+from .hierarchy import Layout, two_stage_allreduce
+from .options import SCHEMES, OptionError, Options
+
+log = logging.getLogger("passing.torch")
+
+
+class Membership:
+    """This rank's place in a controller group; leaves it once, at shutdown or exit."""
+
+    def __init__(self, controller: str, job: str, group: int, worker: int, stream: Group) -> None:
+        self.controller, self.job, self.group, self.worker, self.stream = controller, job, group, worker, stream
+        self._closed = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        with self._closed:
+            if self.closed:
+                return
+            self.closed = True
+        self.stream.close()
+        try:
+            control.leave(self.controller, self.job, self.group, self.worker, timeout=5.0)
+        except PassingError as e:
+            log.warning("passing: leaving job %s group %d: %s", self.job, self.group, e)
+
+
+class ProcessGroupPassing(ProcessGroup):
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str,
+                 options: Options) -> None:
+        super().__init__(rank, size)
+        self.options = options
+        self.scheme = SCHEMES[options.scheme]
+        self._fallbacks_logged: set[str] = set()
+        gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
+        self._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
+        if torch.cuda.is_available() and dist.is_nccl_available():
+            nccl = dist.ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size)
+            self._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, nccl)
+        self._set_default_backend(ProcessGroup.BackendType.GLOO)
+
+        self.layout = Layout.exchange(store, rank, size, str(options.server))
+        self.mode = "gloo" if self.scheme.aggregator is None else ""
+        self.reason = f"scheme {options.scheme}: every all_reduce is gloo's"
+        self.local: dict[str, C10dBackend] = {}  # device type -> in-host group of this server's ranks
+        self.stream: Group | None = None
+        if self.scheme.aggregator is None:
+            return
+        in_host = self.scheme.in_host and self.layout.ranks_per_server > 1
+        if in_host:
+            self.local = self._local_groups(store, timeout)
+            group, worker, workers = self.layout.local_rank, self.layout.server, self.layout.servers
+        else:
+            group, worker, workers = 0, rank, size
+        if workers > wire.MAX_WORKERS:
+            raise OptionError(f"{workers} workers in one aggregation group; PASSING takes at most {wire.MAX_WORKERS}"
+                              + ("" if in_host else " (the in-host schemes need one per server)"))
+        job = self._job_name(store, name)
+        self.stream, answer = self._join(job, group, worker, workers)
+        self.mode, self.reason = answer["mode"], answer["reason"]
+        self._membership = Membership(str(options.controller), job, group, worker, self.stream)
+        weakref.finalize(self, self._membership.close)  # also at interpreter exit
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"passing-pg{name}")
+        log.info("passing: rank %d: job %s group %d worker %d of %d on %s (%s)", rank, job, group, worker, workers,
+                 self.mode, self.reason)
+
+    # ---- set-up ------------------------------------------------------------------------
+
+    def _local_groups(self, store: dist.Store, timeout: timedelta) -> dict[str, C10dBackend]:
+        n, j = self.layout.ranks_per_server, self.layout.local_rank
+        prefix = f"passing/local/{self.layout.server}/"
+        gloo_options = dist.ProcessGroupGloo._Options()
+        gloo_options._timeout = timeout
+        gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # same machine
+        groups: dict[str, C10dBackend] = {
+            "cpu": dist.ProcessGroupGloo(PrefixStore(prefix + "gloo/", store), j, n, gloo_options)}
+        if torch.cuda.is_available() and dist.is_nccl_available():
+            groups["cuda"] = dist.ProcessGroupNCCL(PrefixStore(prefix + "nccl/", store), j, n)
+        return groups
+
+    def _job_name(self, store: dist.Store, name: str) -> str:
+        """The same name on every rank of this process group, and a new one per run."""
+        if self.options.job:
+            return f"{self.options.job}/pg{name}"
+        if self.rank() == 0:
+            store.set("passing/job", f"torch-{uuid.uuid4().hex[:12]}/pg{name}")
+        return store.get("passing/job").decode()
+
+    def _join(self, job: str, group: int, worker: int, workers: int) -> tuple[Group, dict[str, Any]]:
+        o = self.options
+        sock = BatchSocket((str(o.host), 0))
+        try:
+            answer = control.join(str(o.controller), job, worker, workers, host=str(o.host),
+                                  udp_port=sock.address[1], group=group, pool=o.pool,
+                                  aggregator=str(self.scheme.aggregator), timeout=float(o.join_timeout))
+            if int(answer["lanes"]) != wire.DEFAULT_LANES:  # same port, sized for the aggregator's packets
+                port = sock.address[1]
+                sock.close()
+                sock = BatchSocket((str(o.host), port), lanes=int(answer["lanes"]))
+            stream = Group.from_answer(answer, bind=sock, scale=o.scale, on_overflow=str(o.on_overflow),
+                                       rto=float(o.rto), timeout=float(o.timeout))
+        except BaseException:
+            sock.close()
+            raise
+        return stream, answer
+
+    # ---- collectives -------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = dist.AllreduceOptions() if opts is None else opts
+        why = self._unsupported(tensors, opts)
+        if why:
+            if why not in self._fallbacks_logged:
+                self._fallbacks_logged.add(why)
+                log.warning("passing: all_reduce of %s goes to gloo/NCCL (logged once)", why)
+            return self._get_backend(tensors[0].device).allreduce(tensors, opts)
+        return _create_work_from_future(self.submit(tensors[0], "avg" if opts.reduceOp == ReduceOp.AVG else "sum"))
+
+    def submit(self, tensor: torch.Tensor, op: str) -> torch.futures.Future:
+        """Allreduce ``tensor`` in place, in issue order; the future's value is [tensor]."""
+        fut: torch.futures.Future = torch.futures.Future()
+        self._executor.submit(self._run, tensor, op, fut)
+        return fut
+
+    def _run(self, tensor: torch.Tensor, op: str, fut: torch.futures.Future) -> None:
+        try:
+            if tensor.numel():
+                local = self.local.get(tensor.device.type) if self.local else None
+                if self.local and local is None:
+                    raise PassingError(f"no in-host group for {tensor.device.type} tensors")
+                assert self.stream is not None
+                out = two_stage_allreduce(tensor.detach().reshape(-1), local, self.layout, self.stream)
+                if op == "avg":
+                    out /= self.size()
+                tensor.copy_(out.view(tensor.shape))
+        except BaseException as e:  # handed to whoever waits on the work
+            fut.set_exception(e)
+            return
+        fut.set_result([tensor])
+
+    def _unsupported(self, tensors: list[torch.Tensor], opts: Any) -> str:
+        if self.stream is None:
+            return f"any tensor (scheme {self.options.scheme})"
+        if len(tensors) != 1:
+            return f"{len(tensors)} tensors at once"
+        t = tensors[0]
+        if t.dtype != torch.float32:
+            return f"dtype {t.dtype}"
+        if t.layout != torch.strided:
+            return f"layout {t.layout}"
+        if opts.reduceOp not in (ReduceOp.SUM, ReduceOp.AVG):
+            return f"op {opts.reduceOp}"
+        return ""
+
+    # ---- reporting and shutdown ---------------------------------------------------------
+
+    def transport_stats(self) -> dict[str, int]:
+        """This rank's packets and bytes to and from the aggregator(s) so far."""
+        return self.stream.stats.as_dict() if self.stream else {}
+
+    def shutdown(self) -> None:
+        if self.stream is not None:
+            self._executor.shutdown(wait=True)
+            self._membership.close()
+        super().shutdown()
+
+    def _get_backend_name(self) -> str:
+        return "passing"
+
+
+_inherited_options: Options | None = None  # the default group's, for subgroups made without pg_options
+
+
+def create(backend_options: Any, pg_options: Any) -> ProcessGroupPassing:
+    """torch.distributed's creator for backend "passing" (extended API)."""
+    global _inherited_options
+    if pg_options is None:
+        options = _inherited_options or Options()
+    elif isinstance(pg_options, Options):
+        options = pg_options
+    elif isinstance(pg_options, dict):
+        options = Options(**pg_options)
+    else:
+        raise OptionError(f"pg_options for backend 'passing' must be passing.torch.Options or a dict, "
+                          f"not {type(pg_options).__name__}")
+    if pg_options is not None:
+        _inherited_options = options
+    resolved = options.resolve()
+    return ProcessGroupPassing(backend_options.store, backend_options.group_rank, backend_options.group_size,
+                               backend_options.timeout, str(backend_options.group_id), resolved)

@@ -1,0 +1,112 @@
+"""Options of the "passing" backend: pg_options, keyword arguments or PASSING_* variables.
+
+Precedence: a field set in ``Options(...)`` (given as ``pg_options``) wins over the
+environment variable, which wins over the default. docs/torch.md lists them all.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One of design §7's configurations: in-host stage or not, and which aggregator."""
+
+    in_host: bool  # reduce-scatter / all-gather among the ranks of a server around the network stage
+    aggregator: str | None  # "any": the switch if it can serve, else a PS; "ps": a PS; None: plain gloo
+
+
+SCHEMES: dict[str, Scheme] = {
+    "passing": Scheme(in_host=True, aggregator="any"),
+    "psring": Scheme(in_host=True, aggregator="ps"),
+    "switchml": Scheme(in_host=False, aggregator="any"),
+    "ps": Scheme(in_host=False, aggregator="ps"),
+    "ring": Scheme(in_host=False, aggregator=None),
+}
+
+
+class OptionError(ValueError):
+    """An option with a value the backend cannot use."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every field left at None is taken from its PASSING_* variable, else the default."""
+
+    controller: str | None = None  # PASSING_CONTROLLER: the controller's ZeroMQ endpoint
+    scheme: str | None = None  # PASSING_SCHEME: passing | psring | switchml | ps | ring
+    scale: str | float | None = None  # PASSING_SCALE: "auto" or a fixed scale such as 1e8
+    on_overflow: str | None = None  # PASSING_ON_OVERFLOW: raise | auto (redo an overflowing call in auto)
+    pool: int | None = None  # PASSING_POOL: slots per group (default: the controller's)
+    timeout: float | None = None  # PASSING_TIMEOUT: seconds a packet may stay unanswered
+    join_timeout: float | None = None  # PASSING_JOIN_TIMEOUT: seconds to wait for the group to join
+    rto: float | None = None  # PASSING_RTO: initial and minimum retransmission timer
+    host: str | None = None  # PASSING_HOST: this rank's IP for PASSING traffic
+    server: str | None = None  # PASSING_SERVER: which server this rank is on
+    job: str | None = None  # PASSING_JOB: job name at the controller (default: a fresh one per run)
+
+    DEFAULTS = {"controller": "tcp://127.0.0.1:9090", "scheme": "passing", "scale": "auto", "on_overflow": "raise",
+                "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 0.02, "host": None, "server": None,
+                "job": None}
+
+    def resolve(self, environ: dict[str, str] | None = None) -> Options:
+        """A copy with every field filled in, checked."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                raw = env.get(f"PASSING_{f.name.upper()}")
+                value = self._parse(f.name, raw) if raw not in (None, "") else self.DEFAULTS[f.name]
+            values[f.name] = value
+        if values["server"] is None:
+            # torchrun's node rank names the server; without torchrun, the machine does.
+            values["server"] = env.get("GROUP_RANK") or socket.gethostname()
+        if values["host"] is None and values["scheme"] != "ring":
+            values["host"] = route_source(values["controller"])
+        out = Options(**values)
+        out._check()
+        return out
+
+    @staticmethod
+    def _parse(name: str, raw: str) -> Any:
+        try:
+            if name == "pool":
+                return int(raw)
+            if name in ("timeout", "join_timeout", "rto"):
+                return float(raw)
+            if name == "scale":
+                return raw if raw == "auto" else float(raw)
+        except ValueError:
+            raise OptionError(f"PASSING_{name.upper()}={raw!r} is not a number") from None
+        return raw
+
+    def _check(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise OptionError(f"scheme must be one of {', '.join(SCHEMES)}; got {self.scheme!r}")
+        if self.scale != "auto" and not (isinstance(self.scale, (int, float)) and self.scale > 0):
+            raise OptionError(f"scale must be 'auto' or a positive number; got {self.scale!r}")
+        if self.on_overflow not in ("raise", "auto"):
+            raise OptionError(f"on_overflow must be 'raise' or 'auto'; got {self.on_overflow!r}")
+        if self.pool is not None and not 1 <= self.pool <= 1 << 16:
+            raise OptionError(f"pool must be 1..65536; got {self.pool}")
+        for name in ("timeout", "join_timeout", "rto"):
+            if not getattr(self, name) > 0:
+                raise OptionError(f"{name} must be positive; got {getattr(self, name)}")
+
+
+def route_source(endpoint: str) -> str:
+    """The local IP address the kernel would send from toward the controller's host."""
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+    if host in ("*", "0.0.0.0", "localhost"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # no packet is sent: connect() only picks the route
+            return s.getsockname()[0]
+    except OSError as e:
+        raise OptionError(f"no route to the controller host {host!r} ({e}); set PASSING_HOST") from None
