@@ -15,6 +15,7 @@ from typing import Any
 from passing.cli import start_aggregator
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:
@@ -86,7 +87,7 @@ def rank_env(server: int, local_rank: int, servers: int, ranks: int, master: str
     env.update({
         "RANK": str(server * ranks + local_rank), "WORLD_SIZE": str(servers * ranks), "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": str(server), "MASTER_ADDR": host, "MASTER_PORT": port,
-        "OMP_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     })
     env.update(extra or {})
     return env

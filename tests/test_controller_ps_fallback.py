@@ -17,7 +17,7 @@ from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports, start_aggregator
 from passing.control import ControllerError, join, leave, request
 from passing_controller.service import Controller
-from passing_controller.topology import Topology
+from passing_controller.topology import Topology, TopologyError
 from tests.cluster import run_threads
 
 
@@ -57,11 +57,12 @@ class Running:
         self.thread.join(10)
 
 
-def run_workers(endpoint: str, job: str, workers: int, data: list[np.ndarray]) -> list:
+def run_workers(endpoint: str, job: str, workers: int, data: list[np.ndarray], aggregator: str = "any") -> list:
     ports = free_udp_ports(workers)
 
     def work(w: int) -> tuple:
-        answer = join(endpoint, job, w, workers, host="127.0.0.1", udp_port=ports[w], timeout=30)
+        answer = join(endpoint, job, w, workers, host="127.0.0.1", udp_port=ports[w], aggregator=aggregator,
+                      timeout=30)
         with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=10) as g:
             return answer, g.allreduce(data[w])
 
@@ -139,3 +140,29 @@ def _bad_version(endpoint: str) -> None:
     reply = json.loads(sock.recv())
     sock.close()
     raise ControllerError(reply["error"])
+
+
+@pytest.mark.timeout(120)
+def test_a_topology_without_switch_serves_any_address_from_the_ps(ps, tmp_path):
+    topo = Topology.from_dict({"ps": [{"data": ps["data"], "control": ps["control"]}]})
+    running = Running(topo, tmp_path / "ctl.sqlite")
+    try:
+        data = [np.full(300, w + 1, dtype=np.float32) for w in range(2)]
+        for aggregator, reason in (("any", "no switch in the topology"), ("ps", "as the job asked")):
+            results = run_workers(running.endpoint, f"job-{aggregator}", 2, data, aggregator)
+            for answer, result in results:
+                assert answer["mode"] == "ps" and reason in answer["reason"]
+                assert np.array_equal(result, np.full(300, 3, dtype=np.float32))
+        status = request(running.endpoint, "status")
+        assert status["switch"] == "unavailable: no switch in the topology (PS only)" and status["slots"] == 0
+        with pytest.raises(ControllerError, match="bad IPv4"):
+            join(running.endpoint, "j", 0, 1, host="not-an-address", udp_port=30000, timeout=5)
+        with pytest.raises(ControllerError, match="aggregator must be one of"):
+            join(running.endpoint, "j", 0, 1, host="127.0.0.1", udp_port=30000, aggregator="fpga", timeout=5)
+    finally:
+        running.stop()
+
+
+def test_a_topology_needs_somewhere_to_aggregate():
+    with pytest.raises(TopologyError, match="neither a switch nor a PS"):
+        Topology.from_dict({"hosts": []})

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import passing.torch  # noqa: F401  (registers backend "passing")
+import passing.torch  # registers backend "passing"
 from passing.torch import transport_stats
 
 
@@ -42,10 +42,11 @@ def allreduce(sizes: list[int]) -> dict:
                 g = torch.Generator().manual_seed(size * 131 + rank)
                 x = (torch.rand(size, generator=g) - 0.5) * (rank + 1)
                 mine = x.clone()
+                sent = transport_stats()["packets_sent"]
                 work = dist.all_reduce(mine, op=op, async_op=async_op)
                 if async_op:
-                    assert not work.is_completed() or True  # may already be done for tiny tensors
                     work.wait()
+                streamed = transport_stats()["packets_sent"] > sent  # it went through PASSING
                 expected = x.clone()
                 dist.all_reduce(expected, group=reference)  # gloo has no AVG: sum, then divide
                 if op == dist.ReduceOp.AVG:
@@ -62,7 +63,7 @@ def allreduce(sizes: list[int]) -> dict:
                 dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=reference)
                 dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=reference)
                 checks.append({"size": size, "async": async_op, "op": str(op), "error": err, "bound": b,
-                               "identical": bool(lo == hi)})
+                               "identical": bool(lo == hi), "streamed": streamed})
     return {"checks": checks, "mode": pg.mode, "servers": servers, "ranks_per_server": pg.layout.ranks_per_server}
 
 
@@ -117,13 +118,63 @@ def dead_peer(victim: int) -> dict:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+def ddp(epochs: int) -> dict:
+    """The same DDP training on "passing" and on gloo; parameters compared every 10 steps."""
+    from demo.train import digits, train
+
+    data, gloo = digits(), dist.new_group(backend="gloo")
+    return {"passing": train(data, None, epochs, check_group=gloo, check_every=10),
+            "gloo": train(data, gloo, epochs, check_group=gloo, check_every=10)}
+
+
+def post_local_sgd(epochs: int) -> dict:
+    """torch's PostLocalSGD (hook + optimizer) over "passing", averaging within each server."""
+    from demo.train import digits, train
+
+    pg = dist.distributed_c10d._get_default_group()
+    n = pg.layout.ranks_per_server
+    world = dist.get_world_size()
+    subgroup, _ = dist.new_subgroups_by_enumeration([list(range(s, s + n)) for s in range(0, world, n)])
+    sent = transport_stats()["packets_sent"]
+    out = train(digits(), None, epochs, local_sgd=4, subgroup=subgroup)
+    out["streamed"] = transport_stats()["packets_sent"] > sent
+    return out
+
+
+def hook(epochs: int) -> dict:
+    """gloo stays the default group; DDP's gradients go through passing.torch.allreduce_hook."""
+    from demo.train import digits, train
+
+    data, group = digits(), dist.new_group(backend="passing")
+    hooked = train(data, None, epochs, check_group=None, check_every=10, hook=(group, passing.torch.allreduce_hook))
+    hooked["bytes_sent"] = transport_stats(group)["bytes_sent"]
+    return {"hook": hooked, "gloo": train(data, None, epochs, check_group=None, check_every=10)}
+
+
 SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lambda a: bytes_per_allreduce(int(a[0])),
-             "fallback": lambda a: fallback(), "dead_peer": lambda a: dead_peer(int(a[0]))}
+             "fallback": lambda a: fallback(), "dead_peer": lambda a: dead_peer(int(a[0])),
+             "ddp": lambda a: ddp(int(a[0])), "post_local_sgd": lambda a: post_local_sgd(int(a[0])),
+             "hook": lambda a: hook(int(a[0]))}
+
+
+def init_explicitly() -> None:
+    """init_process_group with arguments instead of torchrun's variables (which are removed first)."""
+    import os
+
+    env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                                          "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PASSING_CONTROLLER")}
+    options = passing.torch.Options(controller=env["PASSING_CONTROLLER"], server=f"server-{env['GROUP_RANK']}")
+    dist.init_process_group("passing", init_method=f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
+                            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), pg_options=options)
 
 
 def main() -> None:
     scenario, args = sys.argv[1], sys.argv[2:]
-    dist.init_process_group("passing")
+    if "--explicit" in args:
+        args.remove("--explicit")
+        init_explicitly()
+    else:
+        dist.init_process_group("gloo" if scenario == "hook" else "passing")
     try:
         result = SCENARIOS[scenario](args)
     finally:

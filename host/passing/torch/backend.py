@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.distributed import PrefixStore, ProcessGroup, ReduceOp
 
 from .. import control, wire
@@ -49,6 +48,41 @@ class Membership:
             control.leave(self.controller, self.job, self.group, self.worker, timeout=5.0)
         except PassingError as e:
             log.warning("passing: leaving job %s group %d: %s", self.job, self.group, e)
+
+
+class PassingWork(dist.Work):
+    """An all_reduce under way. wait() re-raises the very error the operation hit
+    (torch's own future-wrapping Work reports success whatever happened)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.future.set_exception(error)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        try:
+            self.future.wait()
+        except BaseException:
+            if self.error is None:
+                raise
+            raise self.error from None
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def is_completed(self) -> bool:
+        return self.future.done()
+
+    def is_success(self) -> bool:
+        return self.future.done() and self.error is None
+
+    def exception(self) -> BaseException | None:
+        return self.error
 
 
 class ProcessGroupPassing(ProcessGroup):
@@ -140,15 +174,15 @@ class ProcessGroupPassing(ProcessGroup):
                 self._fallbacks_logged.add(why)
                 log.warning("passing: all_reduce of %s goes to gloo/NCCL (logged once)", why)
             return self._get_backend(tensors[0].device).allreduce(tensors, opts)
-        return _create_work_from_future(self.submit(tensors[0], "avg" if opts.reduceOp == ReduceOp.AVG else "sum"))
+        return self.submit(tensors[0], "avg" if opts.reduceOp.op == ReduceOp.AVG else "sum")
 
-    def submit(self, tensor: torch.Tensor, op: str) -> torch.futures.Future:
-        """Allreduce ``tensor`` in place, in issue order; the future's value is [tensor]."""
-        fut: torch.futures.Future = torch.futures.Future()
-        self._executor.submit(self._run, tensor, op, fut)
-        return fut
+    def submit(self, tensor: torch.Tensor, op: str) -> PassingWork:
+        """Allreduce ``tensor`` in place, in issue order; the work's future's value is [tensor]."""
+        work = PassingWork()
+        self._executor.submit(self._run, tensor, op, work)
+        return work
 
-    def _run(self, tensor: torch.Tensor, op: str, fut: torch.futures.Future) -> None:
+    def _run(self, tensor: torch.Tensor, op: str, work: PassingWork) -> None:
         try:
             if tensor.numel():
                 local = self.local.get(tensor.device.type) if self.local else None
@@ -160,9 +194,9 @@ class ProcessGroupPassing(ProcessGroup):
                     out /= self.size()
                 tensor.copy_(out.view(tensor.shape))
         except BaseException as e:  # handed to whoever waits on the work
-            fut.set_exception(e)
+            work.fail(e)
             return
-        fut.set_result([tensor])
+        work.future.set_result([tensor])
 
     def _unsupported(self, tensors: list[torch.Tensor], opts: Any) -> str:
         if self.stream is None:
@@ -174,8 +208,8 @@ class ProcessGroupPassing(ProcessGroup):
             return f"dtype {t.dtype}"
         if t.layout != torch.strided:
             return f"layout {t.layout}"
-        if opts.reduceOp not in (ReduceOp.SUM, ReduceOp.AVG):
-            return f"op {opts.reduceOp}"
+        if opts.reduceOp.op not in (ReduceOp.SUM, ReduceOp.AVG):
+            return f"op {opts.reduceOp.op.name}"
         return ""
 
     # ---- reporting and shutdown ---------------------------------------------------------
@@ -209,7 +243,7 @@ def create(backend_options: Any, pg_options: Any) -> ProcessGroupPassing:
     else:
         raise OptionError(f"pg_options for backend 'passing' must be passing.torch.Options or a dict, "
                           f"not {type(pg_options).__name__}")
-    if pg_options is not None:
+    if pg_options is not None and not backend_options.global_ranks_in_group:  # the default group
         _inherited_options = options
     resolved = options.resolve()
     return ProcessGroupPassing(backend_options.store, backend_options.group_rank, backend_options.group_size,

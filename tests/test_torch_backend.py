@@ -1,0 +1,109 @@
+"""backend "passing" in real rank processes: s servers × n ranks on loopback, a software
+aggregator behind a PS-only controller (cluster.local). The ranks are started with
+torchrun's variables (and once by torchrun itself, once with explicit arguments)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
+
+from cluster.local import BIN, REPO, LocalServices, collect, free_tcp_port, launch_ranks  # noqa: E402
+
+WORKER = [sys.executable, "-m", "tests.torch_worker"]
+
+
+@pytest.fixture(scope="module")
+def services():
+    with LocalServices() as s:
+        yield s
+
+
+def run(services, scenario: str, servers: int, ranks: int, *args: str, timeout: float = 240,
+        **env: str) -> list[dict]:
+    procs = launch_ranks([*WORKER, scenario, *args], servers, ranks,
+                         {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": "20", **env})
+    outcomes = collect(procs, timeout)
+    for rank, (rc, report, stderr) in enumerate(outcomes):
+        assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
+    return [report for _, report, _ in outcomes]
+
+
+SIZES = ("1", "4099", str(2 * 1024 * 1024))  # up to 8 MiB of float32
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers,ranks", [(1, 1), (1, 4), (2, 1), (2, 2), (2, 4), (4, 2)])
+def test_all_reduce_equals_gloo_within_the_scale_bound(services, servers, ranks):
+    explicit = ("--explicit",) if (servers, ranks) == (1, 4) else ()
+    reports = run(services, "allreduce", servers, ranks, *SIZES, *explicit)
+    for r in reports:
+        assert (r["servers"], r["ranks_per_server"]) == (servers, ranks)
+        assert len(r["checks"]) == len(SIZES) * 4  # sync/async × SUM/AVG
+        for c in r["checks"]:
+            assert c["streamed"], f"{c} did not go through PASSING"
+            assert c["identical"], f"ranks disagree: {c}"
+            assert c["error"] <= c["bound"], c
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_launch(services):
+    """Two torchrun invocations (one per server) of 2 ranks each."""
+    port = free_tcp_port()
+    env = {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": "20", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    import os
+
+    procs = [subprocess.Popen(
+        [str(BIN / "torchrun"), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "tests.torch_worker", "allreduce", "1000"],
+        cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in range(2)]
+    for node, p in enumerate(procs):
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, f"torchrun node {node}:\n{err[-3000:]}"
+        reports = [line for line in out.splitlines() if line.startswith("{")]
+        assert len(reports) == 2  # one per local rank
+        assert all('"streamed": false' not in line and '"servers": 2' in line for line in reports)
+
+
+@pytest.mark.timeout(300)
+def test_bytes_per_server_in_host_vs_flat(services):
+    """PASSING: a server sends about K bytes per allreduce; flat (every rank a worker): n·K."""
+    size, ranks = 256 * 1024, 2
+    k = size * 4
+    for scheme, expect in (("passing", k), ("switchml", ranks * k)):
+        reports = run(services, "bytes", 2, ranks, str(size), PASSING_SCHEME=scheme)
+        per_server = [sum(r["bytes_sent"] for r in reports if r["server"] == s) for s in (0, 1)]
+        for sent in per_server:
+            # header (16 B per 256 B payload) and one MAX round: at most ~7 % above K
+            assert expect <= sent <= 1.08 * expect + 4096, (scheme, per_server, expect)
+
+
+@pytest.mark.timeout(300)
+def test_other_ops_dtypes_and_collectives_fall_back_to_gloo(services):
+    world = 4
+    for r in run(services, "fallback", 2, 2):
+        assert r["int64_sum"] == [sum(range(1, world + 1))] * 5
+        assert r["float64_max"] == [world - 1.0] * 3
+        assert r["float32_max"] == [world - 1.0] * 4
+        assert r["broadcast"] == [world - 1.0] * 2
+        assert r["all_gather"] == [float(i) for i in range(world)]
+
+
+@pytest.mark.timeout(300)
+def test_dead_peer_gives_an_error_from_wait(services):
+    timeout = 4.0
+    procs = launch_ranks([*WORKER, "dead_peer", "3"], 2, 2,
+                         {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": str(timeout)})
+    outcomes = collect(procs, 120)
+    assert outcomes[3][1] == {"victim": True}
+    for rank, (rc, report, stderr) in enumerate(outcomes[:3]):
+        assert rc == 0 and report is not None, f"rank {rank}:\n{stderr[-3000:]}"
+        assert report["error"], f"rank {rank} got no error"
+        assert report["seconds"] < timeout + 15, report
+    # the ranks of the other server lose no local peer: their error is PASSING's own
+    assert all("AggregatorUnreachable" in outcomes[r][1]["error"] for r in (0, 1))

@@ -1,0 +1,42 @@
+"""passing.torch.Options: fields over PASSING_* variables over defaults, bad values refused."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
+
+from passing.torch import SCHEMES, OptionError, Options  # noqa: E402
+
+
+def test_field_beats_environment_beats_default():
+    env = {"PASSING_SCHEME": "psring", "PASSING_POOL": "32", "PASSING_SCALE": "1e8", "PASSING_HOST": "10.1.1.1",
+           "PASSING_SERVER": "rack1-a"}
+    o = Options(pool=64).resolve(env)
+    assert (o.scheme, o.pool, o.scale, o.host, o.server) == ("psring", 64, 1e8, "10.1.1.1", "rack1-a")
+    d = Options().resolve({"PASSING_HOST": "127.0.0.1", "GROUP_RANK": "3"})
+    assert (d.scheme, d.scale, d.timeout, d.controller, d.server) == (
+        "passing", "auto", 300.0, "tcp://127.0.0.1:9090", "3")
+
+
+def test_host_defaults_to_the_route_toward_the_controller():
+    assert Options(controller="tcp://127.0.0.1:9090").resolve({}).host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"PASSING_SCHEME": "allgather"}, "scheme must be one of"),
+    ({"PASSING_POOL": "many"}, "not a number"),
+    ({"PASSING_POOL": "0"}, "pool must be"),
+    ({"PASSING_SCALE": "-1"}, "scale must be"),
+    ({"PASSING_TIMEOUT": "0"}, "timeout must be positive"),
+    ({"PASSING_ON_OVERFLOW": "ignore"}, "on_overflow"),
+])
+def test_bad_values_are_refused_with_the_reason(env, message):
+    with pytest.raises(OptionError, match=message):
+        Options().resolve({"PASSING_HOST": "127.0.0.1", **env})
+
+
+def test_schemes_are_design_7s_configurations():
+    assert {k: (v.in_host, v.aggregator) for k, v in SCHEMES.items()} == {
+        "passing": (True, "any"), "psring": (True, "ps"), "switchml": (False, "any"), "ps": (False, "ps"),
+        "ring": (False, None)}
