@@ -94,14 +94,20 @@ def rank_env(server: int, local_rank: int, servers: int, ranks: int, master: str
 
 
 def launch_ranks(argv: Sequence[str], servers: int, ranks: int, extra: dict[str, str] | None = None,
-                 popen_for_server=None) -> list[subprocess.Popen]:
-    """s × n processes running ``argv``; ``popen_for_server(i)`` runs server i's elsewhere (a netns)."""
-    master = f"127.0.0.1:{free_tcp_port()}"
+                 popen_for_server=None, env_for_server=None, master_host: str = "127.0.0.1") -> list[subprocess.Popen]:
+    """s × n processes running ``argv``, rank-major by server as torchrun numbers them.
+
+    ``popen_for_server(i)`` runs server i's ranks elsewhere (a network namespace) and
+    ``env_for_server(i)`` adds variables for them; rank 0 (on server 0, at
+    ``master_host``) hosts torch's rendezvous store.
+    """
+    master = f"{master_host}:{free_tcp_port()}"
     procs = []
     for s in range(servers):
         popen = popen_for_server(s) if popen_for_server else subprocess.Popen
+        env = {**(extra or {}), **(env_for_server(s) if env_for_server else {})}
         for j in range(ranks):
-            procs.append(popen(list(argv), env=rank_env(s, j, servers, ranks, master, extra),
+            procs.append(popen(list(argv), env=rank_env(s, j, servers, ranks, master, env),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 

@@ -48,9 +48,9 @@ def digits() -> Digits:
     return Digits(x[:cut], y[:cut], x[cut:], y[cut:])
 
 
-def mlp() -> nn.Module:
+def mlp(hidden: int = 256) -> nn.Module:
     torch.manual_seed(0)  # DDP broadcasts rank 0's weights anyway; this makes runs comparable
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:
@@ -59,7 +59,7 @@ def flat_parameters(model: nn.Module) -> torch.Tensor:
 
 def train(data: Digits, group: dist.ProcessGroup | None, epochs: int, batch: int = 64, lr: float = 0.05,
           check_group: dist.ProcessGroup | None = None, check_every: int = 0, local_sgd: int = 0,
-          subgroup: dist.ProcessGroup | None = None, hook=None, label: str = "") -> dict:
+          subgroup: dist.ProcessGroup | None = None, hook=None, label: str = "", hidden: int = 256) -> dict:
     """Train with DDP over ``group``; every rank takes its share of each global batch.
 
     ``check_every``: every that many steps, all-gather the parameters over ``check_group``
@@ -67,7 +67,7 @@ def train(data: Digits, group: dist.ProcessGroup | None, epochs: int, batch: int
     averaging period (after one epoch of plain DDP), intra-server averaging over ``subgroup``.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    model = mlp()
+    model = mlp(hidden)
     ddp = DDP(model, process_group=group)
     optimizer: torch.optim.Optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
     steps_per_epoch = len(data.x_train) // batch
@@ -120,6 +120,7 @@ def evaluate(model: nn.Module, data: Digits) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--hidden", type=int, default=256, help="width of the MLP's two hidden layers")
     args = p.parse_args()
     dist.init_process_group("passing")
     data = digits()
@@ -127,10 +128,11 @@ def main() -> None:
     flat = dist.new_group(backend="passing", pg_options=passing.torch.Options(scheme="switchml"))
     runs = {}
     for name, group in (("passing", None), ("gloo", gloo), ("flat", flat)):
-        before = passing.torch.transport_stats(group)["bytes_sent"] if name != "gloo" else 0
-        runs[name] = train(data, group, args.epochs, check_group=gloo, check_every=50, label=f"[{name}] ")
-        if name != "gloo":
-            runs[name]["bytes_sent"] = passing.torch.transport_stats(group)["bytes_sent"] - before
+        before = passing.torch.transport_stats(group) if name != "gloo" else {}
+        runs[name] = train(data, group, args.epochs, check_group=gloo, check_every=50, label=f"[{name}] ",
+                           hidden=args.hidden)
+        for key, value in before.items():
+            runs[name][key] = passing.torch.transport_stats(group)[key] - value
     pg = dist.distributed_c10d._get_default_group()
     report = {"rank": dist.get_rank(), "server": pg.layout.server, "mode": pg.mode, "reason": pg.reason, **runs}
     dist.destroy_process_group()

@@ -1,0 +1,161 @@
+"""An emulated cluster in Linux network namespaces (root only).
+
+One "switch" namespace holds a bridge (and whatever stands in for the switch: the
+software aggregator, the controller); every host gets a namespace of its own with one
+veth link to the bridge, optionally rate-limited with tbf in both directions. Names
+carry the creating process's pid, so a later run removes what a crashed one left.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PREFIX = "psg"  # every namespace this module makes: psg<pid>-<name>
+SUBNET = "10.55"  # hosts 10.55.0.1.., the switch namespace's bridge 10.55.0.254
+
+
+def available() -> str:
+    """'' if namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "not root"
+    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        return "iproute2's `ip netns` does not work here"
+    return ""
+
+
+def _sh(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+    return done
+
+
+def remove_stale() -> list[str]:
+    """Delete namespaces (and kill their processes) left by runs whose process is gone."""
+    removed = []
+    for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
+        m = re.match(rf"({PREFIX}(\d+)-\S+)", line)
+        if m and not _alive(int(m.group(2))):
+            _delete_namespace(m.group(1))
+            removed.append(m.group(1))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _delete_namespace(name: str) -> None:
+    for pid in _sh("ip", "netns", "pids", name, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    _sh("ip", "netns", "del", name, check=False)
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    namespace: str
+    ip: str
+    interface: str = "eth0"
+
+
+class EmulatedNetwork:
+    """``hosts`` namespaces around a bridge in a switch namespace.
+
+    ``rate_mbit``: per host, the rate of its link in Mbit/s (both directions); a host
+    that is not named gets an unlimited link.
+    """
+
+    def __init__(self, hosts: Sequence[str], rate_mbit: dict[str, float] | None = None) -> None:
+        why = available()
+        if why:
+            raise RuntimeError(f"cannot emulate a cluster: {why}")
+        remove_stale()
+        self.tag = f"{PREFIX}{os.getpid()}"
+        self.switch = Host("switch", f"{self.tag}-sw", f"{SUBNET}.0.254", "br0")
+        self.hosts: dict[str, Host] = {}
+        self.procs: list[subprocess.Popen] = []
+        self._namespaces: list[str] = []
+        atexit.register(self.stop)
+        try:
+            self._make_namespace(self.switch.namespace)
+            _sh("ip", "link", "add", "br0", "type", "bridge", ns=self.switch.namespace)
+            _sh("ip", "addr", "add", f"{self.switch.ip}/16", "dev", "br0", ns=self.switch.namespace)
+            _sh("ip", "link", "set", "br0", "up", ns=self.switch.namespace)
+            for i, name in enumerate(hosts):
+                self._add_host(i, name, (rate_mbit or {}).get(name))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _make_namespace(self, ns: str) -> None:
+        _sh("ip", "netns", "add", ns)
+        self._namespaces.append(ns)
+        _sh("ip", "link", "set", "lo", "up", ns=ns)
+
+    def _add_host(self, i: int, name: str, rate: float | None) -> None:
+        host = Host(name, f"{self.tag}-{name}", f"{SUBNET}.{(i + 1) // 250}.{(i + 1) % 250}")
+        self._make_namespace(host.namespace)
+        inner, outer = f"{self.tag}h{i}"[-15:], f"{self.tag}s{i}"[-15:]
+        _sh("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
+        _sh("ip", "link", "set", inner, "netns", host.namespace)
+        _sh("ip", "link", "set", outer, "netns", self.switch.namespace)
+        _sh("ip", "link", "set", inner, "name", "eth0", ns=host.namespace)
+        _sh("ip", "addr", "add", f"{host.ip}/16", "dev", "eth0", ns=host.namespace)
+        _sh("ip", "link", "set", "eth0", "up", ns=host.namespace)
+        _sh("ip", "link", "set", outer, "master", "br0", ns=self.switch.namespace)
+        _sh("ip", "link", "set", outer, "up", ns=self.switch.namespace)
+        if rate:
+            limit(host.namespace, "eth0", rate)  # host -> switch
+            limit(self.switch.namespace, outer, rate)  # switch -> host
+        self.hosts[name] = host
+
+    def popen(self, where: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start ``argv`` in host ``where`` (or "switch"); it is killed at stop()."""
+        ns = self.switch.namespace if where == "switch" else self.hosts[where].namespace
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for ns in reversed(self._namespaces):
+            _delete_namespace(ns)
+        self._namespaces.clear()
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> EmulatedNetwork:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def limit(ns: str, dev: str, rate_mbit: float) -> None:
+    """tbf on ``dev``'s egress: ``rate_mbit`` Mbit/s with a burst of a few ms of traffic."""
+    burst = max(int(rate_mbit * 1e6 / 8 * 0.004), 64 * 1024)
+    _sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
+        "latency", "50ms", ns=ns)
