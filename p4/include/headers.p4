@@ -51,7 +51,18 @@ header lane_h {
     bit<32> value;
 }
 
+/* Ingress -> egress metadata on targets whose egress parses the packet again (TNA);
+ * never on the wire. */
+header bridged_h {
+    bit<7> pad0;
+    bit<9> ingress_port;
+    bit<6> pad1;
+    bit<1> result_multicast;  /* a completed round: the egress addresses each replica */
+    bit<1> flood;
+}
+
 struct headers_t {
+    bridged_h bridged;
     ethernet_h ethernet;
     ipv4_h ipv4;
     udp_h udp;

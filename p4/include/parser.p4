@@ -13,7 +13,9 @@
 
 #define PASSING_UDP_LENGTH (8 + 16 + 4 * PASSING_LANES)
 
-parser PassingParser(packet_in pkt, out headers_t hdr) {
+/* with_lanes = false stops after the PASSING header, leaving the lanes as payload (a TNA
+ * egress rewrites headers only and need not spend PHV on the lanes again). */
+parser PassingParser(packet_in pkt, inout headers_t hdr, in bool with_lanes) {
     state start {
         pkt.extract(hdr.ethernet);
         transition select(hdr.ethernet.ether_type) {
@@ -43,6 +45,12 @@ parser PassingParser(packet_in pkt, out headers_t hdr) {
     }
     state parse_passing_header {
         pkt.extract(hdr.passing);
+        transition select(with_lanes) {
+            true: parse_lanes;
+            false: accept;
+        }
+    }
+    state parse_lanes {
         FOR_EACH_LANE(PASSING_EXTRACT_LANE)  /* unrolled: BMv2 cannot select on a stack's lastIndex */
         transition accept;
     }

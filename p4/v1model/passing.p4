@@ -30,7 +30,8 @@ struct metadata_t {
 parser V1Parser(packet_in pkt, out headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
     PassingParser() passing_parser;
     state start {
-        passing_parser.apply(pkt, hdr);
+        hdr.bridged.setInvalid();  /* TNA only */
+        passing_parser.apply(pkt, hdr, true);
         transition accept;
     }
 }

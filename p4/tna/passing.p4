@@ -1,0 +1,438 @@
+/* PASSING data plane for Tofino 1 (TNA): the same wire format and state machine as
+ * p4/v1model/passing.p4 (docs/protocol.md), with the same control-plane names for
+ * tables, actions and counters, so one controller programs both (docs/tofino.md).
+ *
+ * Tofino's stateful ALUs allow one access per register per packet and return one
+ * 32-bit word, so the per slot/set state is split into registers that each decide one
+ * thing, in pipeline order:
+ *   slot_epoch    is this the allocation that last used the slot/set?  -> new_epoch
+ *   slot_tag      round tag (psn): fresh, same round or stale          -> round
+ *   slot_bitmap   who contributed (old bitmap out, this worker's bit in)
+ *   lane_acc_<i>  one register per lane: write / saturating add / max / read
+ *   slot_overflow the round's OVERFLOW flag
+ */
+#include <core.p4>
+#include <tna.p4>
+
+#include "../include/headers.p4"
+#include "../include/lanes.p4"
+#include "../include/parser.p4"
+
+#define PASSING_SLOT_SETS (2 * PASSING_SLOTS)
+
+/* the outcome of slot_tag for this packet */
+#define ROUND_FRESH 1
+#define ROUND_SAME 2
+#define ROUND_STALE 3
+
+/* what every lane register does with this packet */
+#define LANE_NONE 0
+#define LANE_WRITE 1
+#define LANE_ADD 2
+#define LANE_MAX 3
+#define LANE_READ 4
+
+struct ingress_metadata_t {
+    bit<32> base;
+    bit<16> pool;
+    bit<32> full;
+    bit<32> epoch;
+    bit<16> group;
+    bit<32> worker_bit;
+    bit<32> job_index;
+    bit<32> slot_set;
+    bit<32> old_bitmap;
+    bit<32> bitmap;
+    bit<8> flagged;
+    bit<8> round_overflow;
+    bit<8> round;
+    bit<8> lane_op;
+    bit<1> admitted;
+    bit<1> new_epoch;
+}
+
+struct egress_metadata_t { }
+
+parser TnaIngressParser(packet_in pkt, out headers_t hdr, out ingress_metadata_t meta,
+                        out ingress_intrinsic_metadata_t ig_intr_md) {
+    PassingParser() passing_parser;
+    state start {
+        pkt.extract(ig_intr_md);
+        pkt.advance(PORT_METADATA_SIZE);
+        hdr.bridged.setInvalid();
+        passing_parser.apply(pkt, hdr, true);
+        transition accept;
+    }
+}
+
+control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
+                       in ingress_intrinsic_metadata_t ig_intr_md,
+                       in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
+                       inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
+                       inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+    /* ---- outcomes, per job (index = job id mod PASSING_MAX_JOBS) ---- */
+    Counter<bit<32>, bit<32>>(1, CounterType_t.PACKETS) malformed;
+    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) received;
+    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) rejected;
+    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) aggregated;
+    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) completed;
+    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) duplicate;
+    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) duplicate_answered;
+    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) stale;
+    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) overflow;
+
+    /* ---- state per slot and set ---- */
+    Register<bit<32>, bit<32>>(PASSING_SLOT_SETS) slot_epoch;
+    RegisterAction<bit<32>, bit<32>, bit<1>>(slot_epoch) epoch_check = {
+        void apply(inout bit<32> value, out bit<1> changed) {
+            changed = 0;
+            if (value != meta.epoch) {
+                value = meta.epoch;
+                changed = 1;
+            }
+        }
+    };
+
+    Register<bit<32>, bit<32>>(PASSING_SLOT_SETS) slot_tag;
+    /* a slot/set last used by another allocation: this packet starts its round */
+    RegisterAction<bit<32>, bit<32>, bit<8>>(slot_tag) tag_restart = {
+        void apply(inout bit<32> value, out bit<8> round) {
+            value = hdr.passing.psn;
+            round = ROUND_FRESH;
+        }
+    };
+    /* serial-number order: ahead starts a new round, equal joins it, behind is stale */
+    RegisterAction<bit<32>, bit<32>, bit<8>>(slot_tag) tag_decide = {
+        void apply(inout bit<32> value, out bit<8> round) {
+            int<32> ahead = (int<32>)(hdr.passing.psn - value);
+            if (ahead > 0) {
+                value = hdr.passing.psn;
+                round = ROUND_FRESH;
+            } else if (ahead == 0) {
+                round = ROUND_SAME;
+            } else {
+                round = ROUND_STALE;
+            }
+        }
+    };
+
+    Register<bit<32>, bit<32>>(PASSING_SLOT_SETS) slot_bitmap;
+    RegisterAction<bit<32>, bit<32>, bit<32>>(slot_bitmap) bitmap_start = {
+        void apply(inout bit<32> value) {
+            value = meta.worker_bit;
+        }
+    };
+    /* returns the bitmap before this worker's bit: has_bit and completion follow from it */
+    RegisterAction<bit<32>, bit<32>, bit<32>>(slot_bitmap) bitmap_join = {
+        void apply(inout bit<32> value, out bit<32> before) {
+            before = value;
+            value = value | meta.worker_bit;
+        }
+    };
+
+    Register<bit<8>, bit<32>>(PASSING_SLOT_SETS) slot_overflow;
+    RegisterAction<bit<8>, bit<32>, bit<8>>(slot_overflow) overflow_start = {
+        void apply(inout bit<8> value, out bit<8> now) {
+            value = meta.flagged;
+            now = value;
+        }
+    };
+    RegisterAction<bit<8>, bit<32>, bit<8>>(slot_overflow) overflow_join = {
+        void apply(inout bit<8> value, out bit<8> now) {
+            value = value | meta.flagged;
+            now = value;
+        }
+    };
+    RegisterAction<bit<8>, bit<32>, bit<8>>(slot_overflow) overflow_read = {
+        void apply(inout bit<8> value, out bit<8> now) {
+            now = value;
+        }
+    };
+
+    /* One register per lane and four ways to use it; the packet carries the result out. */
+    #define LANE_STATE(i)                                                                    \
+    Register<int<32>, bit<32>>(PASSING_SLOT_SETS) lane_acc_##i;                              \
+    RegisterAction<int<32>, bit<32>, int<32>>(lane_acc_##i) lane_write_##i = {               \
+        void apply(inout int<32> value, out int<32> now) {                                   \
+            value = (int<32>)hdr.lanes[i].value;                                             \
+            now = value;                                                                     \
+        }                                                                                    \
+    };                                                                                       \
+    RegisterAction<int<32>, bit<32>, int<32>>(lane_acc_##i) lane_add_##i = {                 \
+        void apply(inout int<32> value, out int<32> now) {                                   \
+            value = value |+| (int<32>)hdr.lanes[i].value;                                   \
+            now = value;                                                                     \
+        }                                                                                    \
+    };                                                                                       \
+    RegisterAction<int<32>, bit<32>, int<32>>(lane_acc_##i) lane_max_##i = {                 \
+        void apply(inout int<32> value, out int<32> now) {                                   \
+            if ((int<32>)hdr.lanes[i].value > value) {                                       \
+                value = (int<32>)hdr.lanes[i].value;                                         \
+            }                                                                                \
+            now = value;                                                                     \
+        }                                                                                    \
+    };                                                                                       \
+    RegisterAction<int<32>, bit<32>, int<32>>(lane_acc_##i) lane_read_##i = {                \
+        void apply(inout int<32> value, out int<32> now) {                                   \
+            now = value;                                                                     \
+        }                                                                                    \
+    };
+    FOR_EACH_LANE_ID(LANE_STATE)
+
+    #define LANE_APPLY(i)                                                                    \
+    if (meta.lane_op == LANE_WRITE) {                                                        \
+        hdr.lanes[i].value = (bit<32>)lane_write_##i.execute(meta.slot_set);                 \
+    } else if (meta.lane_op == LANE_ADD) {                                                   \
+        hdr.lanes[i].value = (bit<32>)lane_add_##i.execute(meta.slot_set);                   \
+    } else if (meta.lane_op == LANE_MAX) {                                                   \
+        hdr.lanes[i].value = (bit<32>)lane_max_##i.execute(meta.slot_set);                   \
+    } else if (meta.lane_op == LANE_READ) {                                                  \
+        hdr.lanes[i].value = (bit<32>)lane_read_##i.execute(meta.slot_set);                  \
+    }
+
+    action drop() {
+        ig_dprsr_md.drop_ctl = 1;
+    }
+
+    /* ---- admission: (job, worker, ingress port) -> the job's allocation ---- */
+    action admit(bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
+        meta.admitted = 1;
+        meta.base = base;
+        meta.pool = pool;
+        meta.full = full;
+        meta.epoch = epoch;
+        meta.group = group;
+    }
+    action reject() {
+        meta.admitted = 0;
+    }
+    table admission {
+        key = {
+            hdr.passing.job: exact @name("job");
+            hdr.passing.worker: exact @name("worker");
+            ig_intr_md.ingress_port: exact @name("ingress_port");
+        }
+        actions = { admit; @defaultonly reject; }
+        const default_action = reject();
+        size = 4096;
+    }
+
+    /* ---- which IPv4 address is the switch's aggregator ---- */
+    table aggregator_address {
+        key = { hdr.ipv4.dst_addr: exact @name("ip"); }
+        actions = { NoAction; }
+        const default_action = NoAction();
+        size = 16;
+    }
+
+    /* ---- plain L2 forwarding for everything that is not PASSING DATA ---- */
+    action forward(PortId_t port) {
+        ig_tm_md.ucast_egress_port = port;
+    }
+    action flood() {
+        ig_tm_md.mcast_grp_a = PASSING_FLOOD_GROUP;
+        hdr.bridged.flood = 1;
+    }
+    table l2_forward {
+        key = { hdr.ethernet.dst_addr: exact @name("dst_addr"); }
+        actions = { forward; flood; drop; }
+        const default_action = drop();
+        size = 1024;
+    }
+
+    /* 1 << worker: Tofino shifts by constants only, so a constant table does it */
+    action set_worker_bit(bit<32> worker_bit) {
+        meta.worker_bit = worker_bit;
+    }
+    #define WORKER_BIT_ENTRY(i) i: set_worker_bit(32w1 << i);
+    table worker_bit {
+        key = { hdr.passing.worker: exact; }
+        actions = { set_worker_bit; @defaultonly NoAction; }
+        const entries = { PASSING_IDS_32(WORKER_BIT_ENTRY) }
+        const default_action = NoAction();
+        size = 32;
+    }
+
+    apply {
+        hdr.bridged.setValid();
+        hdr.bridged.pad0 = 0;
+        hdr.bridged.pad1 = 0;
+        hdr.bridged.ingress_port = ig_intr_md.ingress_port;
+        hdr.bridged.result_multicast = 0;
+        hdr.bridged.flood = 0;
+        if (ig_prsr_md.parser_err != 0) {
+            malformed.count(0);
+            drop();
+        } else if (hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT && aggregator_address.apply().hit) {
+            if (!hdr.passing.isValid() || hdr.passing.version != PASSING_VERSION
+                    || hdr.passing.type != PASSING_TYPE_DATA) {
+                malformed.count(0);
+                drop();
+            } else {
+                meta.job_index = (bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1));
+                received.count(meta.job_index);
+                admission.apply();
+                worker_bit.apply();
+                if (meta.admitted == 0 || hdr.passing.slot >= meta.pool) {
+                    rejected.count(meta.job_index);
+                    drop();
+                } else {
+                    meta.flagged = hdr.passing.flags & PASSING_FLAG_OVERFLOW;
+                    meta.slot_set = ((meta.base + (bit<32>)hdr.passing.slot) << 1) | (bit<32>)hdr.passing.set[0:0];
+                    meta.new_epoch = epoch_check.execute(meta.slot_set);
+                    if (meta.new_epoch == 1) {
+                        meta.round = tag_restart.execute(meta.slot_set);
+                    } else {
+                        meta.round = tag_decide.execute(meta.slot_set);
+                    }
+                    meta.lane_op = LANE_NONE;
+                    if (meta.round == ROUND_FRESH) {
+                        bitmap_start.execute(meta.slot_set);
+                        meta.bitmap = meta.worker_bit;
+                        meta.lane_op = LANE_WRITE;
+                        meta.round_overflow = overflow_start.execute(meta.slot_set);
+                    } else if (meta.round == ROUND_SAME) {
+                        meta.old_bitmap = bitmap_join.execute(meta.slot_set);
+                        meta.bitmap = meta.old_bitmap | meta.worker_bit;
+                        if (meta.old_bitmap & meta.worker_bit == 0) {
+                            meta.lane_op = hdr.passing.op == PASSING_OP_MAX ? (bit<8>)LANE_MAX : (bit<8>)LANE_ADD;
+                            meta.round_overflow = overflow_join.execute(meta.slot_set);
+                        } else if (meta.old_bitmap == meta.full) {
+                            meta.lane_op = LANE_READ;
+                            meta.round_overflow = overflow_read.execute(meta.slot_set);
+                        }
+                    }
+                    FOR_EACH_LANE_ID(LANE_APPLY)
+
+                    if (meta.lane_op == LANE_WRITE || meta.lane_op == LANE_ADD || meta.lane_op == LANE_MAX) {
+                        aggregated.count(meta.job_index);
+                        if (meta.flagged != 0) {
+                            overflow.count(meta.job_index);
+                        }
+                        if (meta.bitmap == meta.full) {
+                            completed.count(meta.job_index);
+                            hdr.passing.type = PASSING_TYPE_RESULT;
+                            hdr.passing.flags = meta.round_overflow;
+                            ig_tm_md.mcast_grp_a = meta.group;
+                            hdr.bridged.result_multicast = 1;
+                        } else {
+                            drop();
+                        }
+                    } else if (meta.lane_op == LANE_READ) {
+                        /* a retransmission to a completed round: answer this worker alone */
+                        duplicate_answered.count(meta.job_index);
+                        hdr.passing.type = PASSING_TYPE_RESULT;
+                        hdr.passing.flags = meta.round_overflow;
+                        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
+                        bit<48> mac = hdr.ethernet.dst_addr;
+                        hdr.ethernet.dst_addr = hdr.ethernet.src_addr;
+                        hdr.ethernet.src_addr = mac;
+                        bit<32> ip = hdr.ipv4.dst_addr;
+                        hdr.ipv4.dst_addr = hdr.ipv4.src_addr;
+                        hdr.ipv4.src_addr = ip;
+                        hdr.udp.dst_port = hdr.udp.src_port;
+                        hdr.udp.src_port = PASSING_UDP_PORT;
+                        hdr.udp.checksum = 0;
+                    } else if (meta.round == ROUND_SAME) {
+                        duplicate.count(meta.job_index);
+                        drop();
+                    } else {
+                        stale.count(meta.job_index);
+                        drop();
+                    }
+                }
+            }
+        } else if (hdr.ethernet.isValid()) {
+            l2_forward.apply();
+        }
+    }
+}
+
+control TnaIngressDeparser(packet_out pkt, inout headers_t hdr, in ingress_metadata_t meta,
+                           in ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
+    apply {
+        /* the unicast answer swaps addresses: the IPv4 checksum stays right */
+        pkt.emit(hdr.bridged);
+        pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.ipv4);
+        pkt.emit(hdr.udp);
+        pkt.emit(hdr.passing);
+        pkt.emit(hdr.lanes);
+    }
+}
+
+parser TnaEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t meta,
+                       out egress_intrinsic_metadata_t eg_intr_md) {
+    PassingParser() passing_parser;
+    state start {
+        pkt.extract(eg_intr_md);
+        pkt.extract(hdr.bridged);
+        passing_parser.apply(pkt, hdr, false);  /* headers only: the lanes stay payload */
+        transition accept;
+    }
+}
+
+control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
+                      in egress_intrinsic_metadata_t eg_intr_md,
+                      in egress_intrinsic_metadata_from_parser_t eg_prsr_md,
+                      inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
+                      inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
+    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) results_sent;
+
+    /* Each replica of a completed round goes to one worker: replication id = worker. */
+    action to_worker(bit<48> mac, bit<32> ip, bit<16> port) {
+        hdr.ethernet.src_addr = hdr.ethernet.dst_addr;  /* the switch's aggregation address */
+        hdr.ethernet.dst_addr = mac;
+        hdr.ipv4.src_addr = hdr.ipv4.dst_addr;
+        hdr.ipv4.dst_addr = ip;
+        hdr.udp.src_port = PASSING_UDP_PORT;
+        hdr.udp.dst_port = port;
+        hdr.udp.checksum = 0;
+        hdr.passing.worker = (bit<8>)eg_intr_md.egress_rid;
+    }
+    action drop() {
+        eg_dprsr_md.drop_ctl = 1;
+    }
+    table result_rewrite {
+        key = {
+            hdr.passing.job: exact @name("job");
+            eg_intr_md.egress_rid: exact @name("worker");  /* replication id = worker */
+        }
+        actions = { to_worker; @defaultonly drop; }
+        const default_action = drop();
+        size = 4096;
+    }
+
+    apply {
+        if (hdr.bridged.flood == 1 && eg_intr_md.egress_port == hdr.bridged.ingress_port) {
+            drop();  /* a flood never goes back where it came from */
+        } else if (hdr.passing.isValid() && hdr.passing.type == PASSING_TYPE_RESULT) {
+            if (hdr.bridged.result_multicast == 0 || result_rewrite.apply().hit) {
+                results_sent.count((bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1)));
+            }
+        }
+        hdr.bridged.setInvalid();
+    }
+}
+
+control TnaEgressDeparser(packet_out pkt, inout headers_t hdr, in egress_metadata_t meta,
+                          in egress_intrinsic_metadata_for_deparser_t eg_dprsr_md) {
+    Checksum() ipv4_checksum;
+    apply {
+        if (hdr.ipv4.isValid()) {
+            hdr.ipv4.hdr_checksum = ipv4_checksum.update({
+                hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.total_len,
+                hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.frag_offset, hdr.ipv4.ttl,
+                hdr.ipv4.protocol, hdr.ipv4.src_addr, hdr.ipv4.dst_addr});
+        }
+        pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.ipv4);
+        pkt.emit(hdr.udp);
+        pkt.emit(hdr.passing);
+    }
+}
+
+Pipeline(TnaIngressParser(), PassingIngress(), TnaIngressDeparser(),
+         TnaEgressParser(), PassingEgress(), TnaEgressDeparser()) pipe;
+
+Switch(pipe) main;
