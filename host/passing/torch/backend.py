@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +65,12 @@ class PassingWork(dist.Work):
         self.future.set_exception(error)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is not None and timeout.total_seconds() > 0:
+            deadline = time.monotonic() + timeout.total_seconds()
+            while not self.future.done():  # torch's Future has no timed wait
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"all_reduce not done within {timeout.total_seconds():g} s")
+                time.sleep(0.001)
         try:
             self.future.wait()
         except BaseException:

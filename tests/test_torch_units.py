@@ -1,10 +1,10 @@
-"""passing.torch.Options: fields over PASSING_* variables over defaults, bad values refused."""
+"""passing.torch units: Options (fields over PASSING_* variables over defaults), PassingWork."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
 
 from passing.torch import SCHEMES, OptionError, Options  # noqa: E402
 
@@ -40,3 +40,23 @@ def test_schemes_are_design_7s_configurations():
     assert {k: (v.in_host, v.aggregator) for k, v in SCHEMES.items()} == {
         "passing": (True, "any"), "psring": (True, "ps"), "switchml": (False, "any"), "ps": (False, "ps"),
         "ring": (False, None)}
+
+
+def test_work_reraises_the_operations_own_error_and_honours_a_timeout():
+    import datetime
+
+    from passing.stream import AggregatorUnreachable
+    from passing.torch.backend import PassingWork
+
+    pending = PassingWork()
+    with pytest.raises(TimeoutError):
+        pending.wait(datetime.timedelta(seconds=0.02))
+    assert not pending.is_completed()
+    failed = PassingWork()
+    failed.fail(AggregatorUnreachable("no RESULT for psn 7"))
+    with pytest.raises(AggregatorUnreachable, match="psn 7"):
+        failed.wait()
+    assert failed.is_completed() and not failed.is_success()
+    done = PassingWork()
+    done.future.set_result([torch.ones(1)])
+    assert done.wait() and done.is_success() and done.get_future().value()[0].item() == 1.0
