@@ -79,6 +79,18 @@ def test_int32_overflow_raises_on_every_worker():
 
 
 @pytest.mark.timeout(60)
+def test_an_int32_sum_at_the_bound_counts_as_saturated():
+    """Tofino saturates without a flag, so the host reads a lane at ±bound as overflow."""
+    x = np.zeros(70, np.int32)
+    x[3] = np.iinfo(np.int32).max
+    results = allreduce_all([x, np.zeros(70, np.int32)])
+    assert all(isinstance(r, OverflowError) for r in results), results
+    x[3] = np.iinfo(np.int32).max - 1  # one below: exact
+    results = allreduce_all([x, np.zeros(70, np.int32)])
+    assert all(np.array_equal(r, x) for r in results), results
+
+
+@pytest.mark.timeout(60)
 def test_fixed_scale_overflow_can_fall_back_to_auto():
     x = np.linspace(-50, 50, 300).astype(np.float32)
     results = allreduce_all([x, x], scale=1e8, on_overflow="auto")

@@ -35,6 +35,7 @@ class PassingOverflow(PassingError, OverflowError):
 
 
 OPS = ("sum", "avg")
+INT32_MAX, INT32_MIN = np.iinfo(np.int32).max, np.iinfo(np.int32).min
 
 
 @dataclass
@@ -347,7 +348,13 @@ class Group:
 
         self._next_psn = (self._next_psn + counts) & 0xFFFFFFFF
         out = [results[s : s + c] for s, c in zip(starts, counts)]
-        overflow = [bool((result_flags[s : s + c] & wire.FLAG_OVERFLOW).any()) for s, c in zip(starts, counts)]
+        flagged = (result_flags & wire.FLAG_OVERFLOW) != 0
+        if op == wire.SUM:
+            # A lane at an int32 bound is a saturated sum: the Tofino program saturates
+            # without flagging it (docs/tofino.md), so the host counts it as overflow on
+            # every target (an exact sum of -2^31 or 2^31-1 is taken for one too).
+            flagged |= ((results == INT32_MAX) | (results == INT32_MIN)).any(axis=1)
+        overflow = [bool(flagged[s : s + c].any()) for s, c in zip(starts, counts)]
         return out, overflow
 
     def _send(self, packets: np.ndarray, dest: np.ndarray, rows: np.ndarray) -> None:
