@@ -8,6 +8,7 @@ MAX_JOBS = 1024  # PASSING_MAX_JOBS in p4/include/constants.p4: counters are ind
 INGRESS = ("received", "rejected", "aggregated", "completed", "duplicate", "duplicate_answered", "stale",
            "overflow")
 EGRESS = ("results_sent",)
+NAMES = tuple(f"PassingIngress.{n}" for n in (*INGRESS, "malformed")) + tuple(f"PassingEgress.{n}" for n in EGRESS)
 
 
 def read_all(switch: Switch) -> dict[str, dict[int, int]]:

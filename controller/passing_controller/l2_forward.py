@@ -8,16 +8,17 @@ from .p4runtime import Switch
 from .topology import Topology, mac_to_int
 
 TABLE = "PassingIngress.l2_forward"
+FORWARD, FLOOD = "PassingIngress.forward", "PassingIngress.flood"
 FLOOD_GROUP = 1  # PASSING_FLOOD_GROUP in p4/include/constants.p4
 BROADCAST = "ff:ff:ff:ff:ff:ff"
 
 
 def entries(switch: Switch, topo: Topology) -> list[p4runtime_pb2.Entity]:
     forward = [
-        switch.table_entry(TABLE, {"dst_addr": mac_to_int(h.mac)}, "PassingIngress.forward", {"port": h.port})
+        switch.table_entry(TABLE, {"dst_addr": mac_to_int(h.mac)}, FORWARD, {"port": h.port})
         for h in topo.hosts
     ]
-    flood = switch.table_entry(TABLE, {"dst_addr": mac_to_int(BROADCAST)}, "PassingIngress.flood")
+    flood = switch.table_entry(TABLE, {"dst_addr": mac_to_int(BROADCAST)}, FLOOD)
     group = switch.multicast_group(FLOOD_GROUP, [(h.port, 0) for h in topo.hosts])
     return [group, *forward, flood]
 

@@ -1,0 +1,92 @@
+"""Both targets' P4Info agree on every name the controller uses (docs/tofino.md).
+
+Compiles p4/v1model (p4c-bm2-ss) and p4/tna (p4c-barefoot) into a temporary directory;
+skipped when either compiler is missing.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("p4c-bm2-ss") and shutil.which("p4c-barefoot")),
+    reason="p4c-bm2-ss or p4c-barefoot not found (docs/bmv2.md, docs/tofino.md: build p4c with its Tofino backend)",
+)
+
+# the registers both programs keep per slot/set (the lanes are one register on BMv2, one per lane on TNA)
+SHARED_REGISTERS = ("PassingIngress.slot_epoch", "PassingIngress.slot_tag", "PassingIngress.slot_bitmap",
+                    "PassingIngress.slot_overflow")
+
+
+def tofino_lanes() -> str:
+    """The lanes `make p4-tofino` builds with (TOFINO_LANES in the Makefile)."""
+    return re.search(r"^TOFINO_LANES \?= (\d+)$", (REPO / "Makefile").read_text(), re.M).group(1)
+
+
+def load(path: Path):
+    from google.protobuf import text_format
+    from p4.config.v1 import p4info_pb2
+
+    return text_format.Parse(path.read_text(), p4info_pb2.P4Info())
+
+
+@pytest.fixture(scope="module")
+def p4infos(tmp_path_factory):
+    out = tmp_path_factory.mktemp("p4info")
+    subprocess.run(["p4c-bm2-ss", "--arch", "v1model", "--std", "p4-16", "--p4runtime-files",
+                    str(out / "v1model.txtpb"), "-o", str(out / "v1model.json"), "p4/v1model/passing.p4"],
+                   cwd=REPO, check=True, capture_output=True)
+    tna = subprocess.run(["p4c-barefoot", "--target", "tofino", "--arch", "tna", "--std", "p4-16",
+                          f"-DPASSING_LANES={tofino_lanes()}", "--p4runtime-files", str(out / "tna.txtpb"),
+                          "-o", str(out / "tofino"), "p4/tna/passing.p4"], cwd=REPO, capture_output=True, text=True)
+    assert tna.returncode == 0, f"the TNA program does not compile:\n{tna.stderr[-3000:]}"
+    return load(out / "v1model.txtpb"), load(out / "tna.txtpb")
+
+
+def controller_names() -> tuple[list[str], list[str], list[str]]:
+    from passing_controller import admission, aggregator_address, counters, l2_forward, result_rewrite
+
+    tables = [admission.TABLE, result_rewrite.TABLE, l2_forward.TABLE, aggregator_address.TABLE]
+    actions = [admission.ACTION, result_rewrite.ACTION, l2_forward.FORWARD, l2_forward.FLOOD, "NoAction"]
+    return tables, actions, list(counters.NAMES)
+
+
+def by_name(entities) -> dict:
+    return {e.preamble.name: e for e in entities}
+
+
+def test_tables_agree_on_keys(p4infos):
+    v1, tna = (by_name(p.tables) for p in p4infos)
+    tables, _, _ = controller_names()
+    for name in tables:
+        assert name in v1 and name in tna, f"table {name} missing: v1model {name in v1}, tna {name in tna}"
+        keys = [[(m.name, m.bitwidth, m.match_type) for m in t.match_fields] for t in (v1[name], tna[name])]
+        assert keys[0] == keys[1], f"{name}: v1model keys {keys[0]} != tna keys {keys[1]}"
+
+
+def test_actions_agree_on_parameters(p4infos):
+    v1, tna = (by_name(p.actions) for p in p4infos)
+    _, actions, _ = controller_names()
+    for name in actions:
+        assert name in v1 and name in tna, f"action {name} missing: v1model {name in v1}, tna {name in tna}"
+        params = [[(q.name, q.bitwidth) for q in a.params] for a in (v1[name], tna[name])]
+        assert params[0] == params[1], f"{name}: v1model {params[0]} != tna {params[1]}"
+
+
+def test_counters_and_registers_exist_on_both(p4infos):
+    v1_counters, tna_counters = (by_name(p.counters) for p in p4infos)
+    _, _, counter_names = controller_names()
+    for name in counter_names:
+        assert name in v1_counters and name in tna_counters, f"counter {name} missing"
+        assert v1_counters[name].size == tna_counters[name].size, name
+    v1_registers, tna_registers = (by_name(p.registers) for p in p4infos)
+    for name in SHARED_REGISTERS:
+        assert name in v1_registers and name in tna_registers, f"register {name} missing"
+        assert v1_registers[name].size == tna_registers[name].size, name
