@@ -5,11 +5,12 @@
  * Tofino's stateful ALUs allow one access per register per packet and return one
  * 32-bit word, so the per slot/set state is split into registers that each decide one
  * thing, in pipeline order:
- *   slot_epoch    is this the allocation that last used the slot/set?  -> new_epoch
- *   slot_tag      round tag (psn): fresh, same round or stale          -> round
- *   slot_bitmap   who contributed (old bitmap out, this worker's bit in)
+ *   slot_tag      (tag, epoch): does this packet start a new round?     -> fresh
+ *   slot_bitmap   (bitmap, psn): bitmap before this worker's bit, or 0 when stale
  *   lane_acc_<i>  one register per lane: write / saturating add / max / read
  *   slot_overflow the round's OVERFLOW flag
+ * A saturated lane is not flagged here (one output word per stateful ALU); the host
+ * reads a lane at an int32 bound as overflow (docs/tofino.md).
  */
 #include <core.p4>
 #include <tna.p4>
@@ -20,17 +21,22 @@
 
 #define PASSING_SLOT_SETS (2 * PASSING_SLOTS)
 
-/* the outcome of slot_tag for this packet */
-#define ROUND_FRESH 1
-#define ROUND_SAME 2
-#define ROUND_STALE 3
-
 /* what every lane register does with this packet */
 #define LANE_NONE 0
 #define LANE_WRITE 1
 #define LANE_ADD 2
 #define LANE_MAX 3
 #define LANE_READ 4
+
+struct round_t {
+    bit<32> tag;    /* psn of the round the slot/set holds */
+    bit<32> epoch;  /* allocation that wrote it */
+}
+
+struct contributors_t {
+    bit<32> bitmap;
+    bit<32> psn;    /* = round_t.tag */
+}
 
 struct ingress_metadata_t {
     bit<32> base;
@@ -43,12 +49,12 @@ struct ingress_metadata_t {
     bit<32> slot_set;
     bit<32> old_bitmap;
     bit<32> bitmap;
+    bit<32> has_bit;
     bit<8> flagged;
     bit<8> round_overflow;
-    bit<8> round;
+    bit<8> fresh;
     bit<8> lane_op;
     bit<1> admitted;
-    bit<1> new_epoch;
 }
 
 struct egress_metadata_t { }
@@ -82,51 +88,40 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) overflow;
 
     /* ---- state per slot and set ---- */
-    Register<bit<32>, bit<32>>(PASSING_SLOT_SETS) slot_epoch;
-    RegisterAction<bit<32>, bit<32>, bit<1>>(slot_epoch) epoch_check = {
-        void apply(inout bit<32> value, out bit<1> changed) {
-            changed = 0;
-            if (value != meta.epoch) {
-                value = meta.epoch;
-                changed = 1;
-            }
-        }
-    };
-
-    Register<bit<32>, bit<32>>(PASSING_SLOT_SETS) slot_tag;
-    /* a slot/set last used by another allocation: this packet starts its round */
-    RegisterAction<bit<32>, bit<32>, bit<8>>(slot_tag) tag_restart = {
-        void apply(inout bit<32> value, out bit<8> round) {
-            value = hdr.passing.psn;
-            round = ROUND_FRESH;
-        }
-    };
-    /* serial-number order: ahead starts a new round, equal joins it, behind is stale */
-    RegisterAction<bit<32>, bit<32>, bit<8>>(slot_tag) tag_decide = {
-        void apply(inout bit<32> value, out bit<8> round) {
-            int<32> ahead = (int<32>)(hdr.passing.psn - value);
-            if (ahead > 0) {
-                value = hdr.passing.psn;
-                round = ROUND_FRESH;
-            } else if (ahead == 0) {
-                round = ROUND_SAME;
+    /* Which round the slot/set holds, for which allocation: a packet ahead of the tag,
+     * or of another allocation (epoch), starts a new round. */
+    Register<round_t, bit<32>>(PASSING_SLOT_SETS) slot_tag;
+    RegisterAction<round_t, bit<32>, bit<8>>(slot_tag) round_check = {
+        void apply(inout round_t value, out bit<8> fresh) {
+            if (value.epoch != meta.epoch || (int<32>)(hdr.passing.psn - value.tag) > 0) {
+                value.tag = hdr.passing.psn;
+                value.epoch = meta.epoch;
+                fresh = 1;
             } else {
-                round = ROUND_STALE;
+                fresh = 0;
             }
         }
     };
 
-    Register<bit<32>, bit<32>>(PASSING_SLOT_SETS) slot_bitmap;
-    RegisterAction<bit<32>, bit<32>, bit<32>>(slot_bitmap) bitmap_start = {
-        void apply(inout bit<32> value) {
-            value = meta.worker_bit;
+    /* Who contributed to the round, and the round's psn again (one register, one access:
+     * slot_tag cannot also say "same round or stale"). */
+    Register<contributors_t, bit<32>>(PASSING_SLOT_SETS) slot_bitmap;
+    RegisterAction<contributors_t, bit<32>, bit<32>>(slot_bitmap) bitmap_start = {
+        void apply(inout contributors_t value) {
+            value.bitmap = meta.worker_bit;
+            value.psn = hdr.passing.psn;
         }
     };
-    /* returns the bitmap before this worker's bit: has_bit and completion follow from it */
-    RegisterAction<bit<32>, bit<32>, bit<32>>(slot_bitmap) bitmap_join = {
-        void apply(inout bit<32> value, out bit<32> before) {
-            before = value;
-            value = value | meta.worker_bit;
+    /* the bitmap before this worker's bit, or 0 for a packet behind the round (stale):
+     * a round in progress always has at least one bit */
+    RegisterAction<contributors_t, bit<32>, bit<32>>(slot_bitmap) bitmap_join = {
+        void apply(inout contributors_t value, out bit<32> before) {
+            if (value.psn == hdr.passing.psn) {
+                before = value.bitmap;
+                value.bitmap = value.bitmap | meta.worker_bit;
+            } else {
+                before = 0;
+            }
         }
     };
 
@@ -279,25 +274,21 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                 } else {
                     meta.flagged = hdr.passing.flags & PASSING_FLAG_OVERFLOW;
                     meta.slot_set = ((meta.base + (bit<32>)hdr.passing.slot) << 1) | (bit<32>)hdr.passing.set[0:0];
-                    meta.new_epoch = epoch_check.execute(meta.slot_set);
-                    if (meta.new_epoch == 1) {
-                        meta.round = tag_restart.execute(meta.slot_set);
-                    } else {
-                        meta.round = tag_decide.execute(meta.slot_set);
-                    }
+                    meta.fresh = round_check.execute(meta.slot_set);
                     meta.lane_op = LANE_NONE;
-                    if (meta.round == ROUND_FRESH) {
+                    if (meta.fresh == 1) {
                         bitmap_start.execute(meta.slot_set);
                         meta.bitmap = meta.worker_bit;
                         meta.lane_op = LANE_WRITE;
                         meta.round_overflow = overflow_start.execute(meta.slot_set);
-                    } else if (meta.round == ROUND_SAME) {
+                    } else {
                         meta.old_bitmap = bitmap_join.execute(meta.slot_set);
                         meta.bitmap = meta.old_bitmap | meta.worker_bit;
-                        if (meta.old_bitmap & meta.worker_bit == 0) {
+                        meta.has_bit = meta.old_bitmap & meta.worker_bit;
+                        if (meta.old_bitmap != 0 && meta.has_bit == 0) {
                             meta.lane_op = hdr.passing.op == PASSING_OP_MAX ? (bit<8>)LANE_MAX : (bit<8>)LANE_ADD;
                             meta.round_overflow = overflow_join.execute(meta.slot_set);
-                        } else if (meta.old_bitmap == meta.full) {
+                        } else if (meta.old_bitmap != 0 && meta.old_bitmap == meta.full) {
                             meta.lane_op = LANE_READ;
                             meta.round_overflow = overflow_read.execute(meta.slot_set);
                         }
@@ -333,7 +324,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                         hdr.udp.dst_port = hdr.udp.src_port;
                         hdr.udp.src_port = PASSING_UDP_PORT;
                         hdr.udp.checksum = 0;
-                    } else if (meta.round == ROUND_SAME) {
+                    } else if (meta.old_bitmap != 0) {
                         duplicate.count(meta.job_index);
                         drop();
                     } else {
