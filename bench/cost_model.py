@@ -1,0 +1,129 @@
+"""Cost model of one allreduce per scheme (design §7), for the emulated-cluster benchmark.
+
+The seed paper's equations count the bytes the bottleneck link carries; here they are
+extended with what the wire really carries and with the self-clocked window:
+
+* every 256-byte payload (64 int32 lanes) travels in a 314-byte frame
+  (14 Ethernet + 20 IPv4 + 8 UDP + 16 PASSING header), so a link of B bit/s moves
+  B / (8·314) PASSING packets per second;
+* a worker keeps at most ``pool`` packets in flight, so G windows sharing a link move
+  at most G·pool packets per round-trip time: rate = min(B/(8·314), G·pool/RTT);
+* gloo's ring runs over TCP: 1448 bytes of payload per 1514-byte frame (timestamps on).
+
+Per all_reduce of K bytes (P = ceil(elements/64) packets) with s servers × n ranks:
+
+| scheme   | bottleneck link | packets on it (each way)  | windows on it |
+| -------- | --------------- | ------------------------- | ------------- |
+| ps       | the PS link     | s·n·P                     | s·n           |
+| psring   | the PS link     | s·n·P/n = s·P             | s·n           |
+| switchml | a server link   | n·P                       | n             |
+| passing  | a server link   | n·P/n = P                 | n             |
+| ring     | a server link   | 2(W−1)/W·K bytes over TCP | —             |
+
+(P/n is the per-rank chunk after the in-host reduce-scatter, rounded up to whole packets.)
+Both directions carry the same amount and are limited independently, so one direction
+gives the time. The in-host schemes add the in-host reduce-scatter + all-gather time,
+and every scheme a fixed per-call cost (the auto-scale MAX round, thread hand-offs,
+Python): the harness measures both (an in-host probe and a one-packet all_reduce) and
+passes them in; everything else is the equations above.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+LANES = 64
+PAYLOAD = 4 * LANES  # bytes of gradient per PASSING packet
+FRAME = 14 + 20 + 8 + 16 + PAYLOAD  # 314 bytes on the wire per PASSING packet
+TCP_PAYLOAD, TCP_FRAME = 1448, 1514  # MSS with timestamps, Ethernet frame at MTU 1500
+
+SCHEMES = ("ps", "psring", "switchml", "passing", "ring")
+IN_HOST = {"psring", "passing"}  # schemes with the in-host reduce-scatter / all-gather
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a prediction depends on besides the scheme and the gradient size."""
+
+    servers: int
+    ranks: int  # per server
+    rate_mbit: float  # every server link and the PS link, each direction
+    pool: int = 128  # packets in flight per worker
+    rtt_s: float = 0.002  # unloaded round trip rank -> aggregator -> rank
+    fixed_s: float = 0.0  # per-call cost independent of size (measured: a one-packet all_reduce)
+    in_host_s: float = 0.0  # in-host reduce-scatter + all-gather of this size (measured), in-host schemes only
+
+
+@dataclass(frozen=True)
+class Prediction:
+    scheme: str
+    seconds: float  # fixed + in-host + network
+    network_s: float
+    in_host_s: float
+    fixed_s: float
+    link: str  # which link is the bottleneck
+    link_bytes: float  # bytes on the wire over that link, one direction
+    window_limited: bool  # the windows, not the link rate, set the pace
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def packets(elements: int) -> int:
+    return math.ceil(elements / LANES)
+
+
+def predict(scheme: str, elements: int, setup: Setup) -> Prediction:
+    """Predicted seconds of one all_reduce of ``elements`` float32 values."""
+    s, n = setup.servers, setup.ranks
+    world = s * n
+    bits_per_s = setup.rate_mbit * 1e6
+    if scheme == "ring":
+        # Ranks are numbered server by server, so gloo's ring leaves each server once:
+        # that hop carries every one of the 2(W-1) steps' 1/W-sized segments.
+        payload = 2 * (world - 1) / world * 4 * elements if world > 1 else 0.0
+        wire_bytes = payload * TCP_FRAME / TCP_PAYLOAD
+        return Prediction(scheme, setup.fixed_s + wire_bytes * 8 / bits_per_s, wire_bytes * 8 / bits_per_s, 0.0,
+                          setup.fixed_s, "server link", wire_bytes, False)
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; one of {', '.join(SCHEMES)}")
+    in_host = scheme in IN_HOST and n > 1
+    per_worker = packets(math.ceil(elements / n)) if in_host else packets(elements)
+    if scheme in ("ps", "psring"):
+        link, count, windows = "PS link", world * per_worker, world
+    else:
+        link, count, windows = "server link", n * per_worker, n
+    link_pps = bits_per_s / (8 * FRAME)
+    window_pps = windows * setup.pool / setup.rtt_s if setup.rtt_s > 0 else math.inf
+    pps = min(link_pps, window_pps)
+    network = count / pps
+    host = setup.in_host_s if in_host else 0.0
+    return Prediction(scheme, setup.fixed_s + host + network, network, host, setup.fixed_s, link, count * FRAME,
+                      window_pps < link_pps)
+
+
+def bottleneck_packets_per_s(scheme: str, setup: Setup) -> float:
+    """Packets per second the aggregator takes in when the bottleneck link is full (0: none used)."""
+    if scheme == "ring":
+        return 0.0
+    link_pps = setup.rate_mbit * 1e6 / (8 * FRAME)
+    if scheme in ("ps", "psring"):
+        return link_pps  # the PS link feeds it
+    return setup.servers * link_pps  # every server link feeds the switch
+
+
+def main() -> None:
+    """Print the model's table for the paper's configurations at 10 Gbit/s, full size."""
+    sizes = {"resnet50": 25_557_032, "vgg19-cifar": 20_035_018}
+    print(f"{'config':7s} {'model':12s} " + " ".join(f"{s:>9s}" for s in SCHEMES) + "   (seconds at 10 Gbit/s)")
+    for servers, ranks in ((2, 2), (2, 4), (4, 2), (4, 4)):
+        setup = Setup(servers, ranks, 10_000.0, pool=128, rtt_s=1e-5)
+        for name, elements in sizes.items():
+            times = [predict(s, elements, setup).seconds for s in SCHEMES]
+            print(f"{servers}x{ranks:<5d} {name:12s} " + " ".join(f"{t:9.4f}" for t in times))
+
+
+if __name__ == "__main__":
+    main()
