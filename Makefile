@@ -19,11 +19,11 @@ setup: $(STAMP)
 # Runs everything that needs no BMv2; BMv2/Mininet tests skip with a reason when absent.
 # pytest's exit 5 ("no tests collected") is a failure here, never a pass.
 test: $(STAMP)
-	$(PY) -m ruff check host controller tests bench bmv2_tests demo cluster
+	$(PY) -m ruff check host controller tests bench bmv2_tests demo cluster p4
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(PY) -m ruff check host controller tests bench bmv2_tests demo cluster
+	$(PY) -m ruff check host controller tests bench bmv2_tests demo cluster p4
 
 # The main job: a multi-host run on BMv2 in Mininet when BMv2, p4c and Mininet are here
 # (as root), else on the software aggregator with worker processes on loopback; it says which.
