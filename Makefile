@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup test lint demo bench-core bench-bmv2 p4 p4-tofino clean
+.PHONY: all setup test lint demo bench bench-quick bench-core bench-bmv2 p4 p4-tofino clean
 
 all: test
 
@@ -29,6 +29,16 @@ lint: $(STAMP)
 # (as root), else on the software aggregator with worker processes on loopback; it says which.
 demo: $(STAMP)
 	$(PY) demo/run.py
+
+# The emulated-cluster comparison of design §7's schemes (root: network namespaces;
+# docs/benchmarks.md). bench-quick: under 10 minutes; bench: every configuration.
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e 'host[bench]'
+	$(PY) bench/emulated.py
+
+bench-quick: $(STAMP)
+	$(PY) -m pip install --quiet -e 'host[bench]'
+	$(PY) bench/emulated.py --quick
 
 bench-core: $(STAMP)
 	$(PY) -m pip install --quiet -e 'host[torch]'

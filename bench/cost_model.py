@@ -8,7 +8,11 @@ extended with what the wire really carries and with the self-clocked window:
   B / (8·314) PASSING packets per second;
 * a worker keeps at most ``pool`` packets in flight, so G windows sharing a link move
   at most G·pool packets per round-trip time: rate = min(B/(8·314), G·pool/RTT);
-* gloo's ring runs over TCP: 1448 bytes of payload per 1514-byte frame (timestamps on).
+* gloo's ring runs over TCP: 1448 bytes of payload per 1514-byte frame (timestamps on),
+  plus half a 66-byte ACK per segment for the flow the other way over the same link:
+  1.07x the payload (measured on a server link in 4x2: 1.13x per all_reduce; the rest,
+  gloo's own messages, is not modelled). A PASSING all_reduce measured 1.02x the bytes
+  modelled here (the rest: its MAX round and the barrier).
 
 Per all_reduce of K bytes (P = ceil(elements/64) packets) with s servers × n ranks:
 
@@ -25,7 +29,8 @@ Both directions carry the same amount and are limited independently, so one dire
 gives the time. The in-host schemes add the in-host reduce-scatter + all-gather time,
 and every scheme a fixed per-call cost (the auto-scale MAX round, thread hand-offs,
 Python): the harness measures both (an in-host probe and a one-packet all_reduce) and
-passes them in; everything else is the equations above.
+passes them in, and takes half the one-packet all_reduce (a MAX and a SUM round trip) as
+the RTT of the window limit; everything else is the equations above.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ LANES = 64
 PAYLOAD = 4 * LANES  # bytes of gradient per PASSING packet
 FRAME = 14 + 20 + 8 + 16 + PAYLOAD  # 314 bytes on the wire per PASSING packet
 TCP_PAYLOAD, TCP_FRAME = 1448, 1514  # MSS with timestamps, Ethernet frame at MTU 1500
+TCP_ACK_SHARE = 66 / 2  # a 66-byte ACK per two segments, sharing the link with the reverse flow's data
 
 SCHEMES = ("ps", "psring", "switchml", "passing", "ring")
 IN_HOST = {"psring", "passing"}  # schemes with the in-host reduce-scatter / all-gather
@@ -75,6 +81,13 @@ def packets(elements: int) -> int:
     return math.ceil(elements / LANES)
 
 
+def windows(scheme: str, servers: int, ranks: int) -> int:
+    """Self-clocked windows that share the scheme's bottleneck link (0 for ring: TCP)."""
+    if scheme == "ring":
+        return 0
+    return servers * ranks if scheme in ("ps", "psring") else ranks
+
+
 def predict(scheme: str, elements: int, setup: Setup) -> Prediction:
     """Predicted seconds of one all_reduce of ``elements`` float32 values."""
     s, n = setup.servers, setup.ranks
@@ -84,7 +97,7 @@ def predict(scheme: str, elements: int, setup: Setup) -> Prediction:
         # Ranks are numbered server by server, so gloo's ring leaves each server once:
         # that hop carries every one of the 2(W-1) steps' 1/W-sized segments.
         payload = 2 * (world - 1) / world * 4 * elements if world > 1 else 0.0
-        wire_bytes = payload * TCP_FRAME / TCP_PAYLOAD
+        wire_bytes = payload * (TCP_FRAME + TCP_ACK_SHARE) / TCP_PAYLOAD
         return Prediction(scheme, setup.fixed_s + wire_bytes * 8 / bits_per_s, wire_bytes * 8 / bits_per_s, 0.0,
                           setup.fixed_s, "server link", wire_bytes, False)
     if scheme not in SCHEMES:
@@ -92,11 +105,12 @@ def predict(scheme: str, elements: int, setup: Setup) -> Prediction:
     in_host = scheme in IN_HOST and n > 1
     per_worker = packets(math.ceil(elements / n)) if in_host else packets(elements)
     if scheme in ("ps", "psring"):
-        link, count, windows = "PS link", world * per_worker, world
+        link, count = "PS link", world * per_worker
     else:
-        link, count, windows = "server link", n * per_worker, n
+        link, count = "server link", n * per_worker
     link_pps = bits_per_s / (8 * FRAME)
-    window_pps = windows * setup.pool / setup.rtt_s if setup.rtt_s > 0 else math.inf
+    g = windows(scheme, s, n)
+    window_pps = g * setup.pool / setup.rtt_s if setup.rtt_s > 0 else math.inf
     pps = min(link_pps, window_pps)
     network = count / pps
     host = setup.in_host_s if in_host else 0.0

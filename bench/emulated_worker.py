@@ -22,17 +22,22 @@ import torch
 import torch.distributed as dist
 
 import passing.torch  # registers backend "passing"
+from passing import wire
 
 
-def timed_all_reduces(tensor: torch.Tensor, iterations: int, barrier: dist.ProcessGroup) -> list[float]:
-    seconds = []
+def timed_all_reduces(tensor: torch.Tensor, iterations: int,
+                      barrier: dist.ProcessGroup) -> tuple[list[float], list[float]]:
+    """Seconds of each all_reduce, and the wall-clock time each started (all ranks share one
+    machine's clock, so the harness can see how far apart the ranks left the barrier)."""
+    seconds, starts = [], []
     for _ in range(iterations):
         work = tensor.clone()  # fresh values each time: repeated sums would grow by the world size
         dist.barrier(group=barrier)
+        starts.append(time.time())
         start = time.perf_counter()
         dist.all_reduce(work)
         seconds.append(time.perf_counter() - start)
-    return seconds
+    return seconds, starts
 
 
 def in_host_probe(pg: Any, elements: int, repeats: int, barrier: dist.ProcessGroup) -> float | None:
@@ -69,7 +74,8 @@ def main() -> None:
     stats = (lambda: passing.torch.transport_stats()) if getattr(pg, "stream", None) else (lambda: {})
     out: dict[str, Any] = {"rank": rank, "world": dist.get_world_size(), "server": pg.layout.server,
                            "local_rank": pg.layout.local_rank, "scheme": pg.options.scheme, "mode": pg.mode,
-                           "reason": pg.reason, "pool": pg.stream.pool if pg.stream else None, "workloads": {}}
+                           "reason": pg.reason, "pool": pg.stream.aggregators[0].pool if pg.stream else None,
+                           "workloads": {}}
     for spec in args.workload:
         name, elements = spec.split("=")
         tensor = torch.randn(int(elements), generator=torch.Generator().manual_seed(rank))
@@ -79,17 +85,17 @@ def main() -> None:
         dist.all_reduce(work)  # warm-up: joins are done, but this trains the retransmission timer's RTT
         warmup = time.perf_counter() - start
         before, cpu = stats(), time.process_time()
-        seconds = timed_all_reduces(tensor, args.iterations, barrier)
+        seconds, starts = timed_all_reduces(tensor, args.iterations, barrier)
         cpu = time.process_time() - cpu
         after = stats()
         out["workloads"][name] = {
-            "elements": int(elements), "seconds": seconds, "median_s": statistics.median(seconds),
+            "elements": int(elements), "seconds": seconds, "starts": starts, "median_s": statistics.median(seconds),
             "warmup_s": warmup, "cpu_s": cpu,
-            "transport": {k: (after[k] - before[k]) / args.iterations for k in after},  # per all_reduce
+            "transport": {k: after[k] - before[k] for k in after},  # over the timed all_reduces
             "in_host_s": in_host_probe(pg, int(elements), args.probes, barrier),
         }
-    small = torch.ones(passing.wire.DEFAULT_LANES)
-    out["fixed_s"] = statistics.median(timed_all_reduces(small, args.probes, barrier))
+    small = torch.ones(wire.DEFAULT_LANES)
+    out["fixed_s"] = statistics.median(timed_all_reduces(small, args.probes, barrier)[0])
     dist.barrier(group=barrier)
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()

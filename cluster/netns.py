@@ -92,6 +92,7 @@ class EmulatedNetwork:
         self.hosts: dict[str, Host] = {}
         self.procs: list[subprocess.Popen] = []
         self._namespaces: list[str] = []
+        self.limited: list[tuple[str, str]] = []  # (namespace, device) of every tbf
         atexit.register(self.stop)
         try:
             self._make_namespace(self.switch.namespace)
@@ -122,9 +123,15 @@ class EmulatedNetwork:
         _sh("ip", "link", "set", outer, "master", "br0", ns=self.switch.namespace)
         _sh("ip", "link", "set", outer, "up", ns=self.switch.namespace)
         if rate:
-            limit(host.namespace, "eth0", rate)  # host -> switch
-            limit(self.switch.namespace, outer, rate)  # switch -> host
+            self.limited += [(host.namespace, "eth0"), (self.switch.namespace, outer)]  # both directions
+            for ns, dev in self.limited[-2:]:
+                limit(ns, dev, rate)
         self.hosts[name] = host
+
+    def set_rate(self, rate_mbit: float, burst_bytes: int | None = None, queue_bytes: int | None = None) -> None:
+        """Every rate-limited link to ``rate_mbit``, optionally with the tbf's bucket and queue sizes."""
+        for ns, dev in self.limited:
+            limit(ns, dev, rate_mbit, burst_bytes, queue_bytes)
 
     def popen(self, where: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` in host ``where`` (or "switch"); it is killed at stop()."""
@@ -154,8 +161,10 @@ class EmulatedNetwork:
         self.stop()
 
 
-def limit(ns: str, dev: str, rate_mbit: float) -> None:
-    """tbf on ``dev``'s egress: ``rate_mbit`` Mbit/s with a burst of a few ms of traffic."""
-    burst = max(int(rate_mbit * 1e6 / 8 * 0.004), 64 * 1024)
-    _sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
-        "latency", "50ms", ns=ns)
+def limit(ns: str, dev: str, rate_mbit: float, burst_bytes: int | None = None, queue_bytes: int | None = None) -> None:
+    """tbf on ``dev``'s egress: ``rate_mbit`` Mbit/s; by default a bucket of a few ms of
+    traffic (at least 64 KiB) and a queue of 50 ms."""
+    burst = burst_bytes or max(int(rate_mbit * 1e6 / 8 * 0.004), 64 * 1024)
+    queue = ["limit", str(queue_bytes)] if queue_bytes else ["latency", "50ms"]
+    _sh("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), *queue,
+        ns=ns)
