@@ -51,12 +51,15 @@ header lane_h {
     bit<32> value;
 }
 
-/* Ingress -> egress metadata on targets whose egress parses the packet again (TNA);
- * never on the wire. */
+/* Ingress -> egress metadata on targets whose egress parses the packet again (TNA), and
+ * the note a packet carries into its second pass (recirculation); never on the wire. */
 header bridged_h {
     bit<7> pad0;
-    bit<9> ingress_port;
-    bit<6> pad1;
+    bit<9> ingress_port;      /* the worker's port, kept across the second pass */
+    bit<16> slot_set;         /* second pass: the register entry whose sums it collects */
+    bit<16> group;            /* second pass: multicast group of the RESULT, 0 = unicast answer */
+    bit<5> pad1;
+    bit<1> second_pass;       /* on its way to (or in) the second pass */
     bit<1> result_multicast;  /* a completed round: the egress addresses each replica */
     bit<1> flood;
 }

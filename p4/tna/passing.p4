@@ -2,15 +2,19 @@
  * p4/v1model/passing.p4 (docs/protocol.md), with the same control-plane names for
  * tables, actions and counters, so one controller programs both (docs/tofino.md).
  *
- * Tofino's stateful ALUs allow one access per register per packet and return one
- * 32-bit word, so the per slot/set state is split into registers that each decide one
- * thing, in pipeline order:
- *   slot_tag      (tag, epoch): does this packet start a new round?     -> fresh
- *   slot_bitmap   (bitmap, psn): bitmap before this worker's bit, or 0 when stale
- *   lane_acc_<i>  one register per lane: write / saturating add / max / read
- *   slot_overflow the round's OVERFLOW flag
- * A saturated lane is not flagged here (one output word per stateful ALU); the host
- * reads a lane at an int32 bound as overflow (docs/tofino.md).
+ * A Tofino stateful ALU (SALU) accesses one register entry per packet, updates at most
+ * 64 bits and returns one 32-bit word; a pipe has 12 stages of 4 SALUs per gress. So:
+ *   - the per slot/set state is split into registers that each decide one thing:
+ *       slot_tag      (tag, epoch): does this packet start a new round?  -> fresh
+ *       slot_bitmap   (bitmap, psn): bitmap before this worker's bit, or 0 when stale
+ *       slot_overflow the round's OVERFLOW flag
+ *   - the lanes live in pairs: register lane_pair_<k> holds lanes 2k and 2k + 1 and one
+ *     SALU adds both (64 lanes = 32 SALUs), but returns only the sum of lane 2k + 1. The
+ *     packet that completes a round therefore makes a second pass (recirculation), in
+ *     which every pair returns the sum of lane 2k; then it is multicast. Only that one
+ *     packet per round, and a retransmission answered from a completed round, make it.
+ * A saturated lane is not flagged here (one output word per SALU); the host reads a SUM
+ * lane at an int32 bound as overflow (docs/tofino.md).
  */
 #include <core.p4>
 #include <tna.p4>
@@ -20,13 +24,29 @@
 #include "../include/parser.p4"
 
 #define PASSING_SLOT_SETS (2 * PASSING_SLOTS)
+#define PASSING_SLOT_BITS 10
+#if (1 << PASSING_SLOT_BITS) != PASSING_SLOTS
+#error "PASSING_SLOT_BITS must be log2(PASSING_SLOTS)"
+#endif
 
-/* what every lane register does with this packet */
+/* The pipe-local port that loops a packet back into its ingress (68 in every pipe of a
+ * Tofino 1); the pipe is the top two bits of a 9-bit port. */
+const bit<7> PASSING_RECIRCULATION_PORT = 68;
+
+/* what every lane pair does with this packet */
 #define LANE_NONE 0
 #define LANE_WRITE 1
 #define LANE_ADD 2
 #define LANE_MAX 3
-#define LANE_READ 4
+#define LANE_HARVEST 4
+
+/* what the first pass decided */
+#define VERDICT_NONE 0
+#define VERDICT_REJECTED 1
+#define VERDICT_STALE 2
+#define VERDICT_DUPLICATE 3
+#define VERDICT_CONTRIBUTED 4
+#define VERDICT_ANSWER 5
 
 struct round_t {
     bit<32> tag;    /* psn of the round the slot/set holds */
@@ -38,9 +58,14 @@ struct contributors_t {
     bit<32> psn;    /* = round_t.tag */
 }
 
+struct lane_pair_t {
+    int<32> first;   /* lane 2k */
+    int<32> second;  /* lane 2k + 1 */
+}
+
 struct ingress_metadata_t {
-    bit<32> base;
-    bit<16> pool;
+    bit<32> base_plus_slot;
+    bit<32> slot_excess;  /* slot - pool: negative (top bit set) when the slot is in the pool */
     bit<32> full;
     bit<32> epoch;
     bit<16> group;
@@ -49,11 +74,11 @@ struct ingress_metadata_t {
     bit<32> slot_set;
     bit<32> old_bitmap;
     bit<32> bitmap;
-    bit<32> has_bit;
     bit<8> flagged;
     bit<8> round_overflow;
     bit<8> fresh;
     bit<8> lane_op;
+    bit<8> verdict;
     bit<1> admitted;
 }
 
@@ -65,7 +90,16 @@ parser TnaIngressParser(packet_in pkt, out headers_t hdr, out ingress_metadata_t
     state start {
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
-        hdr.bridged.setInvalid();
+        transition select(ig_intr_md.ingress_port) {
+            (bit<9>)PASSING_RECIRCULATION_PORT &&& 0x7f: parse_second_pass;
+            default: parse_packet;
+        }
+    }
+    state parse_second_pass {
+        pkt.extract(hdr.bridged);  /* only a recirculated packet carries it in */
+        transition parse_packet;
+    }
+    state parse_packet {
         passing_parser.apply(pkt, hdr, true);
         transition accept;
     }
@@ -87,7 +121,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) stale;
     Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) overflow;
 
-    /* ---- state per slot and set ---- */
+    /* ---- state per slot and set: entry set * PASSING_SLOTS + base + slot ---- */
     /* Which round the slot/set holds, for which allocation: a packet ahead of the tag,
      * or of another allocation (epoch), starts a new round. */
     Register<round_t, bit<32>>(PASSING_SLOT_SETS) slot_tag;
@@ -97,8 +131,6 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                 value.tag = hdr.passing.psn;
                 value.epoch = meta.epoch;
                 fresh = 1;
-            } else {
-                fresh = 0;
             }
         }
     };
@@ -119,12 +151,11 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             if (value.psn == hdr.passing.psn) {
                 before = value.bitmap;
                 value.bitmap = value.bitmap | meta.worker_bit;
-            } else {
-                before = 0;
             }
         }
     };
 
+    /* OR of the contributions' flags; a duplicate ORs the flag it already brought */
     Register<bit<8>, bit<32>>(PASSING_SLOT_SETS) slot_overflow;
     RegisterAction<bit<8>, bit<32>, bit<8>>(slot_overflow) overflow_start = {
         void apply(inout bit<8> value, out bit<8> now) {
@@ -138,52 +169,61 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             now = value;
         }
     };
-    RegisterAction<bit<8>, bit<32>, bit<8>>(slot_overflow) overflow_read = {
-        void apply(inout bit<8> value, out bit<8> now) {
-            now = value;
-        }
-    };
 
-    /* One register per lane and four ways to use it; the packet carries the result out. */
-    #define LANE_STATE(i)                                                                    \
-    Register<int<32>, bit<32>>(PASSING_SLOT_SETS) lane_acc_##i;                              \
-    RegisterAction<int<32>, bit<32>, int<32>>(lane_acc_##i) lane_write_##i = {               \
-        void apply(inout int<32> value, out int<32> now) {                                   \
-            value = (int<32>)hdr.lanes[i].value;                                             \
-            now = value;                                                                     \
+    /* Lane pair k: lanes 2k and 2k + 1 in one register. write / add / max update both and
+     * return lane 2k + 1; harvest (second pass) returns lane 2k. */
+    #define FIRST(k) hdr.lanes[2 * k].value
+    #define SECOND(k) hdr.lanes[2 * k + 1].value
+    #define LANE_PAIR(k)                                                                     \
+    Register<lane_pair_t, bit<32>>(PASSING_SLOT_SETS) lane_pair_##k;                         \
+    RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_write_##k = {          \
+        void apply(inout lane_pair_t value, out int<32> second) {                            \
+            value.first = (int<32>)FIRST(k);                                                 \
+            value.second = (int<32>)SECOND(k);                                               \
+            second = value.second;                                                           \
         }                                                                                    \
     };                                                                                       \
-    RegisterAction<int<32>, bit<32>, int<32>>(lane_acc_##i) lane_add_##i = {                 \
-        void apply(inout int<32> value, out int<32> now) {                                   \
-            value = value |+| (int<32>)hdr.lanes[i].value;                                   \
-            now = value;                                                                     \
+    RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_add_##k = {            \
+        void apply(inout lane_pair_t value, out int<32> second) {                            \
+            value.first = value.first |+| (int<32>)FIRST(k);                                 \
+            value.second = value.second |+| (int<32>)SECOND(k);                              \
+            second = value.second;                                                           \
         }                                                                                    \
     };                                                                                       \
-    RegisterAction<int<32>, bit<32>, int<32>>(lane_acc_##i) lane_max_##i = {                 \
-        void apply(inout int<32> value, out int<32> now) {                                   \
-            if ((int<32>)hdr.lanes[i].value > value) {                                       \
-                value = (int<32>)hdr.lanes[i].value;                                         \
+    RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_max_##k = {            \
+        void apply(inout lane_pair_t value, out int<32> second) {                            \
+            if ((int<32>)FIRST(k) > value.first) {                                           \
+                value.first = (int<32>)FIRST(k);                                             \
             }                                                                                \
-            now = value;                                                                     \
+            if ((int<32>)SECOND(k) > value.second) {                                         \
+                value.second = (int<32>)SECOND(k);                                           \
+            }                                                                                \
+            second = value.second;                                                           \
         }                                                                                    \
     };                                                                                       \
-    RegisterAction<int<32>, bit<32>, int<32>>(lane_acc_##i) lane_read_##i = {                \
-        void apply(inout int<32> value, out int<32> now) {                                   \
-            now = value;                                                                     \
+    RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_harvest_##k = {        \
+        void apply(inout lane_pair_t value, out int<32> first) {                             \
+            first = value.first;                                                             \
         }                                                                                    \
-    };
-    FOR_EACH_LANE_ID(LANE_STATE)
-
-    #define LANE_APPLY(i)                                                                    \
-    if (meta.lane_op == LANE_WRITE) {                                                        \
-        hdr.lanes[i].value = (bit<32>)lane_write_##i.execute(meta.slot_set);                 \
-    } else if (meta.lane_op == LANE_ADD) {                                                   \
-        hdr.lanes[i].value = (bit<32>)lane_add_##i.execute(meta.slot_set);                   \
-    } else if (meta.lane_op == LANE_MAX) {                                                   \
-        hdr.lanes[i].value = (bit<32>)lane_max_##i.execute(meta.slot_set);                   \
-    } else if (meta.lane_op == LANE_READ) {                                                  \
-        hdr.lanes[i].value = (bit<32>)lane_read_##i.execute(meta.slot_set);                  \
+    };                                                                                       \
+    action lane_write_##k() { SECOND(k) = (bit<32>)pair_write_##k.execute(meta.slot_set); }  \
+    action lane_add_##k() { SECOND(k) = (bit<32>)pair_add_##k.execute(meta.slot_set); }      \
+    action lane_max_##k() { SECOND(k) = (bit<32>)pair_max_##k.execute(meta.slot_set); }      \
+    action lane_harvest_##k() { FIRST(k) = (bit<32>)pair_harvest_##k.execute(meta.slot_set); } \
+    table lane_op_##k {                                                                      \
+        key = { meta.lane_op: exact; }                                                       \
+        actions = { lane_write_##k; lane_add_##k; lane_max_##k; lane_harvest_##k; NoAction; } \
+        const entries = {                                                                    \
+            LANE_WRITE: lane_write_##k();                                                    \
+            LANE_ADD: lane_add_##k();                                                        \
+            LANE_MAX: lane_max_##k();                                                        \
+            LANE_HARVEST: lane_harvest_##k();                                                \
+        }                                                                                    \
+        const default_action = NoAction();                                                   \
+        size = 4;                                                                            \
     }
+    FOR_EACH_PAIR_ID(LANE_PAIR)
+    #define LANE_PAIR_APPLY(k) lane_op_##k.apply();
 
     action drop() {
         ig_dprsr_md.drop_ctl = 1;
@@ -192,8 +232,8 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     /* ---- admission: (job, worker, ingress port) -> the job's allocation ---- */
     action admit(bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
         meta.admitted = 1;
-        meta.base = base;
-        meta.pool = pool;
+        meta.base_plus_slot = base + (bit<32>)hdr.passing.slot;
+        meta.slot_excess = (bit<32>)hdr.passing.slot - (bit<32>)pool;
         meta.full = full;
         meta.epoch = epoch;
         meta.group = group;
@@ -248,14 +288,74 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         size = 32;
     }
 
+    /* ---- a packet of the round under way: new contribution or duplicate? ---- */
+    /* old & (1 << worker) needs an AND of two PHV fields, which a gateway cannot do and an
+     * action would need a stage for; a ternary match on the worker's bit does it in one. */
+    action contribute_add() {
+        meta.lane_op = LANE_ADD;
+        meta.verdict = VERDICT_CONTRIBUTED;
+    }
+    action contribute_max() {
+        meta.lane_op = LANE_MAX;
+        meta.verdict = VERDICT_CONTRIBUTED;
+    }
+    action already_counted() {
+        meta.verdict = VERDICT_DUPLICATE;
+    }
+    #define SEEN_ENTRY(i) (32w1 << i &&& 32w1 << i, i, _): already_counted();
+    table contribution {
+        key = {
+            meta.old_bitmap: ternary;
+            hdr.passing.worker: ternary;
+            hdr.passing.op: ternary;
+        }
+        actions = { contribute_add; contribute_max; already_counted; }
+        const entries = {
+            PASSING_IDS_32(SEEN_ENTRY)
+            (_, _, PASSING_OP_MAX): contribute_max();
+        }
+        const default_action = contribute_add();
+        size = 64;
+    }
+
+    /* A retransmission to a completed round gets the stored result: adding zeros returns
+     * each pair's lane 2k + 1, the second pass its lane 2k. */
+    #define CLEAR_LANE(i) hdr.lanes[i].value = 0;
+    action answer_from_round() {
+        FOR_EACH_LANE(CLEAR_LANE)
+        meta.lane_op = LANE_ADD;
+        meta.verdict = VERDICT_ANSWER;
+    }
+
+    /* to the recirculation port of this pipe, for the second pass */
+    action to_second_pass(bit<16> group) {
+        hdr.bridged.second_pass = 1;
+        hdr.bridged.slot_set = (bit<16>)meta.slot_set;
+        hdr.bridged.group = group;
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ PASSING_RECIRCULATION_PORT;
+    }
+
     apply {
-        hdr.bridged.setValid();
-        hdr.bridged.pad0 = 0;
-        hdr.bridged.pad1 = 0;
-        hdr.bridged.ingress_port = ig_intr_md.ingress_port;
-        hdr.bridged.result_multicast = 0;
-        hdr.bridged.flood = 0;
-        if (ig_prsr_md.parser_err != 0) {
+        bool second_pass = hdr.bridged.isValid();
+        if (!second_pass) {
+            hdr.bridged.setValid();
+            hdr.bridged.pad0 = 0;
+            hdr.bridged.pad1 = 0;
+            hdr.bridged.ingress_port = ig_intr_md.ingress_port;
+            hdr.bridged.slot_set = 0;
+            hdr.bridged.group = 0;
+            hdr.bridged.second_pass = 0;
+            hdr.bridged.result_multicast = 0;
+            hdr.bridged.flood = 0;
+        }
+        meta.lane_op = LANE_NONE;
+        meta.verdict = VERDICT_NONE;
+
+        /* ---- decide ---- */
+        if (second_pass) {
+            meta.slot_set = (bit<32>)hdr.bridged.slot_set;
+            meta.lane_op = LANE_HARVEST;
+        } else if (ig_prsr_md.parser_err != 0) {
             malformed.count(0);
             drop();
         } else if (hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT && aggregator_address.apply().hit) {
@@ -268,73 +368,87 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                 received.count(meta.job_index);
                 admission.apply();
                 worker_bit.apply();
-                if (meta.admitted == 0 || hdr.passing.slot >= meta.pool) {
-                    rejected.count(meta.job_index);
-                    drop();
+                if (meta.admitted == 0 || meta.slot_excess[31:31] == 0) {
+                    meta.verdict = VERDICT_REJECTED;
                 } else {
                     meta.flagged = hdr.passing.flags & PASSING_FLAG_OVERFLOW;
-                    meta.slot_set = ((meta.base + (bit<32>)hdr.passing.slot) << 1) | (bit<32>)hdr.passing.set[0:0];
+                    meta.slot_set = (bit<32>)(hdr.passing.set[0:0] ++ meta.base_plus_slot[PASSING_SLOT_BITS - 1:0]);
                     meta.fresh = round_check.execute(meta.slot_set);
-                    meta.lane_op = LANE_NONE;
                     if (meta.fresh == 1) {
                         bitmap_start.execute(meta.slot_set);
-                        meta.bitmap = meta.worker_bit;
-                        meta.lane_op = LANE_WRITE;
+                        meta.old_bitmap = 0;
                         meta.round_overflow = overflow_start.execute(meta.slot_set);
+                        meta.lane_op = LANE_WRITE;
+                        meta.verdict = VERDICT_CONTRIBUTED;
                     } else {
                         meta.old_bitmap = bitmap_join.execute(meta.slot_set);
-                        meta.bitmap = meta.old_bitmap | meta.worker_bit;
-                        meta.has_bit = meta.old_bitmap & meta.worker_bit;
-                        if (meta.old_bitmap != 0 && meta.has_bit == 0) {
-                            meta.lane_op = hdr.passing.op == PASSING_OP_MAX ? (bit<8>)LANE_MAX : (bit<8>)LANE_ADD;
-                            meta.round_overflow = overflow_join.execute(meta.slot_set);
-                        } else if (meta.old_bitmap != 0 && meta.old_bitmap == meta.full) {
-                            meta.lane_op = LANE_READ;
-                            meta.round_overflow = overflow_read.execute(meta.slot_set);
-                        }
-                    }
-                    FOR_EACH_LANE_ID(LANE_APPLY)
-
-                    if (meta.lane_op == LANE_WRITE || meta.lane_op == LANE_ADD || meta.lane_op == LANE_MAX) {
-                        aggregated.count(meta.job_index);
-                        if (meta.flagged != 0) {
-                            overflow.count(meta.job_index);
-                        }
-                        if (meta.bitmap == meta.full) {
-                            completed.count(meta.job_index);
-                            hdr.passing.type = PASSING_TYPE_RESULT;
-                            hdr.passing.flags = meta.round_overflow;
-                            ig_tm_md.mcast_grp_a = meta.group;
-                            hdr.bridged.result_multicast = 1;
+                        if (meta.old_bitmap == 0) {
+                            meta.verdict = VERDICT_STALE;
                         } else {
-                            drop();
+                            meta.round_overflow = overflow_join.execute(meta.slot_set);
+                            if (meta.old_bitmap == meta.full) {
+                                answer_from_round();
+                            } else {
+                                contribution.apply();
+                            }
                         }
-                    } else if (meta.lane_op == LANE_READ) {
-                        /* a retransmission to a completed round: answer this worker alone */
-                        duplicate_answered.count(meta.job_index);
-                        hdr.passing.type = PASSING_TYPE_RESULT;
-                        hdr.passing.flags = meta.round_overflow;
-                        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
-                        bit<48> mac = hdr.ethernet.dst_addr;
-                        hdr.ethernet.dst_addr = hdr.ethernet.src_addr;
-                        hdr.ethernet.src_addr = mac;
-                        bit<32> ip = hdr.ipv4.dst_addr;
-                        hdr.ipv4.dst_addr = hdr.ipv4.src_addr;
-                        hdr.ipv4.src_addr = ip;
-                        hdr.udp.dst_port = hdr.udp.src_port;
-                        hdr.udp.src_port = PASSING_UDP_PORT;
-                        hdr.udp.checksum = 0;
-                    } else if (meta.old_bitmap != 0) {
-                        duplicate.count(meta.job_index);
-                        drop();
-                    } else {
-                        stale.count(meta.job_index);
-                        drop();
                     }
                 }
             }
         } else if (hdr.ethernet.isValid()) {
             l2_forward.apply();
+        }
+
+        /* ---- the lanes ---- */
+        FOR_EACH_PAIR_ID(LANE_PAIR_APPLY)
+
+        /* ---- where the packet goes ---- */
+        if (second_pass) {
+            hdr.bridged.second_pass = 0;
+            if (hdr.bridged.group != 0) {
+                ig_tm_md.mcast_grp_a = hdr.bridged.group;
+                hdr.bridged.result_multicast = 1;
+            } else {
+                ig_tm_md.ucast_egress_port = hdr.bridged.ingress_port;
+            }
+        } else if (meta.verdict == VERDICT_CONTRIBUTED) {
+            aggregated.count(meta.job_index);
+            if (meta.flagged != 0) {
+                overflow.count(meta.job_index);
+            }
+            meta.bitmap = meta.old_bitmap | meta.worker_bit;
+            if (meta.bitmap == meta.full) {
+                completed.count(meta.job_index);
+                hdr.passing.type = PASSING_TYPE_RESULT;
+                hdr.passing.flags = meta.round_overflow;
+                to_second_pass(meta.group);
+            } else {
+                drop();
+            }
+        } else if (meta.verdict == VERDICT_ANSWER) {
+            /* a retransmission to a completed round: answer this worker alone */
+            duplicate_answered.count(meta.job_index);
+            hdr.passing.type = PASSING_TYPE_RESULT;
+            hdr.passing.flags = meta.round_overflow;
+            bit<48> mac = hdr.ethernet.dst_addr;
+            hdr.ethernet.dst_addr = hdr.ethernet.src_addr;
+            hdr.ethernet.src_addr = mac;
+            bit<32> ip = hdr.ipv4.dst_addr;
+            hdr.ipv4.dst_addr = hdr.ipv4.src_addr;
+            hdr.ipv4.src_addr = ip;
+            hdr.udp.dst_port = hdr.udp.src_port;
+            hdr.udp.src_port = PASSING_UDP_PORT;
+            hdr.udp.checksum = 0;
+            to_second_pass(0);
+        } else if (meta.verdict == VERDICT_DUPLICATE) {
+            duplicate.count(meta.job_index);
+            drop();
+        } else if (meta.verdict == VERDICT_STALE) {
+            stale.count(meta.job_index);
+            drop();
+        } else if (meta.verdict == VERDICT_REJECTED) {
+            rejected.count(meta.job_index);
+            drop();
         }
     }
 }
@@ -395,14 +509,18 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
     }
 
     apply {
-        if (hdr.bridged.flood == 1 && eg_intr_md.egress_port == hdr.bridged.ingress_port) {
-            drop();  /* a flood never goes back where it came from */
-        } else if (hdr.passing.isValid() && hdr.passing.type == PASSING_TYPE_RESULT) {
-            if (hdr.bridged.result_multicast == 0 || result_rewrite.apply().hit) {
-                results_sent.count((bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1)));
+        if (hdr.bridged.second_pass == 1) {
+            /* to the recirculation port: the bridged header goes along into the second pass */
+        } else {
+            if (hdr.bridged.flood == 1 && eg_intr_md.egress_port == hdr.bridged.ingress_port) {
+                drop();  /* a flood never goes back where it came from */
+            } else if (hdr.passing.isValid() && hdr.passing.type == PASSING_TYPE_RESULT) {
+                if (hdr.bridged.result_multicast == 0 || result_rewrite.apply().hit) {
+                    results_sent.count((bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1)));
+                }
             }
+            hdr.bridged.setInvalid();
         }
-        hdr.bridged.setInvalid();
     }
 }
 
@@ -416,6 +534,7 @@ control TnaEgressDeparser(packet_out pkt, inout headers_t hdr, in egress_metadat
                 hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.frag_offset, hdr.ipv4.ttl,
                 hdr.ipv4.protocol, hdr.ipv4.src_addr, hdr.ipv4.dst_addr});
         }
+        pkt.emit(hdr.bridged);  /* valid only on the way to the second pass */
         pkt.emit(hdr.ethernet);
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
