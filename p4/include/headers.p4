@@ -3,6 +3,7 @@
 #define PASSING_HEADERS_P4
 
 #include "constants.p4"
+#include "lanes.p4"
 
 header ethernet_h {
     bit<48> dst_addr;
@@ -46,9 +47,11 @@ header passing_h {
     bit<32> psn;
 }
 
-/* One int32 value of the payload (a lane). */
-header lane_h {
-    bit<32> value;
+/* The payload: PASSING_LANES int32 values (lanes) as one header, value_0 .. value_<n-1>.
+ * One header, not a stack: Tofino keeps a stack's valid bits in one container (<= 32). */
+#define PASSING_LANE_FIELD(i) bit<32> value_##i;
+header lanes_h {
+    FOR_EACH_LANE(PASSING_LANE_FIELD)
 }
 
 /* Ingress -> egress metadata on targets whose egress parses the packet again (TNA), and
@@ -70,7 +73,7 @@ struct headers_t {
     ipv4_h ipv4;
     udp_h udp;
     passing_h passing;
-    lane_h[PASSING_LANES] lanes;
+    lanes_h lanes;
 }
 
 #endif

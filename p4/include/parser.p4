@@ -9,8 +9,6 @@
 #include "headers.p4"
 #include "lanes.p4"
 
-#define PASSING_EXTRACT_LANE(i) pkt.extract(hdr.lanes[i]);
-
 #define PASSING_UDP_LENGTH (8 + 16 + 4 * PASSING_LANES)
 
 /* with_lanes = false stops after the PASSING header, leaving the lanes as payload (a TNA
@@ -51,7 +49,7 @@ parser PassingParser(packet_in pkt, inout headers_t hdr, in bool with_lanes) {
         }
     }
     state parse_lanes {
-        FOR_EACH_LANE(PASSING_EXTRACT_LANE)  /* unrolled: BMv2 cannot select on a stack's lastIndex */
+        pkt.extract(hdr.lanes);
         transition accept;
     }
 }

@@ -64,8 +64,8 @@ struct lane_pair_t {
 }
 
 struct ingress_metadata_t {
-    bit<32> base_plus_slot;
-    bit<32> slot_excess;  /* slot - pool: negative (top bit set) when the slot is in the pool */
+    bit<16> base_plus_slot;
+    bit<16> slots_left;  /* pool - slot: the slot is in the pool iff this is in 1..pool */
     bit<32> full;
     bit<32> epoch;
     bit<16> group;
@@ -82,7 +82,9 @@ struct ingress_metadata_t {
     bit<1> admitted;
 }
 
-struct egress_metadata_t { }
+struct egress_metadata_t {
+    bit<32> job_index;  /* counter index: a plain field, as Tofino wants */
+}
 
 parser TnaIngressParser(packet_in pkt, out headers_t hdr, out ingress_metadata_t meta,
                         out ingress_intrinsic_metadata_t ig_intr_md) {
@@ -172,58 +174,56 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
 
     /* Lane pair k: lanes 2k and 2k + 1 in one register. write / add / max update both and
      * return lane 2k + 1; harvest (second pass) returns lane 2k. */
-    #define FIRST(k) hdr.lanes[2 * k].value
-    #define SECOND(k) hdr.lanes[2 * k + 1].value
-    #define LANE_PAIR(k)                                                                     \
-    Register<lane_pair_t, bit<32>>(PASSING_SLOT_SETS) lane_pair_##k;                         \
-    RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_write_##k = {          \
-        void apply(inout lane_pair_t value, out int<32> second) {                            \
-            value.first = (int<32>)FIRST(k);                                                 \
-            value.second = (int<32>)SECOND(k);                                               \
-            second = value.second;                                                           \
-        }                                                                                    \
-    };                                                                                       \
-    RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_add_##k = {            \
-        void apply(inout lane_pair_t value, out int<32> second) {                            \
-            value.first = value.first |+| (int<32>)FIRST(k);                                 \
-            value.second = value.second |+| (int<32>)SECOND(k);                              \
-            second = value.second;                                                           \
-        }                                                                                    \
-    };                                                                                       \
-    RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_max_##k = {            \
-        void apply(inout lane_pair_t value, out int<32> second) {                            \
-            if ((int<32>)FIRST(k) > value.first) {                                           \
-                value.first = (int<32>)FIRST(k);                                             \
-            }                                                                                \
-            if ((int<32>)SECOND(k) > value.second) {                                         \
-                value.second = (int<32>)SECOND(k);                                           \
-            }                                                                                \
-            second = value.second;                                                           \
-        }                                                                                    \
-    };                                                                                       \
-    RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_harvest_##k = {        \
-        void apply(inout lane_pair_t value, out int<32> first) {                             \
-            first = value.first;                                                             \
-        }                                                                                    \
-    };                                                                                       \
-    action lane_write_##k() { SECOND(k) = (bit<32>)pair_write_##k.execute(meta.slot_set); }  \
-    action lane_add_##k() { SECOND(k) = (bit<32>)pair_add_##k.execute(meta.slot_set); }      \
-    action lane_max_##k() { SECOND(k) = (bit<32>)pair_max_##k.execute(meta.slot_set); }      \
-    action lane_harvest_##k() { FIRST(k) = (bit<32>)pair_harvest_##k.execute(meta.slot_set); } \
-    table lane_op_##k {                                                                      \
-        key = { meta.lane_op: exact; }                                                       \
-        actions = { lane_write_##k; lane_add_##k; lane_max_##k; lane_harvest_##k; NoAction; } \
-        const entries = {                                                                    \
-            LANE_WRITE: lane_write_##k();                                                    \
-            LANE_ADD: lane_add_##k();                                                        \
-            LANE_MAX: lane_max_##k();                                                        \
-            LANE_HARVEST: lane_harvest_##k();                                                \
-        }                                                                                    \
-        const default_action = NoAction();                                                   \
-        size = 4;                                                                            \
+    #define LANE_PAIR(k, a, b)                                                                   \
+    Register<lane_pair_t, bit<32>>(PASSING_SLOT_SETS) lane_pair_##k;                             \
+    RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_write_##k = {              \
+        void apply(inout lane_pair_t value, out int<32> second) {                                \
+            value.first = (int<32>)hdr.lanes.value_##a;                                          \
+            value.second = (int<32>)hdr.lanes.value_##b;                                         \
+            second = value.second;                                                               \
+        }                                                                                        \
+    };                                                                                           \
+    RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_add_##k = {                \
+        void apply(inout lane_pair_t value, out int<32> second) {                                \
+            value.first = value.first |+| (int<32>)hdr.lanes.value_##a;                          \
+            value.second = value.second |+| (int<32>)hdr.lanes.value_##b;                        \
+            second = value.second;                                                               \
+        }                                                                                        \
+    };                                                                                           \
+    RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_max_##k = {                \
+        void apply(inout lane_pair_t value, out int<32> second) {                                \
+            if ((int<32>)hdr.lanes.value_##a > value.first) {                                    \
+                value.first = (int<32>)hdr.lanes.value_##a;                                      \
+            }                                                                                    \
+            if ((int<32>)hdr.lanes.value_##b > value.second) {                                   \
+                value.second = (int<32>)hdr.lanes.value_##b;                                     \
+            }                                                                                    \
+            second = value.second;                                                               \
+        }                                                                                        \
+    };                                                                                           \
+    RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_harvest_##k = {            \
+        void apply(inout lane_pair_t value, out int<32> first) {                                 \
+            first = value.first;                                                                 \
+        }                                                                                        \
+    };                                                                                           \
+    action lane_write_##k() { hdr.lanes.value_##b = (bit<32>)pair_write_##k.execute(meta.slot_set); } \
+    action lane_add_##k() { hdr.lanes.value_##b = (bit<32>)pair_add_##k.execute(meta.slot_set); } \
+    action lane_max_##k() { hdr.lanes.value_##b = (bit<32>)pair_max_##k.execute(meta.slot_set); } \
+    action lane_harvest_##k() { hdr.lanes.value_##a = (bit<32>)pair_harvest_##k.execute(meta.slot_set); } \
+    table lane_op_##k {                                                                          \
+        key = { meta.lane_op: exact; }                                                           \
+        actions = { lane_write_##k; lane_add_##k; lane_max_##k; lane_harvest_##k; NoAction; }    \
+        const entries = {                                                                        \
+            LANE_WRITE: lane_write_##k();                                                        \
+            LANE_ADD: lane_add_##k();                                                            \
+            LANE_MAX: lane_max_##k();                                                            \
+            LANE_HARVEST: lane_harvest_##k();                                                    \
+        }                                                                                        \
+        const default_action = NoAction();                                                       \
+        size = 4;                                                                                \
     }
-    FOR_EACH_PAIR_ID(LANE_PAIR)
-    #define LANE_PAIR_APPLY(k) lane_op_##k.apply();
+    FOR_EACH_PAIR(LANE_PAIR)
+    #define LANE_PAIR_APPLY(k, a, b) lane_op_##k.apply();
 
     action drop() {
         ig_dprsr_md.drop_ctl = 1;
@@ -232,8 +232,10 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     /* ---- admission: (job, worker, ingress port) -> the job's allocation ---- */
     action admit(bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
         meta.admitted = 1;
-        meta.base_plus_slot = base + (bit<32>)hdr.passing.slot;
-        meta.slot_excess = (bit<32>)hdr.passing.slot - (bit<32>)pool;
+        /* 16 bits are exact here: slot < PASSING_SLOTS (checked apart) and pool <= PASSING_SLOTS;
+         * Tofino subtracts action data only as the first operand */
+        meta.base_plus_slot = (bit<16>)base + hdr.passing.slot;
+        meta.slots_left = pool - hdr.passing.slot;
         meta.full = full;
         meta.epoch = epoch;
         meta.group = group;
@@ -292,10 +294,12 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     /* old & (1 << worker) needs an AND of two PHV fields, which a gateway cannot do and an
      * action would need a stage for; a ternary match on the worker's bit does it in one. */
     action contribute_add() {
+        meta.bitmap = meta.old_bitmap | meta.worker_bit;
         meta.lane_op = LANE_ADD;
         meta.verdict = VERDICT_CONTRIBUTED;
     }
     action contribute_max() {
+        meta.bitmap = meta.old_bitmap | meta.worker_bit;
         meta.lane_op = LANE_MAX;
         meta.verdict = VERDICT_CONTRIBUTED;
     }
@@ -320,7 +324,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
 
     /* A retransmission to a completed round gets the stored result: adding zeros returns
      * each pair's lane 2k + 1, the second pass its lane 2k. */
-    #define CLEAR_LANE(i) hdr.lanes[i].value = 0;
+    #define CLEAR_LANE(i) hdr.lanes.value_##i = 0;
     action answer_from_round() {
         FOR_EACH_LANE(CLEAR_LANE)
         meta.lane_op = LANE_ADD;
@@ -351,6 +355,14 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         meta.lane_op = LANE_NONE;
         meta.verdict = VERDICT_NONE;
 
+        /* Tofino applies a table only in an `if` of its own, not inside a && chain */
+        bool to_aggregator = false;
+        if (!second_pass && hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT) {
+            if (aggregator_address.apply().hit) {
+                to_aggregator = true;
+            }
+        }
+
         /* ---- decide ---- */
         if (second_pass) {
             meta.slot_set = (bit<32>)hdr.bridged.slot_set;
@@ -358,7 +370,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         } else if (ig_prsr_md.parser_err != 0) {
             malformed.count(0);
             drop();
-        } else if (hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT && aggregator_address.apply().hit) {
+        } else if (to_aggregator) {
             if (!hdr.passing.isValid() || hdr.passing.version != PASSING_VERSION
                     || hdr.passing.type != PASSING_TYPE_DATA) {
                 malformed.count(0);
@@ -368,7 +380,8 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                 received.count(meta.job_index);
                 admission.apply();
                 worker_bit.apply();
-                if (meta.admitted == 0 || meta.slot_excess[31:31] == 0) {
+                if (meta.admitted == 0 || hdr.passing.slot[15:PASSING_SLOT_BITS] != 0
+                        || meta.slots_left[15:15] == 1 || meta.slots_left == 0) {
                     meta.verdict = VERDICT_REJECTED;
                 } else {
                     meta.flagged = hdr.passing.flags & PASSING_FLAG_OVERFLOW;
@@ -376,7 +389,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                     meta.fresh = round_check.execute(meta.slot_set);
                     if (meta.fresh == 1) {
                         bitmap_start.execute(meta.slot_set);
-                        meta.old_bitmap = 0;
+                        meta.bitmap = meta.worker_bit;
                         meta.round_overflow = overflow_start.execute(meta.slot_set);
                         meta.lane_op = LANE_WRITE;
                         meta.verdict = VERDICT_CONTRIBUTED;
@@ -400,7 +413,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         }
 
         /* ---- the lanes ---- */
-        FOR_EACH_PAIR_ID(LANE_PAIR_APPLY)
+        FOR_EACH_PAIR(LANE_PAIR_APPLY)
 
         /* ---- where the packet goes ---- */
         if (second_pass) {
@@ -416,7 +429,6 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             if (meta.flagged != 0) {
                 overflow.count(meta.job_index);
             }
-            meta.bitmap = meta.old_bitmap | meta.worker_bit;
             if (meta.bitmap == meta.full) {
                 completed.count(meta.job_index);
                 hdr.passing.type = PASSING_TYPE_RESULT;
@@ -515,8 +527,13 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
             if (hdr.bridged.flood == 1 && eg_intr_md.egress_port == hdr.bridged.ingress_port) {
                 drop();  /* a flood never goes back where it came from */
             } else if (hdr.passing.isValid() && hdr.passing.type == PASSING_TYPE_RESULT) {
-                if (hdr.bridged.result_multicast == 0 || result_rewrite.apply().hit) {
-                    results_sent.count((bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1)));
+                bool rewritten = true;  /* a unicast answer was addressed in ingress */
+                if (hdr.bridged.result_multicast == 1) {
+                    rewritten = result_rewrite.apply().hit;
+                }
+                if (rewritten) {
+                    meta.job_index = (bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1));
+                    results_sent.count(meta.job_index);
                 }
             }
             hdr.bridged.setInvalid();

@@ -114,7 +114,7 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
     #define LANE_UPDATE(i) {                                                           \
         bit<32> cur;                                                                   \
         lane_acc.read(cur, meta.lane_base + (i));                                      \
-        bit<32> inc = hdr.lanes[i].value;                                              \
+        bit<32> inc = hdr.lanes.value_##i;                                              \
         bit<32> updated = inc;                                                            \
         if (!fresh) {                                                                  \
             if (hdr.passing.op == PASSING_OP_MAX) {                                    \
@@ -126,10 +126,10 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
             }                                                                          \
         }                                                                              \
         lane_acc.write(meta.lane_base + (i), updated);                                  \
-        hdr.lanes[i].value = updated;                                                   \
+        hdr.lanes.value_##i = updated;                                                   \
     }
     /* A lane of a completed round, read back for a retransmitting worker. */
-    #define LANE_READ(i) { lane_acc.read(hdr.lanes[i].value, meta.lane_base + (i)); }
+    #define LANE_READ(i) { lane_acc.read(hdr.lanes.value_##i, meta.lane_base + (i)); }
 
     apply {
         if (sm.parser_error != error.NoError) {
