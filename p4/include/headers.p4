@@ -61,10 +61,12 @@ header bridged_h {
     bit<9> ingress_port;      /* the worker's port, kept across the second pass */
     bit<16> slot_set;         /* second pass: the register entry whose sums it collects */
     bit<16> group;            /* second pass: multicast group of the RESULT, 0 = unicast answer */
-    bit<5> pad1;
-    bit<1> second_pass;       /* on its way to (or in) the second pass */
-    bit<1> result_multicast;  /* a completed round: the egress addresses each replica */
+    bit<4> pad1;
+    /* in this order: Tofino writes the bits an action sets only as one contiguous run */
     bit<1> flood;
+    bit<1> result_multicast;  /* a completed round: the egress addresses each replica */
+    bit<1> second_pass;       /* on its way to (or in) the second pass */
+    bit<1> answer;            /* a RESULT answering a retransmission: back to its sender */
 }
 
 struct headers_t {

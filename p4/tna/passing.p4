@@ -33,6 +33,11 @@
  * Tofino 1); the pipe is the top two bits of a 9-bit port. */
 const bit<7> PASSING_RECIRCULATION_PORT = 68;
 
+/* The round is decided in stages 0 to 3 (see PassingIngress.apply); lane pair k runs in
+ * stage 4 + k / 4. Pinned, because the compiler would otherwise fill stages 4 and 5 with
+ * the outcome tables first and push the last pairs past stage 11. */
+#define PASSING_FIRST_LANE_STAGE 4
+
 /* what every lane pair does with this packet */
 #define LANE_NONE 0
 #define LANE_WRITE 1
@@ -79,7 +84,7 @@ struct ingress_metadata_t {
     bit<8> fresh;
     bit<8> lane_op;
     bit<8> verdict;
-    bit<1> admitted;
+    bit<1> second_pass;  /* set by the parser: a recirculated packet */
 }
 
 struct egress_metadata_t {
@@ -99,6 +104,7 @@ parser TnaIngressParser(packet_in pkt, out headers_t hdr, out ingress_metadata_t
     }
     state parse_second_pass {
         pkt.extract(hdr.bridged);  /* only a recirculated packet carries it in */
+        meta.second_pass = 1;
         transition parse_packet;
     }
     state parse_packet {
@@ -124,6 +130,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) overflow;
 
     /* ---- state per slot and set: entry set * PASSING_SLOTS + base + slot ---- */
+    Hash<bit<32>>(HashAlgorithm_t.IDENTITY) slot_set_index;
     /* Which round the slot/set holds, for which allocation: a packet ahead of the tag,
      * or of another allocation (epoch), starts a new round. */
     Register<round_t, bit<32>>(PASSING_SLOT_SETS) slot_tag;
@@ -210,6 +217,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     action lane_add_##k() { hdr.lanes.value_##b = (bit<32>)pair_add_##k.execute(meta.slot_set); } \
     action lane_max_##k() { hdr.lanes.value_##b = (bit<32>)pair_max_##k.execute(meta.slot_set); } \
     action lane_harvest_##k() { hdr.lanes.value_##a = (bit<32>)pair_harvest_##k.execute(meta.slot_set); } \
+    @stage(PASSING_FIRST_LANE_STAGE + k / 4)  /* four pairs (SALUs) per stage */                 \
     table lane_op_##k {                                                                          \
         key = { meta.lane_op: exact; }                                                           \
         actions = { lane_write_##k; lane_add_##k; lane_max_##k; lane_harvest_##k; NoAction; }    \
@@ -231,7 +239,6 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
 
     /* ---- admission: (job, worker, ingress port) -> the job's allocation ---- */
     action admit(bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
-        meta.admitted = 1;
         /* 16 bits are exact here: slot < PASSING_SLOTS (checked apart) and pool <= PASSING_SLOTS;
          * Tofino subtracts action data only as the first operand */
         meta.base_plus_slot = (bit<16>)base + hdr.passing.slot;
@@ -241,7 +248,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         meta.group = group;
     }
     action reject() {
-        meta.admitted = 0;
+        meta.slots_left = 0;  /* no slot is in the pool of an unknown (job, worker, port) */
     }
     table admission {
         key = {
@@ -306,6 +313,9 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     action already_counted() {
         meta.verdict = VERDICT_DUPLICATE;
     }
+    action behind_the_round() {
+        meta.verdict = VERDICT_STALE;  /* bitmap_join returned 0: another psn holds the slot */
+    }
     #define SEEN_ENTRY(i) (32w1 << i &&& 32w1 << i, i, _): already_counted();
     table contribution {
         key = {
@@ -313,8 +323,9 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             hdr.passing.worker: ternary;
             hdr.passing.op: ternary;
         }
-        actions = { contribute_add; contribute_max; already_counted; }
+        actions = { contribute_add; contribute_max; already_counted; behind_the_round; }
         const entries = {
+            (0, _, _): behind_the_round();
             PASSING_IDS_32(SEEN_ENTRY)
             (_, _, PASSING_OP_MAX): contribute_max();
         }
@@ -339,9 +350,30 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ PASSING_RECIRCULATION_PORT;
     }
 
+    /* one action each, so that each takes one table beside the lanes (a counter needs a
+     * table of its own: its index comes through the hash unit, the port through action data) */
+    action complete_round() {
+        hdr.passing.type = PASSING_TYPE_RESULT;
+        hdr.passing.flags = meta.round_overflow;
+        to_second_pass(meta.group);
+    }
+    /* a retransmission to a completed round: answer this worker alone (the egress swaps
+     * the addresses once the second pass has collected the sums) */
+    action answer_sender() {
+        hdr.passing.type = PASSING_TYPE_RESULT;
+        hdr.passing.flags = meta.round_overflow;
+        hdr.bridged.answer = 1;
+        to_second_pass(0);
+    }
+
     apply {
-        bool second_pass = hdr.bridged.isValid();
-        if (!second_pass) {
+        /* The lanes need 8 of the 12 stages (32 pair SALUs, 4 per stage), so the round is
+         * decided in 4: stage 0 looks up and checks the headers, all in parallel; stage 1
+         * round_check; stage 2 bitmap_start/join; stage 3 the contribution table. The lanes
+         * follow in stages 4 to 11, and the outcomes (counters, where the packet goes) run
+         * beside them. Hence one gateway in front of round_check, on flags from stage 0,
+         * and the other outcomes decided apart. */
+        if (meta.second_pass == 0) {
             hdr.bridged.setValid();
             hdr.bridged.pad0 = 0;
             hdr.bridged.pad1 = 0;
@@ -350,73 +382,87 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             hdr.bridged.group = 0;
             hdr.bridged.second_pass = 0;
             hdr.bridged.result_multicast = 0;
+            hdr.bridged.answer = 0;
             hdr.bridged.flood = 0;
+            meta.lane_op = LANE_NONE;
+        } else {
+            meta.lane_op = LANE_HARVEST;
         }
-        meta.lane_op = LANE_NONE;
         meta.verdict = VERDICT_NONE;
 
-        /* Tofino applies a table only in an `if` of its own, not inside a && chain */
-        bool to_aggregator = false;
-        if (!second_pass && hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT) {
-            if (aggregator_address.apply().hit) {
-                to_aggregator = true;
+        /* ---- stage 0: lookups and header checks ---- */
+        bool well_formed = false;
+        bool slot_in_table = false;
+        if (hdr.passing.isValid()) {
+            meta.job_index = (bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1));
+            meta.flagged = hdr.passing.flags & PASSING_FLAG_OVERFLOW;
+            admission.apply();
+            worker_bit.apply();
+            if (hdr.passing.version == PASSING_VERSION && hdr.passing.type == PASSING_TYPE_DATA) {
+                well_formed = true;
+            }
+            if (hdr.passing.slot[15:PASSING_SLOT_BITS] == 0) {
+                slot_in_table = true;
             }
         }
-
-        /* ---- decide ---- */
-        if (second_pass) {
+        if (meta.second_pass == 1) {
             meta.slot_set = (bit<32>)hdr.bridged.slot_set;
-            meta.lane_op = LANE_HARVEST;
-        } else if (ig_prsr_md.parser_err != 0) {
-            malformed.count(0);
-            drop();
-        } else if (to_aggregator) {
-            if (!hdr.passing.isValid() || hdr.passing.version != PASSING_VERSION
-                    || hdr.passing.type != PASSING_TYPE_DATA) {
-                malformed.count(0);
-                drop();
-            } else {
-                meta.job_index = (bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1));
-                received.count(meta.job_index);
-                admission.apply();
-                worker_bit.apply();
-                if (meta.admitted == 0 || hdr.passing.slot[15:PASSING_SLOT_BITS] != 0
-                        || meta.slots_left[15:15] == 1 || meta.slots_left == 0) {
-                    meta.verdict = VERDICT_REJECTED;
-                } else {
-                    meta.flagged = hdr.passing.flags & PASSING_FLAG_OVERFLOW;
-                    meta.slot_set = (bit<32>)(hdr.passing.set[0:0] ++ meta.base_plus_slot[PASSING_SLOT_BITS - 1:0]);
-                    meta.fresh = round_check.execute(meta.slot_set);
+        } else {
+            meta.slot_set = (bit<32>)(hdr.passing.set[0:0] ++ meta.base_plus_slot[PASSING_SLOT_BITS - 1:0]);
+        }
+
+        bool to_aggregator = false;
+        if (meta.second_pass == 0 && ig_prsr_md.parser_err == 0
+                && hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT) {
+            /* a table is applied in an `if` of its own on Tofino, not inside a && chain;
+             * the round hangs off its hit directly, which costs no stage */
+            if (aggregator_address.apply().hit) {
+                to_aggregator = true;
+                /* ---- stages 1 to 3: the round ---- */
+                /* admitted, and slot < pool: slots_left = pool - slot is in 1 .. pool
+                 * (reject sets it to 0) */
+                if (well_formed && slot_in_table && meta.slots_left != 0 && meta.slots_left[15:15] == 0) {
+                    /* the entry of meta.slot_set, formed by the hash unit: no stage to wait */
+                    meta.fresh = round_check.execute(slot_set_index.get(
+                        {hdr.passing.set[0:0], meta.base_plus_slot[PASSING_SLOT_BITS - 1:0]}));
                     if (meta.fresh == 1) {
                         bitmap_start.execute(meta.slot_set);
-                        meta.bitmap = meta.worker_bit;
                         meta.round_overflow = overflow_start.execute(meta.slot_set);
+                        meta.bitmap = meta.worker_bit;
                         meta.lane_op = LANE_WRITE;
                         meta.verdict = VERDICT_CONTRIBUTED;
                     } else {
                         meta.old_bitmap = bitmap_join.execute(meta.slot_set);
-                        if (meta.old_bitmap == 0) {
-                            meta.verdict = VERDICT_STALE;
-                        } else {
+                        if (meta.old_bitmap != 0) {
                             meta.round_overflow = overflow_join.execute(meta.slot_set);
-                            if (meta.old_bitmap == meta.full) {
-                                answer_from_round();
-                            } else {
-                                contribution.apply();
-                            }
+                        }
+                        if (meta.old_bitmap == meta.full) {
+                            answer_from_round();
+                        } else {
+                            contribution.apply();  /* stale, duplicate, or add / max */
                         }
                     }
+                } else if (well_formed) {
+                    meta.verdict = VERDICT_REJECTED;
                 }
             }
-        } else if (hdr.ethernet.isValid()) {
-            l2_forward.apply();
         }
 
-        /* ---- the lanes ---- */
-        FOR_EACH_PAIR(LANE_PAIR_APPLY)
+        /* ---- not for the round: malformed, or plain forwarding ---- */
+        if (meta.second_pass == 1) {
+            /* the second pass of a completed round or an answer (below) */
+        } else if (ig_prsr_md.parser_err != 0 || (to_aggregator && !well_formed)) {
+            malformed.count(0);
+            drop();
+        } else if (!to_aggregator && hdr.ethernet.isValid()) {
+            l2_forward.apply();
+        }
+        if (to_aggregator && well_formed) {
+            received.count(meta.job_index);
+        }
 
         /* ---- where the packet goes ---- */
-        if (second_pass) {
+        if (meta.second_pass == 1) {
             hdr.bridged.second_pass = 0;
             if (hdr.bridged.group != 0) {
                 ig_tm_md.mcast_grp_a = hdr.bridged.group;
@@ -431,27 +477,13 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             }
             if (meta.bitmap == meta.full) {
                 completed.count(meta.job_index);
-                hdr.passing.type = PASSING_TYPE_RESULT;
-                hdr.passing.flags = meta.round_overflow;
-                to_second_pass(meta.group);
+                complete_round();
             } else {
                 drop();
             }
         } else if (meta.verdict == VERDICT_ANSWER) {
-            /* a retransmission to a completed round: answer this worker alone */
             duplicate_answered.count(meta.job_index);
-            hdr.passing.type = PASSING_TYPE_RESULT;
-            hdr.passing.flags = meta.round_overflow;
-            bit<48> mac = hdr.ethernet.dst_addr;
-            hdr.ethernet.dst_addr = hdr.ethernet.src_addr;
-            hdr.ethernet.src_addr = mac;
-            bit<32> ip = hdr.ipv4.dst_addr;
-            hdr.ipv4.dst_addr = hdr.ipv4.src_addr;
-            hdr.ipv4.src_addr = ip;
-            hdr.udp.dst_port = hdr.udp.src_port;
-            hdr.udp.src_port = PASSING_UDP_PORT;
-            hdr.udp.checksum = 0;
-            to_second_pass(0);
+            answer_sender();
         } else if (meta.verdict == VERDICT_DUPLICATE) {
             duplicate.count(meta.job_index);
             drop();
@@ -462,6 +494,9 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             rejected.count(meta.job_index);
             drop();
         }
+
+        /* ---- the lanes (stages 4 to 11; independent of the outcomes above) ---- */
+        FOR_EACH_PAIR(LANE_PAIR_APPLY)
     }
 }
 
@@ -520,21 +555,39 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
         size = 4096;
     }
 
+    /* the unicast answer to a retransmission goes back where it came from */
+    action answer_to_sender() {
+        bit<48> mac = hdr.ethernet.dst_addr;
+        hdr.ethernet.dst_addr = hdr.ethernet.src_addr;
+        hdr.ethernet.src_addr = mac;
+        bit<32> ip = hdr.ipv4.dst_addr;
+        hdr.ipv4.dst_addr = hdr.ipv4.src_addr;
+        hdr.ipv4.src_addr = ip;
+        hdr.udp.dst_port = hdr.udp.src_port;
+        hdr.udp.src_port = PASSING_UDP_PORT;
+        hdr.udp.checksum = 0;
+    }
+
     apply {
+        if (hdr.passing.isValid()) {
+            meta.job_index = (bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1));
+        }
         if (hdr.bridged.second_pass == 1) {
             /* to the recirculation port: the bridged header goes along into the second pass */
         } else {
+            bool sent = false;
             if (hdr.bridged.flood == 1 && eg_intr_md.egress_port == hdr.bridged.ingress_port) {
                 drop();  /* a flood never goes back where it came from */
-            } else if (hdr.passing.isValid() && hdr.passing.type == PASSING_TYPE_RESULT) {
-                bool rewritten = true;  /* a unicast answer was addressed in ingress */
-                if (hdr.bridged.result_multicast == 1) {
-                    rewritten = result_rewrite.apply().hit;
+            } else if (hdr.bridged.answer == 1) {
+                answer_to_sender();
+                sent = true;
+            } else if (hdr.bridged.result_multicast == 1) {
+                if (result_rewrite.apply().hit) {
+                    sent = true;
                 }
-                if (rewritten) {
-                    meta.job_index = (bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1));
-                    results_sent.count(meta.job_index);
-                }
+            }
+            if (sent) {
+                results_sent.count(meta.job_index);
             }
             hdr.bridged.setInvalid();
         }
