@@ -69,6 +69,7 @@ p4-tofino: $(TNA_SOURCES)
 	@command -v p4c-barefoot >/dev/null && command -v bfas >/dev/null || { echo "make p4-tofino: p4c-barefoot or bfas not found; build p4c with -DENABLE_TOFINO=ON (docs/tofino.md)" >&2; exit 1; }
 	rm -rf build/tofino && mkdir -p build/tofino
 	p4c-barefoot --target tofino --arch tna --std p4-16 -g --verbose -Ttable_summary:1 -DPASSING_LANES=$(TOFINO_LANES) \
+		--p4runtime-force-std-externs \
 		--p4runtime-files build/tofino/passing.p4info.txtpb --bf-rt-schema build/tofino/bfrt.json \
 		-o build/tofino p4/tna/passing.p4
 	bfas --target tofino --table-handle-offset0 -o build/tofino/pipe build/tofino/pipe/passing.bfa

@@ -1,7 +1,7 @@
 """Both targets' P4Info agree on every name the controller uses (docs/tofino.md).
 
-Compiles p4/v1model (p4c-bm2-ss) and p4/tna (p4c-barefoot) into a temporary directory;
-those tests are skipped when either compiler is missing. The review trace of the scenario
+Compiles p4/v1model (p4c-bm2-ss) and p4/tna (p4c-barefoot, then bfas: does it fit Tofino 1?)
+into a temporary directory; those tests are skipped when a compiler is missing. The review trace of the scenario
 table through the TNA program (docs/tofino.md) is checked for completeness everywhere.
 """
 
@@ -17,8 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 needs_compilers = pytest.mark.skipif(
-    not (shutil.which("p4c-bm2-ss") and shutil.which("p4c-barefoot")),
-    reason="p4c-bm2-ss or p4c-barefoot not found (docs/bmv2.md, docs/tofino.md: build p4c with its Tofino backend)",
+    not (shutil.which("p4c-bm2-ss") and shutil.which("p4c-barefoot") and shutil.which("bfas")),
+    reason="p4c-bm2-ss, p4c-barefoot or bfas not found (docs/tofino.md: p4c with its Tofino backend)",
 )
 
 # registers both programs keep per slot/set (BMv2 also has slot_epoch, which TNA pairs with the tag;
@@ -48,16 +48,28 @@ def load(path: Path):
 
 
 @pytest.fixture(scope="module")
-def p4infos(tmp_path_factory):
+def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("p4info")
     subprocess.run(["p4c-bm2-ss", "--arch", "v1model", "--std", "p4-16", "--p4runtime-files",
                     str(out / "v1model.txtpb"), "-o", str(out / "v1model.json"), "p4/v1model/passing.p4"],
                    cwd=REPO, check=True, capture_output=True)
     tna = subprocess.run(["p4c-barefoot", "--target", "tofino", "--arch", "tna", "--std", "p4-16",
-                          f"-DPASSING_LANES={tofino_lanes()}", "--p4runtime-files", str(out / "tna.txtpb"),
+                          f"-DPASSING_LANES={tofino_lanes()}", "--p4runtime-force-std-externs",
+                          "--p4runtime-files", str(out / "tna.txtpb"),
                           "-o", str(out / "tofino"), "p4/tna/passing.p4"], cwd=REPO, capture_output=True, text=True)
     assert tna.returncode == 0, f"the TNA program does not compile:\n{tna.stderr[-3000:]}"
-    return load(out / "v1model.txtpb"), load(out / "tna.txtpb")
+    return load(out / "v1model.txtpb"), load(out / "tna.txtpb"), out / "tofino"
+
+
+@needs_compilers
+def test_tna_program_fits_tofino1(compiled):
+    """p4c-barefoot places tables even past the chip's 12 stages; the assembler is what refuses."""
+    pipe = compiled[2] / "pipe"
+    asm = subprocess.run(["bfas", "--target", "tofino", "-o", str(pipe), str(pipe / "passing.bfa")],
+                         capture_output=True, text=True)
+    errors = [line for line in asm.stdout.splitlines() + asm.stderr.splitlines() if "error" in line]
+    assert asm.returncode == 0, f"bfas refuses the TNA program: {errors}"
+    assert (pipe / "tofino.bin").stat().st_size > 0
 
 
 def controller_names() -> tuple[list[str], list[str], list[str]]:
@@ -73,8 +85,8 @@ def by_name(entities) -> dict:
 
 
 @needs_compilers
-def test_tables_agree_on_keys(p4infos):
-    v1, tna = (by_name(p.tables) for p in p4infos)
+def test_tables_agree_on_keys(compiled):
+    v1, tna = (by_name(p.tables) for p in compiled[:2])
     tables, _, _ = controller_names()
     for name in tables:
         assert name in v1 and name in tna, f"table {name} missing: v1model {name in v1}, tna {name in tna}"
@@ -83,8 +95,8 @@ def test_tables_agree_on_keys(p4infos):
 
 
 @needs_compilers
-def test_actions_agree_on_parameters(p4infos):
-    v1, tna = (by_name(p.actions) for p in p4infos)
+def test_actions_agree_on_parameters(compiled):
+    v1, tna = (by_name(p.actions) for p in compiled[:2])
     _, actions, _ = controller_names()
     for name in actions:
         assert name in v1 and name in tna, f"action {name} missing: v1model {name in v1}, tna {name in tna}"
@@ -93,13 +105,13 @@ def test_actions_agree_on_parameters(p4infos):
 
 
 @needs_compilers
-def test_counters_and_registers_exist_on_both(p4infos):
-    v1_counters, tna_counters = (by_name(p.counters) for p in p4infos)
+def test_counters_and_registers_exist_on_both(compiled):
+    v1_counters, tna_counters = (by_name(p.counters) for p in compiled[:2])
     _, _, counter_names = controller_names()
     for name in counter_names:
         assert name in v1_counters and name in tna_counters, f"counter {name} missing"
         assert v1_counters[name].size == tna_counters[name].size, name
-    v1_registers, tna_registers = (by_name(p.registers) for p in p4infos)
+    v1_registers, tna_registers = (by_name(p.registers) for p in compiled[:2])
     for name in SHARED_REGISTERS:
         assert name in v1_registers and name in tna_registers, f"register {name} missing"
         assert v1_registers[name].size == tna_registers[name].size, name
