@@ -97,6 +97,7 @@ parser TnaIngressParser(packet_in pkt, out headers_t hdr, out ingress_metadata_t
     state start {
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
+        meta.second_pass = 0;  /* Tofino does not zero user metadata by itself */
         transition select(ig_intr_md.ingress_port) {
             (bit<9>)PASSING_RECIRCULATION_PORT &&& 0x7f: parse_second_pass;
             default: parse_packet;
