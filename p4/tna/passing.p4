@@ -351,6 +351,18 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ PASSING_RECIRCULATION_PORT;
     }
 
+    /* a table of its own, apart from the SALUs of the fresh branch (a table cannot both
+     * address a register through the hash unit and carry these constants) */
+    action start_round() {
+        meta.bitmap = meta.worker_bit;
+        meta.lane_op = LANE_WRITE;
+        meta.verdict = VERDICT_CONTRIBUTED;
+    }
+    @hidden table start_round_table {
+        actions = { start_round; }
+        const default_action = start_round();
+    }
+
     /* one action each, so that each takes one table beside the lanes (a counter needs a
      * table of its own: its index comes through the hash unit, the port through action data) */
     action complete_round() {
@@ -429,9 +441,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                     if (meta.fresh == 1) {
                         bitmap_start.execute(meta.slot_set);
                         meta.round_overflow = overflow_start.execute(meta.slot_set);
-                        meta.bitmap = meta.worker_bit;
-                        meta.lane_op = LANE_WRITE;
-                        meta.verdict = VERDICT_CONTRIBUTED;
+                        start_round_table.apply();
                     } else {
                         meta.old_bitmap = bitmap_join.execute(meta.slot_set);
                         if (meta.old_bitmap != 0) {
