@@ -38,7 +38,7 @@ def missing_requirements() -> str | None:
     """Why the BMv2 suite cannot run here, or None."""
     if os.geteuid() != 0:
         return "BMv2 tests need root (Mininet network namespaces)"
-    for tool in ("simple_switch_grpc", "p4c-bm2-ss", "mnexec"):
+    for tool in ("simple_switch_grpc", "p4c-bm2-ss", "mnexec", "ethtool"):
         if shutil.which(tool) is None:
             return f"{tool} not found (docs/bmv2.md: install BMv2, p4c and Mininet from upstream)"
     try:
@@ -157,6 +157,14 @@ class Bmv2Network:
         self.grpc_port = free_tcp_port()
         BMv2Switch = make_switch_class()
         self.net = Mininet(controller=None, build=False, autoSetMacs=False, autoStaticArp=False)
+        self.agents: dict[str, Agent] = {}
+        try:
+            self._start(hosts, extra, BMv2Switch)
+        except BaseException:
+            self.stop()  # a half-built network would leave veths behind and break the next run
+            raise
+
+    def _start(self, hosts: int, extra: tuple[tuple[str, str, bool], ...], BMv2Switch: type) -> None:
         self.switch = self.net.addSwitch("s1", cls=BMv2Switch, grpc_port=self.grpc_port, log_dir=self.log_dir)
         self.hosts: list[HostInfo] = []
         specs = [(f"h{i}", f"10.0.0.{i}", False) for i in range(1, hosts + 1)] + list(extra)
@@ -176,7 +184,6 @@ class Bmv2Network:
             for other in self.hosts:
                 if other is not info:
                     h.setARP(other.ip, other.mac)
-        self.agents: dict[str, Agent] = {}
         self._wait_for_grpc()
 
     def _wait_for_grpc(self, timeout: float = 20) -> None:
