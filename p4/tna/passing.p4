@@ -343,8 +343,10 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         meta.verdict = VERDICT_ANSWER;
     }
 
-    /* to the recirculation port of this pipe, for the second pass */
+    /* a RESULT to the recirculation port of this pipe, for the second pass */
     action to_second_pass(bit<16> group) {
+        hdr.passing.type = PASSING_TYPE_RESULT;
+        hdr.passing.flags = meta.round_overflow;
         hdr.bridged.second_pass = 1;
         hdr.bridged.slot_set = (bit<16>)meta.slot_set;
         hdr.bridged.group = group;
@@ -366,15 +368,11 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     /* one action each, so that each takes one table beside the lanes (a counter needs a
      * table of its own: its index comes through the hash unit, the port through action data) */
     action complete_round() {
-        hdr.passing.type = PASSING_TYPE_RESULT;
-        hdr.passing.flags = meta.round_overflow;
         to_second_pass(meta.group);
     }
     /* a retransmission to a completed round: answer this worker alone (the egress swaps
      * the addresses once the second pass has collected the sums) */
     action answer_sender() {
-        hdr.passing.type = PASSING_TYPE_RESULT;
-        hdr.passing.flags = meta.round_overflow;
         hdr.bridged.answer = 1;
         to_second_pass(0);
     }
