@@ -59,23 +59,25 @@ build/v1model/passing.json: $(P4_SOURCES)
 		-o build/v1model/passing.json p4/v1model/passing.p4
 
 # The Tofino 1 program: build/tofino/ (pipe/tofino.bin, pipe/context.json, bfrt.json,
-# P4Info, passing.conf for bf_switchd / Stratum, logs) and its resource summary. Needs p4c built with its Tofino backend
-# (docs/tofino.md): p4c-barefoot compiles, bfas assembles, and fails when the program does
-# not fit the chip (e.g. more than 12 stages). TOFINO_LANES: int32 values per packet (the
-# wire's lanes; the controller's topology "lanes" must match).
+# P4Info, passing.conf for bf_switchd / Stratum, logs) and its resource summary. Needs p4c
+# built with its Tofino backend (docs/tofino.md): p4c-barefoot compiles, bfas assembles
+# and fails when the program does not fit the chip (e.g. more than 12 stages).
+# TOFINO_LANES: int32 values per packet (the wire's lanes; the controller's topology
+# "lanes" must match). TOFINO_OUT: where to put it.
 TOFINO_LANES ?= 64
+TOFINO_OUT ?= build/tofino
 TNA_SOURCES := $(wildcard p4/include/*.p4) p4/tna/passing.p4
 p4-tofino: $(TNA_SOURCES)
 	@for tool in p4c-barefoot bfas p4c-gen-conf; do command -v $$tool >/dev/null || { echo "make p4-tofino: $$tool not found; build p4c with -DENABLE_TOFINO=ON (docs/tofino.md)" >&2; exit 1; }; done
-	rm -rf build/tofino && mkdir -p build/tofino
+	rm -rf $(TOFINO_OUT) && mkdir -p $(TOFINO_OUT)
 	p4c-barefoot --target tofino --arch tna --std p4-16 -g --verbose -Ttable_summary:1 -DPASSING_LANES=$(TOFINO_LANES) \
 		--p4runtime-force-std-externs \
-		--p4runtime-files build/tofino/passing.p4info.txtpb --bf-rt-schema build/tofino/bfrt.json \
-		-o build/tofino p4/tna/passing.p4
-	bfas --target tofino --table-handle-offset0 -o build/tofino/pipe build/tofino/pipe/passing.bfa
+		--p4runtime-files $(TOFINO_OUT)/passing.p4info.txtpb --bf-rt-schema $(TOFINO_OUT)/bfrt.json \
+		-o $(TOFINO_OUT) p4/tna/passing.p4
+	bfas --target tofino --table-handle-offset0 -o $(TOFINO_OUT)/pipe $(TOFINO_OUT)/pipe/passing.bfa
 	p4c-gen-conf --conf-type BF-RT --device tofino --name passing --p4-version p4-16 --pipe pipe \
-		--outputdir build/tofino --bfrt-name build/tofino/bfrt.json
-	$(PYTHON) p4/tna/resources.py build/tofino
+		--outputdir $(TOFINO_OUT) --bfrt-name $(TOFINO_OUT)/bfrt.json
+	$(PYTHON) p4/tna/resources.py $(TOFINO_OUT)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
