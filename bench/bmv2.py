@@ -79,7 +79,7 @@ def aggregation_rate(net: Bmv2Network, switch, workers: int, elements: int) -> d
 
     hosts = net.hosts[:workers]
     job = 100 + workers
-    alloc = Allocation(job, epoch=job, base=0, pool=64, workers=tuple(
+    alloc = Allocation(job, generation=0, base=0, pool=64, workers=tuple(
         Worker(i, Host(h.name, h.mac, h.ip, h.port), 20000) for i, h in enumerate(hosts)))
     admission.install(switch, alloc)
     result_rewrite.install(switch, alloc)

@@ -28,7 +28,6 @@ class Bmv2Target:
         self.stranger = network.hosts[-1]
         self.origins: dict[str, tuple[Host, int]] = {}
         self.allocations: dict[int, Allocation] = {}
-        self.next_epoch = 1  # epoch 0 is what never-written registers hold
         self.baseline = counters.totals(switch)
         self.sent = 0
         self.collected = 0
@@ -50,8 +49,7 @@ class Bmv2Target:
         for w in range(job.workers):
             _, host, port = self._origin((job.job, w))
             workers.append(Worker(w, host, port))
-        a = Allocation(job.job, self.next_epoch, job.base, job.pool, tuple(workers))
-        self.next_epoch += 1
+        a = Allocation(job.job, job.generation, job.base, job.pool, tuple(workers))
         admission.install(self.switch, a)
         result_rewrite.install(self.switch, a)
         self.allocations[job.job] = a

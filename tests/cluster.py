@@ -64,15 +64,17 @@ class LocalCluster:
             self.aggregators.append((proc, ready))
         self.worker_addresses = [f"127.0.0.1:{p}" for p in free_udp_ports(self.workers)]
         self.admitted = False
+        self.generation = -1
 
     def admit(self) -> None:
-        """A fresh allocation: new worker processes start their psn streams at 0 again."""
+        """A fresh allocation (the next generation): new worker processes start their psn streams at 0 again."""
+        self.generation += 1
         for shard in range(self.shards):
             if self.admitted:
                 self.control(shard).request("remove_job", job=self.job)
-            self.control(shard).request(
-                "add_job", job={"job": self.job, "pool": self.pool, "workers": self.worker_addresses}
-            )
+            self.control(shard).request("add_job", job={"job": self.job, "pool": self.pool,
+                                                        "generation": self.generation,
+                                                        "workers": self.worker_addresses})
         self.admitted = True
 
     def control(self, shard: int = 0) -> ControlClient:
@@ -83,7 +85,8 @@ class LocalCluster:
 
     def start_worker(self, worker: int, size: int, dtype: str = "float32", seed: int = 0, extra: list[str] = ()
                      ) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "passing.cli", "allreduce", "--job", str(self.job), "--worker", str(worker),
+        cmd = [sys.executable, "-m", "passing.cli", "allreduce", "--job", str(self.job),
+               "--generation", str(self.generation), "--worker", str(worker),
                "--workers", str(self.workers), "--bind", self.worker_addresses[worker], "--pool", str(self.pool),
                "--lanes", str(self.lanes), "--size", str(size), "--dtype", dtype, "--seed", str(seed),
                "--out", str(self.tmp / f"result-{worker}.npy"), "--no-check", *extra]

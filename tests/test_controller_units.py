@@ -65,3 +65,61 @@ def test_unreachable_switch_is_an_error_not_a_hang():
     with pytest.raises(SwitchUnreachable, match="no P4Runtime server"):
         Switch(f"127.0.0.1:{port}", timeout=1.0)
     assert time.monotonic() - start < 5
+
+
+def _allocate(store, job_id, generation, name):
+    from passing_controller.store import Record
+
+    store.add(Record(job_id, name, 0, "ps", generation, 0, 1, [], {"data": "x"}))
+
+
+def test_job_ids_are_handed_out_least_recently_used_with_the_next_generation(tmp_path):
+    from passing_controller.store import Store, StoreError
+
+    store = Store(tmp_path / "s.sqlite")
+    max_id = 3
+    claimed = [store.claim_job_id(max_id) for _ in range(3)]
+    assert claimed == [(1, 0), (2, 0), (3, 0)]  # never-used ids first
+    for job_id, generation in claimed:
+        _allocate(store, job_id, generation, f"j{job_id}")
+    with pytest.raises(StoreError, match="all 3 job ids"):
+        store.claim_job_id(max_id)
+    store.remove(2)
+    store.remove(1)
+    assert store.claim_job_id(max_id) == (1, 1)  # both free: id 1 was used longer ago
+    _allocate(store, 1, 1, "again")
+    assert store.claim_job_id(max_id) == (2, 1)
+    store.close()
+    # The order and the generations survive a restart.
+    store = Store(tmp_path / "s.sqlite")
+    store.remove(1)
+    store.remove(3)
+    assert store.claim_job_id(max_id) == (3, 1)  # last used before 1 and 2 were reused
+    assert store.claim_job_id(max_id) == (1, 2)
+    assert store.claim_job_id(max_id) == (2, 2)  # 2's claim above never became an allocation: free, and newest
+
+
+def test_a_job_id_never_recurs_with_the_same_generation_before_65536_uses(tmp_path):
+    from passing_controller.store import Store
+
+    store = Store(tmp_path / "s.sqlite")
+    seen = set()
+    for _ in range(2_000):  # one free id: it is reused at every claim
+        pair = store.claim_job_id(1)
+        assert pair not in seen
+        seen.add(pair)
+    assert {g for _, g in seen} == set(range(2_000))
+
+
+def test_a_store_of_the_previous_schema_is_refused_with_a_clear_error(tmp_path):
+    import sqlite3
+
+    from passing_controller.store import Store, StoreError
+
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE allocation (job_id INTEGER PRIMARY KEY, epoch INTEGER)")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="another controller version"):
+        Store(path)

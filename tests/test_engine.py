@@ -81,12 +81,35 @@ def test_admission_errors():
     assert [j.job for j in e.jobs()] == [2, 3]
 
 
-def test_epochs_are_unique_per_allocation():
+def test_generations_follow_each_other_per_job_id():
     e = AggregationEngine(slots=8, lanes=LANES)
-    first = e.add_job(JobSpec(1, 0, 2, [1])).epoch
+    first = e.add_job(JobSpec(1, 0, 2, [1]))
+    assert first.generation == 0 and first.epoch == 1 << 16
     e.remove_job(1)
-    assert e.add_job(JobSpec(1, 0, 2, [1])).epoch != first
+    assert e.add_job(JobSpec(1, 0, 2, [1])).generation == 1
     e.remove_job(1)
-    assert e.add_job(JobSpec(1, 0, 2, [1], epoch=100)).epoch == 100
+    assert e.add_job(JobSpec(1, 0, 2, [1], generation=100)).generation == 100
     e.remove_job(1)
-    assert e.add_job(JobSpec(1, 0, 2, [1])).epoch > 100
+    assert e.add_job(JobSpec(1, 0, 2, [1])).generation == 101
+    assert e.add_job(JobSpec(2, 2, 2, [2])).generation == 0  # its own sequence per job id
+    e.remove_job(1)
+    with pytest.raises(ConfigError):
+        e.add_job(JobSpec(1, 0, 2, [1], generation=1 << 16))
+
+
+def test_a_packet_of_another_generation_is_rejected_and_touches_nothing():
+    e = AggregationEngine(slots=8, lanes=LANES)
+    e.add_job(JobSpec(1, 0, 2, [10, 11], generation=5))
+    late = wire.encode(type=wire.DATA, job=1, worker=0, psn=0, pool=2, payload=[7] * LANES, generation=4,
+                       lanes=LANES)
+    before = e.acc.copy(), e.tag.copy(), e.bitmap.copy()
+    assert len(e.process(late, np.array([10]))) == 0
+    assert e.counters(1)["rejected"] == 1 and e.counters(1)["aggregated"] == 0
+    assert all((a == b).all() for a, b in zip(before, (e.acc, e.tag, e.bitmap)))
+    ours = wire.encode(type=wire.DATA, job=1, worker=0, psn=0, pool=2, payload=[1] * LANES, generation=5,
+                       lanes=LANES)
+    e.process(ours, np.array([10]))
+    ours["hdr"]["worker"] = 1
+    out = e.process(ours, np.array([11]))
+    assert len(out) == 2 and (out.packets["hdr"]["generation"] == 5).all()
+    assert (out.packets["payload"] == 2).all()

@@ -34,7 +34,8 @@ def test_table_covers_the_design():
     names = {s.name for s in SCENARIOS}
     required = {
         "basic_reduction", "retransmit_after_completion", "retransmit_before_completion", "both_sets_in_flight",
-        "slot_reuse_many_rounds", "slot_reuse_by_next_job", "stale_packet", "unknown_job", "unadmitted_source",
+        "slot_reuse_many_rounds", "slot_reuse_by_next_job", "late_packet_of_previous_allocation",
+        "stale_packet", "unknown_job", "unadmitted_source",
         "slot_out_of_range", "overflow", "single_worker", "max_workers", "normal_forwarding",
     }
     assert required <= names

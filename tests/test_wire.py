@@ -12,9 +12,9 @@ from passing.scapy_layer import Passing
 
 def test_header_layout_is_the_documented_one():
     pkt = wire.encode(type=wire.RESULT, job=0x0102, worker=5, psn=0x0A0B0C0D, slot=0x0304, set=1, op=wire.MAX,
-                      flags=wire.FLAG_OVERFLOW, payload=np.arange(4) - 2, lanes=4)
+                      flags=wire.FLAG_OVERFLOW, generation=0xBEEF, payload=np.arange(4) - 2, lanes=4)
     raw = pkt.tobytes()
-    assert raw[:16] == bytes([1, 2, 1, 1, 1, 2, 3, 4, 5, 1, 0, 0, 0x0A, 0x0B, 0x0C, 0x0D])
+    assert raw[:16] == bytes([2, 2, 1, 1, 1, 2, 3, 4, 5, 1, 0xBE, 0xEF, 0x0A, 0x0B, 0x0C, 0x0D])
     assert raw[16:] == (np.arange(4) - 2).astype(">i4").tobytes()
     assert len(raw) == wire.packet_size(4) == 32
 
@@ -44,7 +44,7 @@ def test_decode_rejects_malformed_buffers():
 def test_well_formed_mask():
     batch = wire.empty(4, 4)
     batch["hdr"]["type"] = [wire.DATA, wire.DATA, wire.RESULT, wire.DATA]
-    batch["hdr"]["version"][1] = 2
+    batch["hdr"]["version"][1] = 1  # the previous protocol version
     lengths = np.array([32, 32, 32, 31])
     assert wire.well_formed(batch, lengths, 4, wire.DATA).tolist() == [True, False, False, False]
 
@@ -59,9 +59,9 @@ def test_serial_number_comparison():
 def test_scapy_layer_matches_wire_bytes():
     values = list(range(-32, 32))
     built = bytes(Passing(type=wire.RESULT, op=wire.MAX, flags="OVERFLOW+RETRANSMIT", job=7, slot=9, worker=3,
-                          set=1, psn=123456, values=values))
-    ref = wire.encode(type=wire.RESULT, op=wire.MAX, flags=3, job=7, slot=9, worker=3, set=1, psn=123456,
-                      payload=values, lanes=64).tobytes()
+                          set=1, generation=513, psn=123456, values=values))
+    ref = wire.encode(type=wire.RESULT, op=wire.MAX, flags=3, job=7, slot=9, worker=3, set=1, generation=513,
+                      psn=123456, payload=values, lanes=64).tobytes()
     assert built == ref
 
 

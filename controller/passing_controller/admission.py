@@ -1,4 +1,4 @@
-"""Programs the P4 `admission` table: (job, worker, ingress port) -> the job's allocation."""
+"""Programs the P4 `admission` table: (job, generation, worker, ingress port) -> the job's allocation."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def entries(switch: Switch, a: Allocation) -> list[p4runtime_pb2.Entity]:
     return [
         switch.table_entry(
             TABLE,
-            {"job": a.job, "worker": w.index, "ingress_port": w.host.port},
+            {"job": a.job, "generation": a.generation, "worker": w.index, "ingress_port": w.host.port},
             ACTION,
             {"base": a.base, "pool": a.pool, "full": a.full, "epoch": a.epoch, "group": a.group},
         )

@@ -13,6 +13,7 @@ import zmq
 from . import rpc
 from .p4runtime import Pipeline
 from .service import PROTOCOL_VERSION, Controller
+from .store import StoreError
 from .topology import Topology, TopologyError
 
 
@@ -35,7 +36,7 @@ def controller_main(argv: list[str] | None = None) -> int:
         topo = Topology.load(args.topology)
         pipeline = Pipeline(args.p4info, args.device_config) if args.p4info else None
         ctl = Controller(topo, pipeline, args.store, args.listen, args.join_timeout, args.pool)
-    except (TopologyError, OSError, zmq.ZMQError) as e:
+    except (TopologyError, StoreError, OSError, zmq.ZMQError) as e:
         print(f"passing-controller: error: {e}", file=sys.stderr)
         return 2
     ctl.install_signal_handlers()

@@ -23,12 +23,13 @@ from . import admission, aggregator_address, counters, l2_forward, result_rewrit
 from .allocation import MAX_JOB_ID, Allocation, Worker
 from .allocator import SlotAllocator, SlotsExhausted
 from .p4runtime import Pipeline, Switch, SwitchError
-from .store import Record, Store
+from .store import Record, Store, StoreError
 from .topology import PsEndpoint, Topology, TopologyError
 
 log = logging.getLogger("passing_controller")
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the join answer carries the allocation's generation
+PS_CONTROL_VERSION = 2  # the software aggregator's control channel (docs/protocol.md)
 UDP_PORT = 9877  # docs/protocol.md: the aggregator's PASSING port
 MAX_WORKERS = 32
 SWITCH_RETRY_SECONDS = 30.0  # a switch that was unavailable is tried again at a join after this long
@@ -126,7 +127,7 @@ class Controller:
 
     def _allocation(self, r: Record) -> Allocation:
         workers = tuple(Worker(w["index"], self.topo.host(w["host"]), w["udp_port"]) for w in r.workers)
-        return Allocation(r.job_id, r.epoch, r.base, r.pool, workers)
+        return Allocation(r.job_id, r.generation, r.base, r.pool, workers)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -212,7 +213,7 @@ class Controller:
         del self.pending[key]
         try:
             record, reason = self._allocate(name, group, pending)
-        except (RequestError, SwitchError, OSError) as e:
+        except (RequestError, SwitchError, StoreError, OSError) as e:
             for ident, _ in pending.members.values():
                 self._reply(ident, {"ok": False, "error": f"job {name!r} group {group}: {e}"})
             return
@@ -220,22 +221,18 @@ class Controller:
         for w, (ident, _) in pending.members.items():
             self._reply(ident, {
                 "ok": True, "mode": record.mode, "reason": reason, "job": name, "group": group,
-                "job_id": record.job_id, "worker": w, "workers": workers, "pool": record.pool,
+                "job_id": record.job_id, "generation": record.generation, "worker": w, "workers": workers,
+                "pool": record.pool,
                 "lanes": self.topo.lanes, "aggregators": [{"host": host, "port": int(port), "pool": record.pool}],
             })
 
     def _allocate(self, name: str, group: int, pending: PendingGroup) -> tuple[Record, str]:
-        used = {r.job_id for r in self.store.all()}
-        free_ids = (i for i in range(1, MAX_JOB_ID + 1) if i not in used)
-        job_id = next(free_ids, None)
-        if job_id is None:
-            raise RequestError(f"all {MAX_JOB_ID} job ids are in use")
+        job_id, generation = self.store.claim_job_id(MAX_JOB_ID)
         workers = [{"index": w, "host": self.topo.host(str(req["host"])).name, "udp_port": int(req["udp_port"])}
                    for w, (_, req) in sorted(pending.members.items())]
-        epoch = self.store.next("epoch")
         if pending.aggregator == "ps":
             reason = "a software aggregator (PS), as the job asked"
-            return self._allocate_ps(job_id, name, group, epoch, pending.pool, workers, reason), reason
+            return self._allocate_ps(job_id, name, group, generation, pending.pool, workers, reason), reason
         reason = ""
         if self.switch is None and time.monotonic() >= self._switch_retry_at:
             self.connect_switch()  # it may be back
@@ -245,7 +242,7 @@ class Controller:
             except SlotsExhausted as e:
                 reason = f"switch slots exhausted: {e}"
             else:
-                r = Record(job_id, name, group, "switch", epoch, base, pending.pool, workers,
+                r = Record(job_id, name, group, "switch", generation, base, pending.pool, workers,
                            {"data": f"{self.topo.aggregation_ip}:{UDP_PORT}"})
                 a = self._allocation(r)
                 try:
@@ -255,16 +252,16 @@ class Controller:
                     self.allocator.release(base)
                     raise
                 self.store.add(r)
-                log.info("job %s group %d -> switch slots %d..%d (job id %d)", name, group, base,
-                         base + pending.pool - 1, job_id)
+                log.info("job %s group %d -> switch slots %d..%d (job id %d generation %d)", name, group, base,
+                         base + pending.pool - 1, job_id, generation)
                 return r, "in-network aggregation on the switch"
         elif self.topo.p4runtime is None:
             reason = "no switch in the topology"
         else:
             reason = f"switch unreachable: {self.switch_error}"
-        return self._allocate_ps(job_id, name, group, epoch, pending.pool, workers, reason), reason
+        return self._allocate_ps(job_id, name, group, generation, pending.pool, workers, reason), reason
 
-    def _allocate_ps(self, job_id: int, name: str, group: int, epoch: int, pool: int, workers: list[dict],
+    def _allocate_ps(self, job_id: int, name: str, group: int, generation: int, pool: int, workers: list[dict],
                      reason: str) -> Record:
         if not self.topo.ps:
             raise RequestError(f"{reason}; and no PS fallback is configured")
@@ -274,11 +271,13 @@ class Controller:
         addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
         try:
             ps_request(ps.control, "add_job",
-                       job={"job": job_id, "base": base, "pool": pool, "workers": addresses, "epoch": epoch})
+                       job={"job": job_id, "base": base, "pool": pool, "workers": addresses,
+                            "generation": generation})
         except (OSError, RequestError):
             allocator.release(base)
             raise
-        r = Record(job_id, name, group, "ps", epoch, base, pool, workers, {"data": ps.data, "control": ps.control})
+        r = Record(job_id, name, group, "ps", generation, base, pool, workers,
+                   {"data": ps.data, "control": ps.control})
         self.store.add(r)
         log.info("job %s group %d -> PS %s (%s)", name, group, ps.data, reason)
         return r
@@ -331,7 +330,7 @@ class Controller:
             "slots": self.allocator.slots, "free_slots": self.allocator.free(),
             "free_ranges": self.allocator.free_ranges(),
             "jobs": [{"job": r.job_name, "group": r.group, "job_id": r.job_id, "mode": r.mode, "base": r.base,
-                      "pool": r.pool, "epoch": r.epoch, "workers": len(r.workers),
+                      "pool": r.pool, "generation": r.generation, "workers": len(r.workers),
                       "aggregator": r.aggregator["data"]} for r in self.store.all()],
             "pending": [{"job": k[0], "group": k[1], "joined": sorted(p.members), "workers": p.workers}
                         for k, p in self.pending.items()],
@@ -353,7 +352,7 @@ class Controller:
 
 def ps_request(endpoint: str, cmd: str, timeout: float = 5.0, **fields: Any) -> dict:
     """One request to a software aggregator's control channel (docs/protocol.md)."""
-    reply = rpc.call(endpoint, {"version": 1, "cmd": cmd, **fields}, timeout)
+    reply = rpc.call(endpoint, {"version": PS_CONTROL_VERSION, "cmd": cmd, **fields}, timeout)
     if not reply.get("ok"):
         raise RequestError(f"software aggregator {endpoint} refused {cmd}: {reply.get('error')}")
     return reply

@@ -1,4 +1,9 @@
-"""The controller's state in SQLite, so that allocations survive a controller restart."""
+"""The controller's state in SQLite, so that allocations survive a controller restart.
+
+It also decides which job id and generation a new group gets (docs/control.md): the
+least recently used free job id, with its generation one higher than last time, so a
+late packet of an earlier allocation never matches a later one.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,33 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
+SCHEMA_VERSION = 2  # 2: job ids and generations (protocol 2); 1 had a per-allocation epoch
+GENERATIONS = 1 << 16  # the wire's generation field is 16 bits wide
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS allocation (
     job_id   INTEGER PRIMARY KEY,   -- the wire's job id of one group
     job_name TEXT NOT NULL,
     grp      INTEGER NOT NULL,      -- group index within the job (the in-host rank j)
     mode     TEXT NOT NULL,         -- 'switch' or 'ps'
-    epoch    INTEGER NOT NULL,
+    generation INTEGER NOT NULL,    -- which allocation of this job id (on the wire)
     base     INTEGER NOT NULL,
     pool     INTEGER NOT NULL,
     workers  TEXT NOT NULL,         -- JSON: [{"index", "host", "udp_port"}]
     aggregator TEXT NOT NULL,       -- JSON: where the workers send
     UNIQUE (job_name, grp)
 );
+CREATE TABLE IF NOT EXISTS job_id (
+    id         INTEGER PRIMARY KEY,  -- every job id ever handed out
+    generation INTEGER NOT NULL,     -- of its latest allocation
+    used       INTEGER NOT NULL      -- when it was last handed out (the 'use' counter): LRU order
+);
 CREATE TABLE IF NOT EXISTS counter (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
+
+
+class StoreError(RuntimeError):
+    """A store this controller cannot use (another schema), or no job id left."""
 
 
 @dataclass
@@ -30,7 +47,7 @@ class Record:
     job_name: str
     group: int
     mode: str
-    epoch: int
+    generation: int
     base: int
     pool: int
     workers: list[dict]
@@ -40,22 +57,46 @@ class Record:
 class Store:
     def __init__(self, path: str | Path) -> None:
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)  # autocommit
+        (version,) = self.db.execute("PRAGMA user_version").fetchone()
+        tables = self.db.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
+        if tables and version != SCHEMA_VERSION:
+            self.db.close()
+            raise StoreError(f"store {path} was written by another controller version (schema {version}, this is "
+                             f"{SCHEMA_VERSION}); its allocations speak another wire protocol: end those jobs and "
+                             "start with a new store")
         self.db.executescript(SCHEMA)
+        self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def close(self) -> None:
         self.db.close()
 
     def next(self, counter: str, start: int = 1) -> int:
-        """A number never handed out before (epochs, job ids): survives restarts."""
+        """A number never handed out before: survives restarts."""
         self.db.execute("INSERT OR IGNORE INTO counter VALUES (?, ?)", (counter, start))
         (value,) = self.db.execute("SELECT value FROM counter WHERE name = ?", (counter,)).fetchone()
         self.db.execute("UPDATE counter SET value = ? WHERE name = ?", (value + 1, counter))
         return value
 
+    def claim_job_id(self, max_id: int) -> tuple[int, int]:
+        """(job id, generation) for a new allocation: an id never used yet while there is one,
+        else the free id whose last use is oldest, its generation one past its last."""
+        fresh = self.next("fresh_job_id")
+        used = self.next("use")
+        if fresh <= max_id:
+            self.db.execute("INSERT INTO job_id VALUES (?, 0, ?)", (fresh, used))
+            return fresh, 0
+        row = self.db.execute("SELECT id, generation FROM job_id WHERE id NOT IN (SELECT job_id FROM allocation) "
+                              "ORDER BY used LIMIT 1").fetchone()
+        if row is None:
+            raise StoreError(f"all {max_id} job ids are in use")
+        job_id, generation = row[0], (row[1] + 1) % GENERATIONS
+        self.db.execute("UPDATE job_id SET generation = ?, used = ? WHERE id = ?", (generation, used, job_id))
+        return job_id, generation
+
     def add(self, r: Record) -> None:
         self.db.execute(
             "INSERT INTO allocation VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (r.job_id, r.job_name, r.group, r.mode, r.epoch, r.base, r.pool, json.dumps(r.workers),
+            (r.job_id, r.job_name, r.group, r.mode, r.generation, r.base, r.pool, json.dumps(r.workers),
              json.dumps(r.aggregator)),
         )
 

@@ -3,8 +3,9 @@
 The software aggregator (PS fallback) runs it behind UDP sockets, the tests run it
 directly, and the P4 programs implement the very same rules in switch registers.
 
-State per slot and set: an allocation ``epoch``, a round ``tag`` (the psn being
-aggregated), a worker ``bitmap``, an ``overflow`` bit and ``lanes`` accumulators.
+State per slot and set: the ``epoch`` of the allocation that wrote it (job id and
+generation), a round ``tag`` (the psn being aggregated), a worker ``bitmap``, an
+``overflow`` bit and ``lanes`` accumulators.
 A batch of DATA packets is processed in arrival order with numpy: packets that hit
 distinct slot/sets are independent, so the batch is split into waves in which every
 slot/set occurs at most once (the k-th packet for a slot/set goes to wave k), and each
@@ -22,7 +23,7 @@ from . import wire
 COUNTERS = (
     "received",  # DATA packets looked at
     "malformed",  # wrong length, version or type
-    "rejected",  # unknown job, worker not admitted from this source, slot out of range
+    "rejected",  # unknown job, another generation, worker not admitted from this source, slot out of range
     "aggregated",  # payload written or added into a slot
     "completed",  # rounds whose bitmap became full (a RESULT multicast)
     "duplicate",  # retransmission of a contribution to a round still incomplete: dropped
@@ -52,11 +53,17 @@ class JobSpec:
     base: int
     pool: int
     sources: list[int]
-    epoch: int | None = None  # unique per allocation; the engine assigns one when None
+    generation: int | None = None  # which allocation of this job id; the engine assigns one when None
 
     @property
     def workers(self) -> int:
         return len(self.sources)
+
+    @property
+    def epoch(self) -> int:
+        """What a slot/set records of the allocation that wrote it: (job, generation) as one number."""
+        assert self.generation is not None
+        return self.job << 16 | self.generation
 
     @property
     def full(self) -> int:
@@ -88,6 +95,7 @@ class _Jobs:
         self.pool = np.zeros(self.capacity, dtype=np.int64)
         self.full = np.zeros(self.capacity, dtype=np.int64)
         self.workers = np.zeros(self.capacity, dtype=np.int64)
+        self.generation = np.zeros(self.capacity, dtype=np.int64)
         self.epoch = np.zeros(self.capacity, dtype=np.int64)
         self.sources = np.full((self.capacity, wire.MAX_WORKERS), NO_SOURCE, dtype=np.int64)
         self.counters = np.zeros((self.capacity, len(COUNTERS)), dtype=np.int64)
@@ -110,7 +118,7 @@ class AggregationEngine:
         self.overflow = np.zeros(n, dtype=bool)
         self.totals = np.zeros(len(COUNTERS), dtype=np.int64)
         self._jobs = _Jobs(max_jobs)
-        self._next_epoch = 0
+        self._last_generation: dict[int, int] = {}  # job id -> generation of its latest allocation here
 
     # ---- admission -------------------------------------------------------------
 
@@ -133,13 +141,15 @@ class AggregationEngine:
                 raise ConfigError(f"job {spec.job}: slot range overlaps job {other.job}")
         if not jobs.free:
             raise ConfigError(f"no room for job {spec.job}: {jobs.capacity} jobs admitted already")
-        if spec.epoch is None:
-            spec.epoch = self._next_epoch
-        self._next_epoch = max(self._next_epoch, spec.epoch) + 1
+        if spec.generation is None:  # standalone: the next generation of this job id here
+            spec.generation = (self._last_generation.get(spec.job, -1) + 1) % wire.GENERATIONS
+        if not 0 <= spec.generation < wire.GENERATIONS:
+            raise ConfigError(f"job {spec.job}: generation {spec.generation} outside 0..{wire.GENERATIONS - 1}")
+        self._last_generation[spec.job] = spec.generation
         d = jobs.free.pop()
         jobs.index[spec.job] = d
         jobs.base[d], jobs.pool[d], jobs.full[d] = spec.base, spec.pool, spec.full
-        jobs.workers[d], jobs.epoch[d] = spec.workers, spec.epoch
+        jobs.workers[d], jobs.generation[d], jobs.epoch[d] = spec.workers, spec.generation, spec.epoch
         jobs.sources[d] = NO_SOURCE
         jobs.sources[d, : spec.workers] = spec.sources
         jobs.counters[d] = 0
@@ -191,6 +201,7 @@ class AggregationEngine:
         dc = np.where(known, d, 0)
         admitted = (
             known
+            & (hdr["generation"] == jobs.generation[dc])  # a late packet of an earlier allocation: rejected
             & (worker < jobs.workers[dc])
             & (jobs.sources[dc, np.minimum(worker, wire.MAX_WORKERS - 1)] == sources)
             & (slot < jobs.pool[dc])
@@ -285,7 +296,7 @@ class AggregationEngine:
         dest_worker = np.r_[np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps), worker[ans_i]]
         res = wire.empty(src.size, self.lanes)
         rh = res["hdr"]
-        for name in ("op", "job", "slot", "set", "psn"):
+        for name in ("op", "job", "generation", "slot", "set", "psn"):
             rh[name] = hdr[name][src]
         rh["type"] = wire.RESULT
         rh["worker"] = dest_worker

@@ -28,7 +28,7 @@ from .transport import BatchSocket, pack_address, parse_endpoint, unpack_address
 
 log = logging.getLogger("passing.aggregator")
 
-CONTROL_VERSION = 1
+CONTROL_VERSION = 2  # 2: a job object carries its generation (1: an epoch)
 DEFAULT_SLOTS = 4096
 
 
@@ -67,7 +67,7 @@ class Impairment:
 
 
 def job_from_json(obj: dict[str, Any]) -> JobSpec:
-    """{"job": 1, "base": 0, "pool": 256, "workers": ["10.0.0.1:20000", ...], "epoch": 7?}"""
+    """{"job": 1, "base": 0, "pool": 256, "workers": ["10.0.0.1:20000", ...], "generation": 7?}"""
     try:
         workers = obj["workers"]
         if not isinstance(workers, list) or not workers:
@@ -75,7 +75,7 @@ def job_from_json(obj: dict[str, Any]) -> JobSpec:
         sources = [pack_address(*parse_endpoint(str(w), wire.UDP_PORT)) for w in workers]
         return JobSpec(
             job=int(obj["job"]), base=int(obj.get("base", 0)), pool=int(obj["pool"]),
-            sources=sources, epoch=None if obj.get("epoch") is None else int(obj["epoch"]),
+            sources=sources, generation=None if obj.get("generation") is None else int(obj["generation"]),
         )
     except KeyError as e:
         raise ConfigError(f"job entry lacks {e}") from None
@@ -85,7 +85,7 @@ def job_from_json(obj: dict[str, Any]) -> JobSpec:
 
 def job_to_json(spec: JobSpec) -> dict[str, Any]:
     return {
-        "job": spec.job, "base": spec.base, "pool": spec.pool, "epoch": spec.epoch,
+        "job": spec.job, "base": spec.base, "pool": spec.pool, "generation": spec.generation,
         "workers": ["{}:{}".format(*unpack_address(s)) for s in spec.sources],
     }
 
@@ -226,8 +226,8 @@ class SoftwareAggregator:
                 return {"ok": True, "jobs": [job_to_json(s) for s in self.engine.jobs()]}
             if cmd == "add_job":
                 spec = self.engine.add_job(job_from_json(request.get("job") or {}))
-                log.info("admitted job %d: slots %d..%d, %d workers", spec.job, spec.base,
-                         spec.base + spec.pool - 1, spec.workers)
+                log.info("admitted job %d generation %d: slots %d..%d, %d workers", spec.job, spec.generation,
+                         spec.base, spec.base + spec.pool - 1, spec.workers)
                 return {"ok": True, "job": job_to_json(spec)}
             if cmd == "remove_job":
                 spec = self.engine.remove_job(int(request["job"]))

@@ -52,7 +52,8 @@ def aggregator_main(argv: list[str] | None = None) -> int:
         if name == "stats":
             c.add_argument("--job", type=int)
         if name == "add-job":
-            c.add_argument("spec", help='JSON: {"job": 1, "base": 0, "pool": 256, "workers": ["ip:port", ...]}')
+            c.add_argument("spec", help='JSON: {"job": 1, "base": 0, "pool": 256, "workers": ["ip:port", ...], '
+                                        '"generation": N (optional: the next one of this job id)}')
         if name == "remove-job":
             c.add_argument("job", type=int)
     args = p.parse_args(argv)
@@ -115,6 +116,8 @@ def worker_inputs(seed: int, worker: int, size: int, dtype: str) -> np.ndarray:
 def allreduce_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="passing-allreduce", description="one worker's allreduce, checked")
     p.add_argument("--job", type=int, default=1, help="wire job id (without --controller)")
+    p.add_argument("--generation", type=int, default=0,
+                   help="the job's allocation generation at the aggregator (without --controller)")
     p.add_argument("--worker", type=int, required=True)
     p.add_argument("--workers", type=int, required=True)
     p.add_argument("--aggregator", action="append", help="host:port (repeat for shards), without --controller")
@@ -156,7 +159,7 @@ def allreduce_main(argv: list[str] | None = None) -> int:
             group = Group.from_answer(answer, bind=args.bind, **options)
         else:
             group = Group(args.job, args.worker, args.workers, args.aggregator, pool=args.pool, lanes=args.lanes,
-                          bind=args.bind, **options)
+                          generation=args.generation, bind=args.bind, **options)
         with group as g:
             for _ in range(args.warmup):
                 g.allreduce(x, op=args.op)
@@ -244,11 +247,13 @@ def local_main(argv: list[str] | None = None) -> int:
     try:
         ports = free_udp_ports(args.workers)
         workers = [f"127.0.0.1:{port}" for port in ports]
-        ControlClient(ready["control"]).request("add_job", job={"job": 1, "pool": args.pool, "workers": workers})
+        admitted = ControlClient(ready["control"]).request("add_job", job={"job": 1, "pool": args.pool,
+                                                                          "workers": workers})["job"]
         print(f"aggregator at {ready['data']}, {args.workers} workers, {args.size} float32 each", flush=True)
         procs = [
             subprocess.Popen([sys.executable, "-m", "passing.cli", "allreduce", "--worker", str(w), "--workers",
-                              str(args.workers), "--aggregator", ready["data"], "--bind", workers[w], "--pool",
+                              str(args.workers), "--aggregator", ready["data"], "--bind", workers[w],
+                              "--generation", str(admitted["generation"]), "--pool",
                               str(args.pool), "--size", str(args.size), "--iterations", str(args.iterations)],
                              stdout=subprocess.PIPE, text=True)
             for w in range(args.workers)

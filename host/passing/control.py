@@ -12,7 +12,7 @@ from typing import Any
 from . import rpc
 from .stream import PassingError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the join answer carries the allocation's generation
 
 
 class ControllerError(PassingError):

@@ -35,14 +35,15 @@ class Passing(Packet):
         ShortField("slot", 0),
         ByteField("worker", 0),
         ByteField("set", 0),
-        ShortField("reserved", 0),
+        ShortField("generation", 0),
         IntField("psn", 0),
         FieldListField("values", [], SignedIntField("value", 0)),  # the rest of the datagram
     ]
 
     def mysummary(self) -> str:
         return self.sprintf(
-            "PASSING %type% %op% job=%job% worker=%worker% psn=%psn% slot=%slot% set=%set% flags=%flags%"
+            "PASSING %type% %op% job=%job% gen=%generation% worker=%worker% psn=%psn% slot=%slot% set=%set% "
+            "flags=%flags%"
         )
 
 

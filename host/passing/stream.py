@@ -74,6 +74,7 @@ class Group:
         workers: int,
         aggregators: Sequence[str | tuple[str, int] | Aggregator],
         pool: int = 256,
+        generation: int = 0,
         lanes: int = wire.DEFAULT_LANES,
         bind: str | tuple[str, int] | BatchSocket = ("0.0.0.0", 0),
         scale: str | float = "auto",
@@ -87,6 +88,8 @@ class Group:
     ) -> None:
         if not 0 <= job < 1 << 16:
             raise ValueError(f"job {job} outside 0..65535")
+        if not 0 <= generation < wire.GENERATIONS:
+            raise ValueError(f"generation {generation} outside 0..{wire.GENERATIONS - 1}")
         if not 1 <= workers <= wire.MAX_WORKERS:
             raise ValueError(f"workers must be 1..{wire.MAX_WORKERS}, got {workers}")
         if not 0 <= worker < workers:
@@ -102,6 +105,7 @@ class Group:
         # Test impairment: this fraction of packets is lost each way, here at the host.
         self.drop, self._drop_rng = drop, np.random.default_rng(drop_seed)
         self.job, self.worker, self.workers, self.lanes = job, worker, workers, lanes
+        self.generation = generation  # the allocation this group belongs to (stamped on DATA, checked on RESULT)
         self.aggregators = [self._aggregator(a, pool) for a in aggregators]
         for a in self.aggregators:
             if not 1 <= a.pool <= 1 << 16:
@@ -125,7 +129,8 @@ class Group:
     def from_answer(cls, answer: dict, bind: str | tuple[str, int] | BatchSocket, **options) -> Group:
         """A group from the controller's join answer (passing.control.join): switch or PS alike."""
         return cls(
-            job=int(answer["job_id"]), worker=int(answer["worker"]), workers=int(answer["workers"]),
+            job=int(answer["job_id"]), generation=int(answer["generation"]), worker=int(answer["worker"]),
+            workers=int(answer["workers"]),
             aggregators=[Aggregator(a["host"], int(a["port"]), int(a["pool"])) for a in answer["aggregators"]],
             lanes=int(answer["lanes"]), bind=bind, **options,
         )
@@ -270,6 +275,7 @@ class Group:
         packets = wire.empty(total, self.lanes)
         hdr = packets["hdr"]
         hdr["type"], hdr["op"], hdr["job"], hdr["worker"] = wire.DATA, op, self.job, self.worker
+        hdr["generation"] = self.generation
         hdr["psn"] = psn & 0xFFFFFFFF
         hdr["slot"], hdr["set"] = wire.slot_and_set(psn, pools[shard])
         hdr["flags"] = np.concatenate(flags) if flags else 0
@@ -366,7 +372,9 @@ class Group:
         """(row, position in view) of each received RESULT that belongs to this call."""
         hdr = view["hdr"]
         valid = wire.well_formed(view, lengths, self.lanes, wire.RESULT)
-        valid &= (hdr["job"] == self.job) & (hdr["worker"] == self.worker)
+        ours = (hdr["job"] == self.job) & (hdr["generation"] == self.generation)
+        self.socket.stats.foreign_results += int((valid & ~ours).sum())  # another allocation's: never ours
+        valid &= ours & (hdr["worker"] == self.worker)
         which = sources[:, None] == self._agg_ids[None, :]
         valid &= which.any(axis=1)
         s = which.argmax(axis=1)

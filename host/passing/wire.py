@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2  # 2: the allocation's generation in bytes 10-11 (version 1 had them reserved)
 UDP_PORT = 9877  # well-known PASSING port: DATA goes to it, RESULT comes from it
 DEFAULT_LANES = 64  # int32 values per packet (the P4 program's compile-time constant)
 MAX_WORKERS = 32  # one bit per worker in the 32-bit bitmap
+GENERATIONS = 1 << 16  # generation numbers wrap around at this
 
 # type
 DATA = 1  # host -> aggregator
@@ -37,7 +38,7 @@ HEADER_DTYPE = np.dtype(
         ("slot", ">u2"),
         ("worker", "u1"),
         ("set", "u1"),
-        ("reserved", ">u2"),
+        ("generation", ">u2"),  # which allocation of this job id the packet belongs to
         ("psn", ">u4"),
     ]
 )
@@ -82,6 +83,7 @@ def encode(
     pool: int | None = None,
     op: int = SUM,
     flags: int | np.ndarray = 0,
+    generation: int = 0,
     lanes: int = DEFAULT_LANES,
 ) -> np.ndarray:
     """Build a batch of packets; scalars broadcast over the batch.
@@ -107,6 +109,7 @@ def encode(
     hdr["op"] = op
     hdr["flags"] = flags
     hdr["job"] = job
+    hdr["generation"] = generation
     hdr["worker"] = worker
     hdr["slot"] = slot
     hdr["set"] = set

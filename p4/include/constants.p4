@@ -4,7 +4,7 @@
 #define PASSING_CONSTANTS_P4
 
 #define PASSING_UDP_PORT 9877
-#define PASSING_VERSION 1
+#define PASSING_VERSION 2  /* 2: the header carries the allocation's generation */
 
 #define PASSING_TYPE_DATA 1
 #define PASSING_TYPE_RESULT 2
@@ -31,7 +31,8 @@
 #endif
 
 /* Multicast group that floods broadcast frames (ARP) to every host port. Job groups are
- * job id + 1 (job ids 1..32766): P4Runtime on BMv2 reserves groups from 32768 on. */
+ * job id + 1 (the controller hands out job ids 1..1023; P4Runtime on BMv2 reserves groups
+ * from 32768 on). */
 #define PASSING_FLOOD_GROUP 1
 
 const bit<16> ETHERTYPE_IPV4 = 0x0800;

@@ -43,7 +43,7 @@ header passing_h {
     bit<16> slot;
     bit<8> worker;
     bit<8> set;
-    bit<16> reserved;
+    bit<16> generation;  /* which allocation of this job id: part of the admission match */
     bit<32> psn;
 }
 

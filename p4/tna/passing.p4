@@ -238,7 +238,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         ig_dprsr_md.drop_ctl = 1;
     }
 
-    /* ---- admission: (job, worker, ingress port) -> the job's allocation ---- */
+    /* ---- admission: (job, generation, worker, ingress port) -> the job's allocation ---- */
     action admit(bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
         /* 16 bits are exact here: slot < PASSING_SLOTS (checked apart) and pool <= PASSING_SLOTS;
          * Tofino subtracts action data only as the first operand */
@@ -254,6 +254,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     table admission {
         key = {
             hdr.passing.job: exact @name("job");
+            hdr.passing.generation: exact @name("generation");  /* a late packet of an earlier allocation: rejected */
             hdr.passing.worker: exact @name("worker");
             ig_intr_md.ingress_port: exact @name("ingress_port");
         }

@@ -63,7 +63,7 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
         mark_to_drop(sm);
     }
 
-    /* ---- admission: (job, worker, ingress port) -> the job's allocation ---- */
+    /* ---- admission: (job, generation, worker, ingress port) -> the job's allocation ---- */
     action admit(bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
         meta.admitted = 1;
         meta.base = base;
@@ -78,6 +78,7 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
     table admission {
         key = {
             hdr.passing.job: exact @name("job");
+            hdr.passing.generation: exact @name("generation");  /* a late packet of an earlier allocation: rejected */
             hdr.passing.worker: exact @name("worker");
             sm.ingress_port: exact @name("ingress_port");
         }

@@ -10,6 +10,7 @@ payload: the PASSING header and values.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
@@ -48,19 +49,34 @@ def pattern(values: tuple[int, ...], lanes: int) -> np.ndarray:
     return np.resize(np.asarray(values, dtype=np.int64), lanes)
 
 
+GENERATIONS_PER_SCENARIO = 16
+
+
 def run_scenario(target: Target, scenario: Scenario, build: Builder = wire_builder) -> None:
-    jobs = {j.job: j for j in scenario.jobs}
-    for j in scenario.jobs:
+    """Plays ``scenario``. A target that lives across scenarios keeps its slot state, as a real
+    aggregator does, so each scenario's generations are shifted past the previous one's: the
+    next scenario's job 1 is a new allocation of job id 1, never the same one again."""
+    shift = getattr(target, "generation_shift", 0)
+    target.generation_shift = shift + GENERATIONS_PER_SCENARIO  # type: ignore[attr-defined]
+
+    def shifted(job: Job) -> Job:
+        assert job.generation < GENERATIONS_PER_SCENARIO
+        return replace(job, generation=(job.generation + shift) % wire.GENERATIONS)
+
+    jobs = {j.job: shifted(j) for j in scenario.jobs}
+    for j in jobs.values():
         target.admit(j)
     try:
         for i, step in enumerate(scenario.steps):
             if isinstance(step, Admit):
-                target.admit(step.job)
-                jobs[step.job.job] = step.job
+                jobs[step.job.job] = shifted(step.job)
+                target.admit(jobs[step.job.job])
             elif isinstance(step, Remove):
                 target.remove(step.job)
                 del jobs[step.job]
             else:
+                if step.generation is not None:
+                    step = replace(step, generation=(step.generation + shift) % wire.GENERATIONS)
                 _play(target, jobs, step, f"{scenario.name} step {i}", build)
     finally:
         for job in list(jobs):
@@ -71,15 +87,17 @@ def _play(target: Target, jobs: dict[int, Job], step: Send, where: str, build: B
     pool = jobs[step.job].pool if step.job in jobs else 1
     slot = step.psn % pool if step.slot is None else step.slot
     set_ = (step.psn // pool) % 2 if step.set is None else step.set
+    generation = jobs[step.job].generation if step.job in jobs else 0
     header = {"op": step.op, "job": step.job, "slot": slot, "set": set_, "psn": step.psn}
+    sent_generation = generation if step.generation is None else step.generation
     before = target.counters()
     origin = step.origin if step.origin is not None else (step.job, step.worker)
     target.send(origin, build(lanes=target.lanes, values=step.values, type=wire.DATA, worker=step.worker,
-                              flags=step.flags, **header))
+                              flags=step.flags, generation=sent_generation, **header))
     got = target.collect()
     want = [
         ((r.job, w), build(lanes=target.lanes, values=r.values, type=wire.RESULT, worker=w, flags=r.flags,
-                           **{**header, "op": r.op, "job": r.job, "psn": r.psn}))
+                           generation=jobs[r.job].generation, **{**header, "op": r.op, "job": r.job, "psn": r.psn}))
         for r in step.expect
         for w in r.to
     ]
@@ -100,7 +118,8 @@ def _describe(packets: list[tuple[Origin, bytes]], lanes: int) -> list[str]:
         try:
             p = wire.decode(raw, lanes)[0]
             h = p["hdr"]
-            out.append(f"to {dest}: type={h['type']} job={h['job']} worker={h['worker']} psn={h['psn']} "
+            out.append(f"to {dest}: type={h['type']} job={h['job']} gen={h['generation']} worker={h['worker']} "
+                       f"psn={h['psn']} "
                        f"slot={h['slot']} set={h['set']} flags={h['flags']} values={p['payload'][:4].tolist()}...")
         except wire.WireError as e:
             out.append(f"to {dest}: malformed ({e})")

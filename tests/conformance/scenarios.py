@@ -30,6 +30,7 @@ class Job:
     workers: int
     base: int
     pool: int
+    generation: int = 0  # which allocation of this job id (docs/protocol.md)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Send:
     origin: tuple[int, int] | str | None = None  # (job, worker) whose origin sends; "stranger"; None: the header's
     slot: int | None = None  # default: psn mod pool
     set: int | None = None  # default: (psn div pool) mod 2
+    generation: int | None = None  # default: the generation of the job's allocation now
     expect: tuple[Result, ...] = ()
     counters: dict[str, int] = field(default_factory=dict)  # expected change of totals
 
@@ -138,6 +140,25 @@ SCENARIOS: tuple[Scenario, ...] = (
         # Same slot, set and psn as job 1's completed round: a new round, not a duplicate.
         Send(0, 0, (5, 5), job=2, counters=AGG),
         Send(1, 0, (6, 6), job=2, expect=(Result((0, 1), 0, (11, 11), job=2),), counters=DONE),
+    )),
+    # A late DATA of the previous allocation of the same job id, from the same origin (a copy
+    # still queued, a process of the old job not yet dead): whatever its psn, it is rejected
+    # and touches nothing of the new allocation, whose rounds complete with exact sums.
+    Scenario("late_packet_of_previous_allocation", (J2,), (
+        *_round(0, (1,), (2,), (3,)),
+        *_round(1, (4,), (5,), (9,)),
+        Send(0, 2, (6,), counters=AGG),  # the old allocation ends with a round half done
+        Remove(1),
+        Admit(Job(job=1, workers=2, base=0, pool=4, generation=1)),
+        Send(0, 1, (10,), counters=AGG),  # the new allocation's round 1 waits for worker 1
+        Send(1, 1, (5000,), generation=0, counters={"rejected": 1}),  # same psn: would complete it wrongly
+        Send(1, 0, (5000,), generation=0, flags=RT, counters={"rejected": 1}),  # older psn (completed in A)
+        Send(1, 9, (5000,), generation=0, counters={"rejected": 1}),  # newer psn, same slot/set: would reset it
+        Send(0, 2, (5000,), generation=0, flags=RT, counters={"rejected": 1}),  # A's half-done round
+        Send(1, 1, (20,), expect=(Result((0, 1), 1, (30,)),), counters=DONE),
+        *_round(2, (1,), (1,), (2,)),  # slot 2, set 0 held A's unfinished round: a fresh round now
+        Send(1, 9, (7,), counters=AGG),  # B's own newer psn on slot 1, set 0 is still welcome
+        Send(0, 9, (8,), expect=(Result((0, 1), 9, (15,)),), counters=DONE),
     )),
     Scenario("unknown_job", (J2,), (
         Send(0, 0, (1,), job=9, origin="stranger", counters={"rejected": 1}),

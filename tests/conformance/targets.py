@@ -33,7 +33,7 @@ class EngineTarget:
 
     def admit(self, job: Job) -> None:
         sources = [self._origin((job.job, w)) for w in range(job.workers)]
-        self.engine.add_job(JobSpec(job.job, job.base, job.pool, sources))
+        self.engine.add_job(JobSpec(job.job, job.base, job.pool, sources, generation=job.generation))
 
     def remove(self, job: int) -> None:
         self.engine.remove_job(job)
@@ -83,7 +83,8 @@ class UdpAggregatorTarget:
 
     def admit(self, job: Job) -> None:
         workers = ["{}:{}".format(*self._socket((job.job, w)).getsockname()) for w in range(job.workers)]
-        self.control.request("add_job", job={"job": job.job, "base": job.base, "pool": job.pool, "workers": workers})
+        self.control.request("add_job", job={"job": job.job, "base": job.base, "pool": job.pool, "workers": workers,
+                                             "generation": job.generation})
 
     def remove(self, job: int) -> None:
         self.control.request("remove_job", job=job)
