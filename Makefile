@@ -8,7 +8,8 @@ STAMP  := $(VENV)/.installed
 
 all: test
 
-$(STAMP): host/pyproject.toml controller/pyproject.toml
+# host/csrc is compiled by the install (host/setup.py): a change there reinstalls.
+$(STAMP): host/pyproject.toml host/setup.py controller/pyproject.toml $(wildcard host/csrc/*.c host/csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e 'host[test]' -e 'controller[test]'
@@ -81,3 +82,34 @@ p4-tofino: $(TNA_SOURCES)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
+
+# ---- the native library (host/csrc) under sanitizers and a fuzzer -----------------------
+# sanitize: the library built with AddressSanitizer + UBSan (gcc) into build/native-asan/, and
+# the native differential and scenario tests run against it; any report fails the run
+# (--capture=sys: a report written to fd 2 by a dying process is not swallowed).
+# fuzz: the libFuzzer harness of the aggregation engine (clang) for FUZZ_SECONDS; its corpus
+# is kept in build/fuzz/corpus. Needs clang and compiler-rt: apt-get install clang-14
+# libclang-rt-14-dev (Debian bookworm).
+NATIVE_SOURCES := $(filter-out host/csrc/fuzz_engine.c,$(wildcard host/csrc/*.c))
+NATIVE_ASAN    := build/native-asan/libpassing_native.so
+SANITIZE_FLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
+                  -Wall -Wextra -Werror -fPIC -pthread -Ihost/csrc
+CLANG          ?= $(shell command -v clang-14 || command -v clang)
+FUZZ_SECONDS   ?= 60
+
+.PHONY: sanitize fuzz
+
+sanitize: $(STAMP)
+	mkdir -p build/native-asan
+	gcc $(SANITIZE_FLAGS) -shared -o $(NATIVE_ASAN) $(NATIVE_SOURCES)
+	PASSING_NATIVE_LIB=$(CURDIR)/$(NATIVE_ASAN) \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		$(PY) -m pytest -q -p no:cacheprovider --capture=sys tests/test_native_engine.py tests/test_scenarios.py
+
+fuzz:
+	@test -n "$(CLANG)" || { echo "make fuzz: clang not found (apt-get install clang-14 libclang-rt-14-dev)" >&2; exit 1; }
+	mkdir -p build/fuzz/corpus
+	$(CLANG) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Wall -Wextra -Werror \
+		-pthread -Ihost/csrc -o build/fuzz/fuzz_engine host/csrc/fuzz_engine.c host/csrc/engine.c host/csrc/wire.c
+	build/fuzz/fuzz_engine -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 build/fuzz/corpus

@@ -55,12 +55,13 @@ class LocalCluster:
     lanes: int = 64
     aggregator_args: list[str] = field(default_factory=list)
     job: int = 1
+    engine: str = "auto"  # of the workers and the aggregators: native, numpy or auto
 
     def __post_init__(self) -> None:
         self.aggregators = []
         for i in range(self.shards):
             args = [a.replace("{shard}", str(i)) for a in self.aggregator_args]
-            proc, ready = start_aggregator(["--lanes", str(self.lanes), *args])
+            proc, ready = start_aggregator(["--lanes", str(self.lanes), "--engine", self.engine, *args])
             self.aggregators.append((proc, ready))
         self.worker_addresses = [f"127.0.0.1:{p}" for p in free_udp_ports(self.workers)]
         self.admitted = False
@@ -89,7 +90,7 @@ class LocalCluster:
                "--generation", str(self.generation), "--worker", str(worker),
                "--workers", str(self.workers), "--bind", self.worker_addresses[worker], "--pool", str(self.pool),
                "--lanes", str(self.lanes), "--size", str(size), "--dtype", dtype, "--seed", str(seed),
-               "--out", str(self.tmp / f"result-{worker}.npy"), "--no-check", *extra]
+               "--out", str(self.tmp / f"result-{worker}.npy"), "--no-check", "--engine", self.engine, *extra]
         for _, ready in self.aggregators:
             cmd += ["--aggregator", ready["data"]]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

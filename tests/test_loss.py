@@ -12,7 +12,7 @@ SIZE = 40_000  # 625 packets per worker
 
 @pytest.fixture(scope="module")
 def clean_results(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("clean"), workers=3, pool=64)
+    c = LocalCluster(tmp_path_factory.mktemp("clean"), workers=3, pool=64, engine="numpy")  # the specification
     try:
         yield c.results(SIZE), c.results(SIZE, dtype="int32")
     finally:
@@ -21,8 +21,9 @@ def clean_results(tmp_path_factory):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("loss", [0.01, 0.05, 0.20])
-def test_loss_both_directions(tmp_path, clean_results, loss):
-    c = LocalCluster(tmp_path, workers=3, pool=64, aggregator_args=[
+@pytest.mark.parametrize("engine", ["native", "numpy"])
+def test_loss_both_directions(tmp_path, clean_results, loss, engine):
+    c = LocalCluster(tmp_path, workers=3, pool=64, engine=engine, aggregator_args=[
         "--drop-ingress", str(loss), "--drop-egress", str(loss), "--seed", "7"])
     try:
         floats = c.results(SIZE, extra=["--timeout", "60"])
@@ -41,8 +42,9 @@ def test_loss_both_directions(tmp_path, clean_results, loss):
 
 
 @pytest.mark.timeout(180)
-def test_duplication_and_reordering(tmp_path, clean_results):
-    c = LocalCluster(tmp_path, workers=3, pool=64, aggregator_args=[
+@pytest.mark.parametrize("engine", ["native", "numpy"])
+def test_duplication_and_reordering(tmp_path, clean_results, engine):
+    c = LocalCluster(tmp_path, workers=3, pool=64, engine=engine, aggregator_args=[
         "--duplicate", "0.2", "--reorder", "--drop-ingress", "0.02", "--drop-egress", "0.02", "--seed", "3"])
     try:
         floats = c.results(SIZE)
@@ -57,9 +59,10 @@ def test_duplication_and_reordering(tmp_path, clean_results):
 
 
 @pytest.mark.timeout(180)
-def test_loss_injected_at_the_hosts(tmp_path, clean_results):
+@pytest.mark.parametrize("engine", ["native", "numpy"])
+def test_loss_injected_at_the_hosts(tmp_path, clean_results, engine):
     """The host agent's own impairment (used where the aggregator is a switch)."""
-    c = LocalCluster(tmp_path, workers=3, pool=64)
+    c = LocalCluster(tmp_path, workers=3, pool=64, engine=engine)
     try:
         floats = c.results(SIZE, extra=["--drop", "0.1", "--timeout", "60"])
         stats = c.stats()

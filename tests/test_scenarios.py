@@ -1,25 +1,29 @@
-"""The scenario table of design §4 against the pure engine and the real UDP aggregator."""
+"""The scenario table of design §4 against the pure engines and the real UDP aggregator, numpy and native."""
 
 from __future__ import annotations
 
 import pytest
 
+from passing import native
 from tests.conformance.runner import run_scenario, scapy_builder, wire_builder
 from tests.conformance.scenarios import SCENARIOS
 from tests.conformance.targets import EngineTarget, UdpAggregatorTarget
 
 SOFTWARE = [s for s in SCENARIOS if not s.switch_only]
+ENGINES = ["numpy", pytest.param("native", marks=pytest.mark.skipif(not native.available(),
+                                                                   reason="the native library is not built"))]
 
 
 @pytest.mark.parametrize("scenario", SOFTWARE, ids=lambda s: s.name)
 @pytest.mark.parametrize("lanes", [4, 64])
-def test_engine(scenario, lanes):
-    run_scenario(EngineTarget(lanes=lanes), scenario, wire_builder)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_engine(scenario, lanes, engine):
+    run_scenario(EngineTarget(lanes=lanes, engine=engine), scenario, wire_builder)
 
 
-@pytest.fixture(scope="module")
-def udp_target():
-    target = UdpAggregatorTarget(lanes=64)
+@pytest.fixture(scope="module", params=ENGINES)
+def udp_target(request):
+    target = UdpAggregatorTarget(lanes=64, engine=request.param)
     yield target
     target.close()
 

@@ -14,11 +14,15 @@ wave is one set of vectorised array operations.
 
 from __future__ import annotations
 
+import ctypes
+import threading
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import wire
+from . import native, wire
 
 COUNTERS = (
     "received",  # DATA packets looked at
@@ -82,6 +86,33 @@ class Emission:
         return len(self.packets)
 
 
+def check_admission(spec: JobSpec, admitted: Mapping[int, JobSpec], slots: int, max_jobs: int,
+                    last_generation: dict[int, int]) -> None:
+    """The admission rules of both engines, in order. Gives ``spec`` its generation when it has
+    none (standalone: the next one of its job id here, 0 first) and records it as the job id's
+    latest; raises ConfigError for a request that cannot be honoured."""
+    if not 0 <= spec.job < 1 << 16:
+        raise ConfigError(f"job id {spec.job} outside 0..65535")
+    if spec.job in admitted:
+        raise ConfigError(f"job {spec.job} is already admitted")
+    if not 1 <= spec.workers <= wire.MAX_WORKERS:
+        raise ConfigError(f"job {spec.job}: {spec.workers} workers, must be 1..{wire.MAX_WORKERS}")
+    if len(set(spec.sources)) != len(spec.sources) or min(spec.sources) < 0:
+        raise ConfigError(f"job {spec.job}: worker sources must be distinct and non-negative")
+    if spec.pool < 1 or spec.base < 0 or spec.base + spec.pool > slots:
+        raise ConfigError(f"job {spec.job}: slots {spec.base}..{spec.base + spec.pool - 1} outside 0..{slots - 1}")
+    for other in admitted.values():
+        if spec.base < other.base + other.pool and other.base < spec.base + spec.pool:
+            raise ConfigError(f"job {spec.job}: slot range overlaps job {other.job}")
+    if len(admitted) >= max_jobs:
+        raise ConfigError(f"no room for job {spec.job}: {max_jobs} jobs admitted already")
+    if spec.generation is None:  # standalone: the next generation of this job id here
+        spec.generation = (last_generation.get(spec.job, -1) + 1) % wire.GENERATIONS
+    if not 0 <= spec.generation < wire.GENERATIONS:
+        raise ConfigError(f"job {spec.job}: generation {spec.generation} outside 0..{wire.GENERATIONS - 1}")
+    last_generation[spec.job] = spec.generation
+
+
 @dataclass
 class _Jobs:
     """Dense per-job admission arrays (index = job's dense id)."""
@@ -124,28 +155,7 @@ class AggregationEngine:
 
     def add_job(self, spec: JobSpec) -> JobSpec:
         jobs = self._jobs
-        if not 0 <= spec.job < 1 << 16:
-            raise ConfigError(f"job id {spec.job} outside 0..65535")
-        if spec.job in jobs.by_id:
-            raise ConfigError(f"job {spec.job} is already admitted")
-        if not 1 <= spec.workers <= wire.MAX_WORKERS:
-            raise ConfigError(f"job {spec.job}: {spec.workers} workers, must be 1..{wire.MAX_WORKERS}")
-        if len(set(spec.sources)) != len(spec.sources) or min(spec.sources) < 0:
-            raise ConfigError(f"job {spec.job}: worker sources must be distinct and non-negative")
-        if spec.pool < 1 or spec.base < 0 or spec.base + spec.pool > self.slots:
-            raise ConfigError(
-                f"job {spec.job}: slots {spec.base}..{spec.base + spec.pool - 1} outside 0..{self.slots - 1}"
-            )
-        for other in jobs.by_id.values():
-            if spec.base < other.base + other.pool and other.base < spec.base + spec.pool:
-                raise ConfigError(f"job {spec.job}: slot range overlaps job {other.job}")
-        if not jobs.free:
-            raise ConfigError(f"no room for job {spec.job}: {jobs.capacity} jobs admitted already")
-        if spec.generation is None:  # standalone: the next generation of this job id here
-            spec.generation = (self._last_generation.get(spec.job, -1) + 1) % wire.GENERATIONS
-        if not 0 <= spec.generation < wire.GENERATIONS:
-            raise ConfigError(f"job {spec.job}: generation {spec.generation} outside 0..{wire.GENERATIONS - 1}")
-        self._last_generation[spec.job] = spec.generation
+        check_admission(spec, jobs.by_id, self.slots, jobs.capacity, self._last_generation)
         d = jobs.free.pop()
         jobs.index[spec.job] = d
         jobs.base[d], jobs.pool[d], jobs.full[d] = spec.base, spec.pool, spec.full
@@ -351,3 +361,107 @@ def _concat(parts: list[Emission], lanes: int) -> Emission:
         dest=np.concatenate([p.dest for p in parts]),
         multicast=np.concatenate([p.multicast for p in parts]),
     )
+
+
+class NativeAggregationEngine:
+    """The same engine in C (host/csrc/engine.c, through passing.native), behind the same API.
+
+    Admission is checked here exactly as the numpy engine checks it (``check_admission``),
+    so errors read the same; the C engine re-checks and any refusal it still makes is a bug.
+    Every call into C takes the engine's lock: the aggregator's C data path may process
+    packets in another thread while this object admits and removes jobs.
+    """
+
+    def __init__(self, slots: int, lanes: int = wire.DEFAULT_LANES, max_jobs: int = 1024) -> None:
+        if slots < 1 or lanes < 1 or max_jobs < 1:
+            raise ConfigError("slots, lanes and max_jobs must be >= 1")
+        if max(slots, lanes, max_jobs) >= 1 << 32:
+            raise ConfigError("slots, lanes and max_jobs must be < 2**32")
+        self._lib = native.lib()
+        handle = self._lib.pn_engine_new(slots, lanes, max_jobs)
+        if not handle:
+            raise MemoryError(f"cannot allocate an engine of {slots} slots x {lanes} lanes")
+        self.handle: int = handle
+        self._free = weakref.finalize(self, self._lib.pn_engine_free, handle)
+        self._free.atexit = False  # at exit a data path thread may still use it; the OS frees it anyway
+        self.slots, self.lanes, self.max_jobs = slots, lanes, max_jobs
+        self._size = wire.packet_size(lanes)
+        self._by_id: dict[int, JobSpec] = {}
+        self._last_generation: dict[int, int] = {}
+        self._workers = np.zeros(1 << 16, dtype=np.int64)  # job id -> workers (0: none): bounds a batch's RESULTs
+        self._lock = threading.Lock()  # the registry, for callers in several threads
+
+    # ---- admission -------------------------------------------------------------
+
+    def add_job(self, spec: JobSpec) -> JobSpec:
+        with self._lock:
+            check_admission(spec, self._by_id, self.slots, self.max_jobs, self._last_generation)
+            sources = np.asarray(spec.sources, dtype=np.int64)
+            native.check(self._lib.pn_engine_add_job(self.handle, spec.job, spec.generation, spec.base, spec.pool,
+                                                     spec.workers, native.address(sources)),
+                         f"the native engine refused job {spec.job} that passed admission")
+            self._by_id[spec.job] = spec
+            self._workers[spec.job] = spec.workers
+            return spec
+
+    def remove_job(self, job: int) -> JobSpec:
+        with self._lock:
+            if job not in self._by_id:
+                raise ConfigError(f"job {job} is not admitted")
+            native.check(self._lib.pn_engine_remove_job(self.handle, job), f"the native engine lost job {job}")
+            self._workers[job] = 0
+            return self._by_id.pop(job)
+
+    def jobs(self) -> list[JobSpec]:
+        with self._lock:
+            return sorted(self._by_id.values(), key=lambda s: s.job)
+
+    def counters(self, job: int | None = None) -> dict[str, int]:
+        """Totals, or one admitted job's counters (unattributable drops are in totals only)."""
+        out = np.zeros(len(COUNTERS), dtype=np.int64)
+        with self._lock:
+            if job is not None and job not in self._by_id:
+                raise ConfigError(f"job {job} is not admitted")
+            native.check(self._lib.pn_engine_counters(self.handle, -1 if job is None else job, native.address(out)),
+                         "pn_engine_counters")
+        return {name: int(out[i]) for i, name in enumerate(COUNTERS)}
+
+    # ---- data path ---------------------------------------------------------------
+
+    def process(self, batch: np.ndarray, sources: np.ndarray, lengths: np.ndarray | None = None) -> Emission:
+        """AggregationEngine.process, in C: the same RESULTs, byte for byte and in the same order."""
+        n = len(batch)
+        if batch.dtype.itemsize != self._size:
+            raise ValueError(f"packets of {batch.dtype.itemsize} bytes, this engine's are {self._size}")
+        batch = np.ascontiguousarray(batch)
+        sources = np.ascontiguousarray(sources, dtype=np.int64)
+        if lengths is None:
+            lengths = np.full(n, self._size, dtype=np.uint32)
+        else:  # a length past uint32 is malformed all the same
+            lengths = np.clip(np.asarray(lengths, dtype=np.int64), 0, 0xFFFFFFFF).astype(np.uint32)
+        if sources.shape != (n,) or lengths.shape != (n,):
+            raise ValueError("batch, sources and lengths must have one entry per packet")
+        emitted = ctypes.c_size_t(0)
+        with self._lock:  # no job may come in between sizing the output and processing
+            # Room for every RESULT the batch can cause: a job's worker count per packet of that job.
+            cap = int(self._workers[batch["hdr"]["job"]].sum()) if n else 0
+            out = wire.empty(cap, self.lanes)
+            dest = np.empty(cap, dtype=np.int64)
+            multicast = np.empty(cap, dtype=np.uint8)
+            consumed = self._lib.pn_engine_process(
+                self.handle, native.address(batch), self._size, native.address(lengths), native.address(sources), n,
+                native.address(out), native.address(dest), native.address(multicast), cap, ctypes.byref(emitted))
+        if consumed != n:
+            raise RuntimeError(f"the native engine took {consumed} of {n} packets (out of memory?)")
+        k = emitted.value
+        return Emission(packets=out[:k], dest=dest[:k], multicast=multicast[:k].astype(bool))
+
+
+Engine = AggregationEngine | NativeAggregationEngine
+
+
+def make_engine(slots: int, lanes: int = wire.DEFAULT_LANES, max_jobs: int = 1024, engine: str = "auto") -> Engine:
+    """An aggregation engine: ``engine`` "native" (C), "numpy", or "auto" (native where it loads)."""
+    if native.use_native(engine):
+        return NativeAggregationEngine(slots, lanes, max_jobs)
+    return AggregationEngine(slots, lanes, max_jobs)

@@ -7,14 +7,22 @@ multicast of a RESULT is a unicast to each worker's address.
 Admission is configured from a JSON file or at run time over a ZeroMQ control socket
 (JSON requests, see docs/protocol.md), which also serves counters on demand. For
 tests it can drop, duplicate and reorder packets with a seeded generator.
+
+Two engines serve the same protocol: ``engine="native"`` runs the whole UDP data path in C
+(host/csrc/server.c) in a thread of its own, while this thread answers the control socket;
+``engine="numpy"`` runs it here, in Python (the specification). ``"auto"``: native where
+the library loads.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import os
 import signal
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,9 +30,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import rpc, wire
-from .aggregation import AggregationEngine, ConfigError, Emission, JobSpec
-from .transport import BatchSocket, pack_address, parse_endpoint, unpack_address
+from . import native, rpc, wire
+from .aggregation import ConfigError, Emission, JobSpec, NativeAggregationEngine, make_engine
+from .transport import BatchSocket, TransportStats, pack_address, parse_endpoint, unpack_address
 
 log = logging.getLogger("passing.aggregator")
 
@@ -64,6 +72,63 @@ class Impairment:
         if self.reorder:
             self.rng.shuffle(keep)
         return keep
+
+
+class NativeDataPath:
+    """The C data path (host/csrc/server.c): the engine behind the UDP socket, served by a thread
+    that spends its time in C (ctypes releases the GIL) and sleeps in poll() when idle."""
+
+    BATCH = 256  # messages per recvmmsg, each a GRO-coalesced buffer at most
+
+    def __init__(self, engine: NativeAggregationEngine, sock: BatchSocket, ingress: Impairment, egress: Impairment,
+                 gso: bool) -> None:
+        self._lib = native.lib()
+        self._engine = engine  # the server uses the engine: keep it alive at least as long
+        handle = self._lib.pn_server_new(engine.handle, sock.fd, self.BATCH, int(gso))
+        if not handle:
+            raise OSError("cannot set up the native data path (out of memory?)")
+        self.handle: int | None = handle
+        # Frees a server that was never closed; a running one is not garbage (its thread holds it).
+        self._free = weakref.finalize(self, self._lib.pn_server_free, handle)
+        self._free.atexit = False
+        for direction, impairment in enumerate((ingress, egress)):
+            if impairment.active:  # its seed comes from the impairment's own seeded generator
+                seed = int(impairment.rng.integers(0, 1 << 63))
+                native.check(self._lib.pn_server_impair(handle, direction, impairment.drop, impairment.duplicate,
+                                                        int(impairment.reorder), seed), "pn_server_impair")
+        self.thread: threading.Thread | None = None
+        self.result: int | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="passing-aggregator-data", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.result = self._lib.pn_server_run(self.handle)
+
+    @property
+    def failed(self) -> bool:
+        """The data path stopped by itself (a socket error)."""
+        return self.thread is not None and not self.thread.is_alive() and self.result != native.PN_OK
+
+    def stats(self) -> native.ServerStats:
+        stats = native.ServerStats()
+        if self.handle is not None:
+            self._lib.pn_server_get_stats(self.handle, ctypes.byref(stats))
+        return stats
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread, wait for it, free the server."""
+        if self.handle is None:
+            return
+        self._lib.pn_server_stop(self.handle)
+        if self.thread is not None:
+            self.thread.join(timeout)  # bounded: the loop looks at the stop flag between batches
+            if self.thread.is_alive():
+                log.error("the native data path did not stop within %s s; leaving it", timeout)
+                return  # freeing it under the running thread would be worse than a leak
+        self._free()
+        self.handle = None
 
 
 def job_from_json(obj: dict[str, Any]) -> JobSpec:
@@ -117,8 +182,9 @@ class SoftwareAggregator:
         ingress: Impairment | None = None,
         egress: Impairment | None = None,
         offload: bool = True,
+        engine: str = "auto",
     ) -> None:
-        self.engine = AggregationEngine(slots, lanes)
+        self.engine = make_engine(slots, lanes, engine=engine)
         for spec in jobs or []:
             self.engine.add_job(spec)
         if isinstance(listen, str):
@@ -126,6 +192,13 @@ class SoftwareAggregator:
         self.socket = BatchSocket(listen, lanes=lanes, offload=offload)
         self.ingress = ingress or Impairment()
         self.egress = egress or Impairment()
+        self.native: NativeDataPath | None = None
+        if isinstance(self.engine, NativeAggregationEngine):
+            try:
+                self.native = NativeDataPath(self.engine, self.socket, self.ingress, self.egress, gso=offload)
+            except (OSError, RuntimeError):
+                self.socket.close()
+                raise
         self._zmq = zmq.Context.instance()
         self.control: zmq.Socket | None = None
         self.control_endpoint: str | None = None
@@ -135,8 +208,7 @@ class SoftwareAggregator:
             try:
                 self.control.bind(control)
             except zmq.ZMQError as e:
-                self.socket.close()
-                self.control.close()
+                self.close()
                 raise OSError(f"cannot bind control socket {control}: {e}") from None
             self.control_endpoint = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
@@ -144,6 +216,10 @@ class SoftwareAggregator:
     @property
     def address(self) -> tuple[str, int]:
         return self.socket.address
+
+    @property
+    def engine_name(self) -> str:
+        return "numpy" if self.native is None else "native"
 
     def stop(self, *_: object) -> None:
         self._stop.set()
@@ -153,6 +229,8 @@ class SoftwareAggregator:
         signal.signal(signal.SIGTERM, self.stop)
 
     def close(self) -> None:
+        if self.native is not None:
+            self.native.close()  # first: its thread reads the socket
         self.socket.close()
         if self.control is not None:
             self.control.close()
@@ -160,6 +238,9 @@ class SoftwareAggregator:
     # ---- serving ---------------------------------------------------------------------
 
     def serve(self) -> None:
+        if self.native is not None:
+            self._serve_native()
+            return
         poller = zmq.Poller()
         poller.register(self.socket.fd, zmq.POLLIN)
         if self.control is not None:
@@ -174,8 +255,26 @@ class SoftwareAggregator:
         finally:
             self.close()
 
+    def _serve_native(self) -> None:
+        """The data path runs in C in its own thread; this one answers the control socket and
+        wakes up at least every 100 ms to notice stop() (a signal handler's too)."""
+        self.native.start()
+        try:
+            while not self._stop.is_set():
+                if self.native.failed:
+                    err = self.native.stats().last_errno
+                    raise OSError(err, f"the native data path stopped: {os.strerror(err)}")
+                if self.control is None:
+                    self._stop.wait(0.1)
+                elif self.control.poll(100):
+                    self._answer_control()
+        finally:
+            self.close()
+
     def pump(self, max_batches: int = 64) -> int:
-        """Process what is queued (up to max_batches batches); returns packets taken."""
+        """Process what is queued (up to max_batches batches); returns packets taken (numpy engine)."""
+        if self.native is not None:
+            raise RuntimeError("pump() drives the numpy data path; the native one runs in serve()")
         taken = 0
         for _ in range(max_batches):
             view, lengths, sources = self.socket.recv_packets()
@@ -199,15 +298,27 @@ class SoftwareAggregator:
 
     def stats(self, job: int | None = None) -> dict[str, Any]:
         jobs = [job] if job is not None else [s.job for s in self.engine.jobs()]
-        return {
+        reply: dict[str, Any] = {
             "totals": self.engine.counters(),
             "jobs": {str(j): self.engine.counters(j) for j in jobs},
-            "injected": {
+        }
+        if self.native is None:
+            reply["injected"] = {
                 "ingress_dropped": self.ingress.dropped, "ingress_duplicated": self.ingress.duplicated,
                 "egress_dropped": self.egress.dropped, "egress_duplicated": self.egress.duplicated,
-            },
-            "transport": self.socket.stats.as_dict(),
-        }
+            }
+            reply["transport"] = self.socket.stats.as_dict()
+        else:
+            s = self.native.stats()
+            reply["injected"] = {name: getattr(s, name) for name in (
+                "ingress_dropped", "ingress_duplicated", "egress_dropped", "egress_duplicated")}
+            reply["transport"] = TransportStats(  # the same keys as the numpy path's socket stats
+                packets_sent=s.packets_sent, bytes_sent=s.bytes_sent, packets_received=s.packets_received,
+                bytes_received=s.bytes_received,
+            ).as_dict()
+            reply["server"] = {"batches": s.batches, "send_errors": s.send_errors, "last_errno": s.last_errno}
+        reply["engine"] = self.engine_name
+        return reply
 
     def handle(self, request: Any) -> dict[str, Any]:
         """One control request -> its reply. Never raises: errors become replies."""
@@ -218,7 +329,7 @@ class SoftwareAggregator:
                 raise ConfigError(f"unsupported control version {request.get('version')!r} (want {CONTROL_VERSION})")
             cmd = request.get("cmd")
             if cmd == "ping":
-                return {"ok": True, "lanes": self.engine.lanes, "slots": self.engine.slots}
+                return {"ok": True, "lanes": self.engine.lanes, "slots": self.engine.slots, "engine": self.engine_name}
             if cmd == "stats":
                 job = request.get("job")
                 return {"ok": True, **self.stats(None if job is None else int(job))}

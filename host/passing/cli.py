@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import control, quantize, wire
+from . import control, native, quantize, wire
 from .aggregation import ConfigError
 from .aggregator import ControlClient, Impairment, SoftwareAggregator, job_from_json, load_config
 from .stream import Group, PassingError
@@ -44,6 +44,8 @@ def aggregator_main(argv: list[str] | None = None) -> int:
     s.add_argument("--reorder", action="store_true", help="shuffle every batch, each way")
     s.add_argument("--seed", type=int, default=0, help="seed of the loss/duplication generator")
     s.add_argument("--no-offload", action="store_true", help="no UDP GSO/GRO: one syscall datagram per packet")
+    s.add_argument("--engine", choices=native.ENGINES, default="auto",
+                   help="native: the data path in C; numpy: in Python; auto: native where it loads (default)")
     s.add_argument("-v", "--verbose", action="store_true")
     for name, helptext in (("stats", "print counters"), ("jobs", "list admitted jobs"),
                            ("add-job", "admit a job"), ("remove-job", "remove a job")):
@@ -72,7 +74,7 @@ def aggregator_main(argv: list[str] | None = None) -> int:
         reply.pop("ok")
         print(json.dumps(reply, indent=2))
         return 0
-    except (ConfigError, OSError, ValueError) as e:  # TimeoutError is an OSError
+    except (ConfigError, OSError, ValueError, native.NativeUnavailable) as e:  # TimeoutError is an OSError
         print(f"passing-aggregator: error: {e}", file=sys.stderr)
         return 2
 
@@ -91,11 +93,13 @@ def _serve(args: argparse.Namespace) -> int:
         ingress=Impairment(args.drop_ingress, args.duplicate, args.reorder, rng),
         egress=Impairment(args.drop_egress, args.duplicate, args.reorder, rng),
         offload=not args.no_offload,
+        engine=args.engine,
     )
     server.install_signal_handlers()
     host, port = server.address
     print(json.dumps({"event": "ready", "data": f"{host}:{port}", "control": server.control_endpoint,
-                      "lanes": server.engine.lanes, "slots": server.engine.slots}), flush=True)
+                      "lanes": server.engine.lanes, "slots": server.engine.slots, "engine": server.engine_name}),
+          flush=True)
     server.serve()
     print(json.dumps({"event": "stopped", **server.stats()}), flush=True)
     return 0
@@ -142,13 +146,15 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="save the result here (.npy)")
     p.add_argument("--no-check", action="store_true", help="skip recomputing the expected sum locally")
     p.add_argument("--no-offload", action="store_true", help="no UDP GSO/GRO")
+    p.add_argument("--engine", choices=native.ENGINES, default="auto",
+                   help="host streaming engine: native (C), numpy, or auto (native where it loads)")
     args = p.parse_args(argv)
     if (args.controller is None) == (args.aggregator is None):
         p.error("give either --aggregator or --controller")
     scale: str | float = args.scale if args.scale == "auto" else float(args.scale)
     x = worker_inputs(args.seed, args.worker, args.size, args.dtype)
     options = dict(scale=scale, timeout=args.timeout, offload=not args.no_offload, drop=args.drop,
-                   drop_seed=args.seed * 1000 + args.worker)
+                   drop_seed=args.seed * 1000 + args.worker, engine=args.engine)
     mode = "direct"
     try:
         if args.controller:
@@ -178,7 +184,7 @@ def allreduce_main(argv: list[str] | None = None) -> int:
         return 1
     if args.out:
         np.save(args.out, out)
-    report = {"worker": args.worker, "mode": mode, "elements": args.size, "seconds": elapsed,
+    report = {"worker": args.worker, "mode": mode, "engine": group.engine, "elements": args.size, "seconds": elapsed,
               "gbit_per_s": args.size * 4 * 8 / elapsed / 1e9, "ok": True, **stats}
     if not args.no_check:
         inputs = [worker_inputs(args.seed, w, args.size, args.dtype) for w in range(args.workers)]

@@ -5,20 +5,33 @@ aggregators the packets are split into p contiguous blocks, one per aggregator, 
 with its own slot pool and psn stream. Per aggregator the window is self-clocked:
 psn p uses slot p mod pool, and p + pool is sent only once the RESULT of p is in, so at
 most ``pool`` packets are in flight and the aggregator's two sets per slot always hold
-every round someone may still ask for. Lost packets are resent on a timer with
-exponential back-off; a packet unanswered for ``timeout`` seconds ends the call with
-AggregatorUnreachable.
+every round someone may still ask for.
+
+Loss recovery keeps the window moving under random loss: every packet has its own timer
+(the smoothed RTT estimate, and a back-off of its own that doubles only when that packet
+times out again), and a packet is resent early, before its timer, once a packet
+transmitted after it has been answered and it has been out for longer than that packet's
+round trip plus a reordering allowance (RACK, RFC 8985). Rounds complete in
+transmission order on an in-order path, since every worker sends in psn order, so this
+is evidence of loss; retransmissions give evidence too, so a stalled window recovers. A
+packet unanswered for ``timeout`` seconds ends the call with AggregatorUnreachable.
+
+Two engines implement the stream: the native one (host/csrc/stream.c, through
+passing.native) and ``_stream`` below in numpy, the executable specification it is tested
+against. ``engine="auto"`` takes the native one where it loads.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import quantize, wire
+from . import native, quantize, wire
 from .transport import BatchSocket, TransportStats, pack_address, parse_endpoint, unpack_address
 
 
@@ -35,6 +48,8 @@ class PassingOverflow(PassingError, OverflowError):
 
 
 OPS = ("sum", "avg")
+REORDER_FRACTION = 0.25  # RACK's reordering allowance: a quarter of the round trip (RFC 8985)
+REORDER_MIN = 200e-6  # and at least this: RESULTs come in batches
 INT32_MAX, INT32_MIN = np.iinfo(np.int32).max, np.iinfo(np.int32).min
 
 
@@ -85,6 +100,7 @@ class Group:
         offload: bool = True,
         drop: float = 0.0,
         drop_seed: int | None = None,
+        engine: str = "auto",
     ) -> None:
         if not 0 <= job < 1 << 16:
             raise ValueError(f"job {job} outside 0..65535")
@@ -113,7 +129,11 @@ class Group:
         self.scale, self.on_overflow = scale, on_overflow
         self.rto_min, self.max_rto, self.timeout = rto, max_rto, timeout
         self._srtt, self._rttvar = rto, rto / 2
-        self._backoff = 1.0  # Karn: a timeout backs the timer off until a clean RTT sample
+        self.native = native.use_native(engine)
+        self.engine = "native" if self.native else "numpy"
+        # the native engine's impairment generator (splitmix64 state)
+        seed = drop_seed if drop_seed is not None else np.random.SeedSequence().entropy
+        self._native_rng = np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)
         self._agg_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
         self._next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
         self._failed: str | None = None  # after a failed call the psn streams are out of step
@@ -161,11 +181,13 @@ class Group:
 
     # ---- public API ----------------------------------------------------------------
 
-    def allreduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
-        """Sum (or average) ``array`` over all workers of the group; returns a new array.
+    def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+        """Sum (or average) ``array`` over all workers of the group.
 
         float32 goes through scaling (exact to within ``quantize.error_bound``); int32
-        is summed exactly and raises PassingOverflow when a sum leaves int32.
+        is summed exactly and raises PassingOverflow when a sum leaves int32. The result
+        goes to ``out`` when given (same dtype and size, C-contiguous; it may be ``array``
+        itself), else to a new array.
         """
         x = np.asarray(array)
         if op not in OPS:
@@ -174,57 +196,40 @@ class Group:
             raise TypeError(f"allreduce takes float32 or int32 arrays, got {x.dtype}")
         if x.dtype == np.int32 and op == "avg":
             raise TypeError("op 'avg' needs a float32 array (an int32 average is not an int32)")
+        if out is not None and (out.dtype != x.dtype or out.size != x.size or not out.flags.c_contiguous
+                                or not out.flags.writeable):
+            raise ValueError(f"out must be a writeable C-contiguous {x.dtype} array of {x.size} elements")
         if self._failed:
             raise PassingError(
                 f"job {self.job} worker {self.worker}: group unusable after an earlier error: {self._failed}"
             )
         flat = np.ascontiguousarray(x).reshape(-1)
+        result = np.empty(x.shape, x.dtype) if out is None else out
         if flat.size == 0:
-            return x.copy()
+            return result
         try:
-            return self._allreduce(x, flat, op)
+            self._allreduce(flat, result.reshape(-1), op)
         except (AggregatorUnreachable, OSError) as e:
             self._failed = str(e)
             raise
+        return result
 
-    def _allreduce(self, x: np.ndarray, flat: np.ndarray, op: str) -> np.ndarray:
-        blocks = self._split(flat)
-        if x.dtype == np.int32:
-            sums, overflow = self._stream([b.reshape(-1, self.lanes) for b in blocks], wire.SUM)
-            if any(overflow):
-                raise PassingOverflow(f"job {self.job}: an int32 sum left the int32 range")
-            out = np.concatenate([s.reshape(-1) for s in sums])[: flat.size]
-        else:
-            out = self._float_allreduce(blocks, flat.size)
-            if op == "avg":
-                out /= np.float32(self.workers)
-        return out.reshape(x.shape)
-
-    # ---- internals ---------------------------------------------------------------------
-
-    def _split(self, flat: np.ndarray) -> list[np.ndarray]:
-        """Pad to whole packets and cut into one contiguous block per aggregator."""
+    def _allreduce(self, flat: np.ndarray, out: np.ndarray, op: str) -> None:
         packets = -(-flat.size // self.lanes)
-        padded = np.zeros(packets * self.lanes, dtype=flat.dtype)
-        padded[: flat.size] = flat
-        bounds = np.linspace(0, packets, len(self.aggregators) + 1).astype(np.int64) * self.lanes
-        return [padded[bounds[i] : bounds[i + 1]] for i in range(len(self.aggregators))]
-
-    def _float_allreduce(self, blocks: list[np.ndarray], size: int) -> np.ndarray:
+        bounds = np.linspace(0, packets, len(self.aggregators) + 1).astype(np.int64)
+        starts, counts = bounds[:-1], np.diff(bounds)  # packets of each aggregator's contiguous block
+        if flat.dtype == np.int32:
+            if any(self._pass(wire.SUM, flat, out, starts, counts)):
+                raise PassingOverflow(f"job {self.job}: an int32 sum left the int32 range")
+            return
         mode = self.scale
+        # A fixed-scale call may be redone in auto mode: then the input must outlive the first try.
+        target = out if not np.shares_memory(flat, out) or mode == "auto" or self.on_overflow == "raise" \
+            else np.empty_like(out)
         while True:
-            if mode == "auto":
-                scales = self._auto_scales(blocks)
-            else:
-                scales = [float(mode)] * len(blocks)
-            quantized, flags = [], []
-            for block, scale in zip(blocks, scales):
-                q, saturated = quantize.quantize(block, scale if scale else 1.0)
-                rows = q.reshape(-1, self.lanes)
-                keep = len(rows) if scale else 0  # a shard that is zero on every worker needs no SUM
-                quantized.append(rows[:keep])
-                flags.append(np.where(saturated.reshape(rows.shape).any(axis=1), wire.FLAG_OVERFLOW, 0)[:keep])
-            sums, overflow = self._stream(quantized, wire.SUM, flags)
+            scales = self._auto_scales(flat, starts, counts) if mode == "auto" else [float(mode)] * len(counts)
+            live = np.array([c if sc else 0 for c, sc in zip(counts, scales)], dtype=np.int64)
+            overflow = self._pass(wire.SUM, flat, target, starts, live, scales)
             if not any(overflow):
                 break
             if mode == "auto" or self.on_overflow == "raise":
@@ -233,27 +238,102 @@ class Group:
                     "use scale='auto' or a smaller fixed scale (or on_overflow='auto')"
                 )
             mode = "auto"  # every worker saw the same flags, so all of them redo it
-        parts = [
-            quantize.dequantize(s.reshape(-1), sc) if sc else np.zeros(b.size, np.float32)
-            for s, sc, b in zip(sums, scales, blocks)
-        ]
-        return np.concatenate(parts)[:size]
+        for start, count, scale in zip(starts, counts, scales):
+            if not scale:  # a shard that is zero on every worker needed no SUM
+                target[start * self.lanes : (start + count) * self.lanes] = 0
+        if target is not out:
+            out[:] = target
+        if op == "avg":
+            out /= np.float32(self.workers)
 
-    def _auto_scales(self, blocks: list[np.ndarray]) -> list[float]:
+    def _auto_scales(self, flat: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> list[float]:
         """One MAX round per aggregator; 0.0 marks a shard that is zero everywhere."""
-        rows = []
-        for block in blocks:
-            row = np.zeros((1, self.lanes), dtype=np.int32)
-            row[0, 0] = quantize.max_abs_bits(block)
-            rows.append(row)
-        maxima, _ = self._stream(rows, wire.MAX)
+        rows = np.zeros((len(counts), self.lanes), dtype=np.int32)
+        for i, (start, count) in enumerate(zip(starts, counts)):
+            rows[i, 0] = quantize.max_abs_bits(flat[start * self.lanes : (start + count) * self.lanes])
+        maxima = np.empty_like(rows)
+        shards = np.arange(len(counts))
+        self._pass(wire.MAX, rows.reshape(-1), maxima.reshape(-1), shards, np.ones(len(counts), np.int64))
         scales = []
-        for m in maxima:
-            max_abs = quantize.bits_to_float(int(m[0, 0]))
+        for m in maxima[:, 0]:
+            max_abs = quantize.bits_to_float(int(m))
             if not np.isfinite(max_abs):
                 raise ValueError(f"job {self.job}: the input holds NaN or infinity on some worker")
             scales.append(quantize.auto_scale(max_abs, self.workers) if max_abs > 0 else 0.0)
         return scales
+
+    def _pass(self, op: int, flat: np.ndarray, out: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+              scales: list[float] | None = None) -> list[bool]:
+        """One pass of every shard's packets through its aggregator: packets [start, start + count)
+        of ``flat`` (zero-padded to whole packets; float32 quantized with the shard's scale) in,
+        their sums into ``out``. Returns per shard whether a RESULT overflowed."""
+        if self.native:
+            return self._pass_native(op, flat, out, starts, counts, scales)
+        blocks, flags = [], []
+        for i, (start, count) in enumerate(zip(starts, counts)):
+            block = np.zeros(count * self.lanes, dtype=flat.dtype)
+            part = flat[start * self.lanes : (start + count) * self.lanes]
+            block[: part.size] = part
+            if scales is not None:
+                q, saturated = quantize.quantize(block, scales[i] or 1.0)
+                block = q
+                flags.append(np.where(saturated.reshape(-1, self.lanes).any(axis=1), wire.FLAG_OVERFLOW, 0))
+            blocks.append(block.reshape(-1, self.lanes))
+        sums, overflow = self._stream(blocks, op, flags if scales is not None else None)
+        for i, (start, s) in enumerate(zip(starts, sums)):
+            part = out[start * self.lanes : (start * self.lanes + s.size)]
+            values = s.reshape(-1)[: part.size]
+            part[:] = quantize.dequantize(values, scales[i]) if scales is not None else values
+        return overflow
+
+    def _pass_native(self, op: int, flat: np.ndarray, out: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                     scales: list[float] | None) -> list[bool]:
+        n = len(self.aggregators)
+        keep = dict(  # the arrays the call points into, alive until it returns
+            aggregator=self._agg_ids.astype(np.int64), pool=np.array([a.pool for a in self.aggregators], np.uint32),
+            next_psn=self._next_psn.astype(np.uint32), start=np.asarray(starts, np.uint64),
+            count=np.asarray(counts, np.uint64), scale=np.asarray(scales if scales is not None else [1.0] * n, float),
+            overflow=np.zeros(n, np.uint8),
+        )
+        srtt, rttvar = ctypes.c_double(self._srtt), ctypes.c_double(self._rttvar)
+        call = native.StreamCall(
+            fd=self.socket.fd, lanes=self.lanes, job=self.job, generation=self.generation, worker=self.worker, op=op,
+            shards=n, kind=native.IN_F32 if flat.dtype == np.float32 else native.IN_I32,
+            input=native.address(flat), output=native.address(out), elements=flat.size,
+            rto_min=self.rto_min, max_rto=self.max_rto, timeout=self.timeout, srtt=ctypes.pointer(srtt),
+            rttvar=ctypes.pointer(rttvar), gso=int(self.socket.gso), drop=self.drop,
+            rng=self._native_rng.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
+        )
+        for name, ctype in (("aggregator", ctypes.c_int64), ("pool", ctypes.c_uint32), ("next_psn", ctypes.c_uint32),
+                            ("start", ctypes.c_uint64), ("count", ctypes.c_uint64), ("scale", ctypes.c_double)):
+            setattr(call, name, keep[name].ctypes.data_as(ctypes.POINTER(ctype)))
+        report = native.StreamReport(overflow=keep["overflow"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
+        rc = native.lib().pn_stream_run(ctypes.byref(call), ctypes.byref(report))
+        self._srtt, self._rttvar, self.socket.gso = srtt.value, rttvar.value, bool(call.gso)
+        stats = self.socket.stats
+        stats.packets_sent += report.packets_sent
+        stats.bytes_sent += report.bytes_sent
+        stats.packets_received += report.packets_received
+        stats.bytes_received += report.bytes_received
+        stats.retransmissions += report.retransmissions
+        stats.early_retransmissions += report.early_retransmissions
+        stats.foreign_results += report.foreign_results
+        if rc == native.PN_ETIMEOUT:
+            raise self._unreachable(report.error_shard, report.error_psn, report.error_retries)
+        if rc == native.PN_ESYS:
+            call_name = report.error_call.decode()
+            raise OSError(report.error_errno, f"{call_name}: {os.strerror(report.error_errno)}")
+        native.check(rc, "native stream")
+        self._next_psn[:] = keep["next_psn"]
+        return [bool(v) for v in keep["overflow"]]
+
+    def _unreachable(self, shard: int, psn: int, retries: int) -> AggregatorUnreachable:
+        host, port = unpack_address(int(self._agg_ids[shard]))
+        return AggregatorUnreachable(
+            f"job {self.job} worker {self.worker}: no RESULT for psn {psn & 0xFFFFFFFF} "
+            f"from aggregator {host}:{port} after {retries} retransmissions in "
+            f"{self.timeout:g} s: the aggregator is unreachable or a peer worker stopped sending"
+        )
 
     def _stream(
         self, blocks: list[np.ndarray], op: int, flags: list[np.ndarray] | None = None
@@ -291,13 +371,17 @@ class Group:
         result_flags = np.zeros(total, dtype=np.uint8)
         done = np.zeros(total, dtype=bool)
         first_sent = np.zeros(total)
-        retries = np.zeros(total, dtype=np.int64)
+        last_sent = np.zeros(total)
+        retries = np.zeros(total, dtype=np.int64)  # transmissions after the first
+        timeouts = np.zeros(total, dtype=np.int64)  # of them, by the packet's own timer: each doubles its back-off
+        rack_sent = np.zeros(len(blocks))  # per shard: latest transmission time of an answered packet
+        rack_rtt = np.zeros(len(blocks))  # and that packet's round trip
 
         now = time.monotonic()
         inflight = np.concatenate([np.arange(s, s + min(p, c)) for s, p, c in zip(starts, pools, counts)])
         inflight = inflight.astype(np.int64)
         self._send(packets, dest, inflight)
-        first_sent[inflight] = now
+        first_sent[inflight] = last_sent[inflight] = now
         deadline = np.full(inflight.size, now + self._rto())
         remaining = total
 
@@ -320,6 +404,10 @@ class Group:
                     result_flags[rows] = got["hdr"]["flags"]
                     done[rows] = True
                     remaining -= rows.size
+                    for sh in np.unique(shard[rows]):  # RACK: the latest-sent packet known delivered
+                        latest = rows[shard[rows] == sh][np.argmax(last_sent[rows[shard[rows] == sh]])]
+                        if last_sent[latest] > rack_sent[sh]:
+                            rack_sent[sh], rack_rtt[sh] = last_sent[latest], now - last_sent[latest]
                     clean = rows[retries[rows] == 0]  # Karn: only unambiguous RTT samples
                     if clean.size:
                         self._rtt_sample(float(np.max(now - first_sent[clean])))
@@ -327,29 +415,31 @@ class Group:
                     nxt = nxt[nxt >= 0]
                     if nxt.size:
                         self._send(packets, dest, nxt)
-                        first_sent[nxt] = now
+                        first_sent[nxt] = last_sent[nxt] = now
                     keep = ~done[inflight]
                     inflight = np.r_[inflight[keep], nxt]
                     deadline = np.r_[deadline[keep], np.full(nxt.size, now + self._rto())]
-            due = np.flatnonzero(deadline <= now)
+            # a packet sent later is answered and this one is overdue for that round trip: resend it now
+            overdue = rack_rtt + np.maximum(rack_rtt * REORDER_FRACTION, REORDER_MIN)
+            sh = shard[inflight]
+            early = (rack_sent[sh] > last_sent[inflight]) & (now >= last_sent[inflight] + overdue[sh])
+            due = np.flatnonzero((deadline <= now) | early)
             if due.size:
                 rows = inflight[due]
                 late = now - first_sent[rows] > self.timeout
                 if late.any():
                     r = int(rows[late][0])
                     s = int(shard[r])
-                    host, port = unpack_address(int(self._agg_ids[s]))
-                    raise AggregatorUnreachable(
-                        f"job {self.job} worker {self.worker}: no RESULT for psn {int(psn[r]) & 0xFFFFFFFF} "
-                        f"from aggregator {host}:{port} after {int(retries[r])} retransmissions in "
-                        f"{self.timeout:g} s: the aggregator is unreachable or a peer worker stopped sending"
-                    )
-                self._backoff = min(self._backoff * 2.0, 64.0)
+                    raise self._unreachable(s, int(psn[r]), int(retries[r]))
+                by_timer = rows[~early[due]]
+                timeouts[by_timer] += 1  # a back-off for the packet that keeps failing, not for all
                 packets["hdr"]["flags"][rows] |= wire.FLAG_RETRANSMIT
                 self._send(packets, dest, rows)
+                last_sent[rows] = now
                 self.socket.stats.retransmissions += rows.size
+                self.socket.stats.early_retransmissions += int(early[due].sum())
                 retries[rows] += 1
-                backoff = np.minimum(self._rto() * 2.0 ** retries[rows], self.max_rto)
+                backoff = np.minimum(self._rto() * 2.0 ** np.minimum(timeouts[rows], 6), self.max_rto)
                 deadline[due] = now + backoff
 
         self._next_psn = (self._next_psn + counts) & 0xFFFFFFFF
@@ -387,7 +477,6 @@ class Group:
         """RFC 6298 smoothing; the sample is the slowest clean RESULT of a receive batch."""
         self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
         self._srtt = 0.875 * self._srtt + 0.125 * rtt
-        self._backoff = 1.0
 
     def _rto(self) -> float:
-        return min(max(self._srtt + 4.0 * self._rttvar, self.rto_min) * self._backoff, self.max_rto)
+        return min(max(self._srtt + 4.0 * self._rttvar, self.rto_min), self.max_rto)

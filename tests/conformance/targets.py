@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from passing import wire
-from passing.aggregation import AggregationEngine, JobSpec
+from passing.aggregation import JobSpec, make_engine
 from passing.aggregator import ControlClient
 from passing.cli import start_aggregator
 from passing.transport import pack_address
@@ -20,11 +20,11 @@ STRANGER = "stranger"
 
 
 class EngineTarget:
-    """The pure state machine; origins are small integers."""
+    """The pure state machine, the numpy or the native engine; origins are small integers."""
 
-    def __init__(self, slots: int = 64, lanes: int = 8) -> None:
+    def __init__(self, slots: int = 64, lanes: int = 8, engine: str = "numpy") -> None:
         self.lanes = lanes
-        self.engine = AggregationEngine(slots, lanes)
+        self.engine = make_engine(slots, lanes, engine=engine)
         self.origins: dict[Origin, int] = {STRANGER: 10_000}
         self.outbox: list[tuple[Origin, bytes]] = []
 
@@ -58,9 +58,11 @@ class EngineTarget:
 class UdpAggregatorTarget:
     """A real `passing-aggregator serve` process; every (job, worker) a real UDP socket."""
 
-    def __init__(self, lanes: int = 8, extra_args: list[str] | None = None) -> None:
+    def __init__(self, lanes: int = 8, extra_args: list[str] | None = None, engine: str = "numpy") -> None:
         self.lanes = lanes
-        self.proc, ready = start_aggregator(["--lanes", str(lanes), "--slots", "64", *(extra_args or [])])
+        self.proc, ready = start_aggregator(["--lanes", str(lanes), "--slots", "64", "--engine", engine,
+                                             *(extra_args or [])])
+        assert ready["engine"] == engine
         self.control = ControlClient(ready["control"])
         host, port = ready["data"].rsplit(":", 1)
         self.aggregator = (host, int(port))

@@ -1,0 +1,25 @@
+/* The aggregation engine's entry points for the rest of the library (server.c), not
+ * part of its ABI: the server holds the engine's lock from processing a chunk of
+ * datagrams until their RESULTs are sent, so that counters read meanwhile (control
+ * channel) only ever count packets whose RESULTs are on their way. */
+#ifndef PASSING_ENGINE_H
+#define PASSING_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "passing_native.h"
+
+void pn_engine_lock(pn_engine *e);
+void pn_engine_unlock(pn_engine *e);
+size_t pn_engine_packet_bytes(const pn_engine *e);
+
+/* pn_engine_process for datagrams scattered in memory (datagram i: packets[i], lengths[i]
+ * readable bytes), with the lock already held. RESULTs come out in arrival order of the
+ * packets that caused them (the server sorts them by destination anyway), not in the
+ * numpy engine's wave order that pn_engine_process reproduces. */
+size_t pn_engine_process_locked(pn_engine *e, const uint8_t *const *packets, const uint32_t *lengths,
+                                const int64_t *sources, size_t n, uint8_t *out, int64_t *out_dest,
+                                uint8_t *out_multicast, size_t out_cap, size_t *emitted);
+
+#endif

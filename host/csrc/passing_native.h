@@ -1,0 +1,160 @@
+/* The native data path of PASSING: the host streaming engine and the software
+ * aggregator's engine, as plain C functions over caller-owned buffers.
+ *
+ * passing/native.py loads this library with ctypes (docs/architecture.md says why); the
+ * numpy implementations in passing/stream.py and passing/aggregation.py are the
+ * executable specification this code is tested against, byte for byte. No function
+ * keeps global state: everything lives in the objects the caller creates and frees.
+ * The wire format is defined once for C, in wire.c (docs/protocol.md is the contract).
+ */
+#ifndef PASSING_NATIVE_H
+#define PASSING_NATIVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define PN_API __attribute__((visibility("default")))
+
+/* ---- wire format (mirrors passing/wire.py) ---------------------------------------- */
+#define PN_VERSION 2
+#define PN_HEADER_SIZE 16
+#define PN_DATA 1
+#define PN_RESULT 2
+#define PN_OP_SUM 0
+#define PN_OP_MAX 1
+#define PN_FLAG_OVERFLOW 0x01
+#define PN_FLAG_RETRANSMIT 0x02
+#define PN_MAX_WORKERS 32
+#define PN_GENERATIONS 65536
+
+/* The header in host byte order; on the wire every field is big-endian. */
+typedef struct {
+    uint8_t version, type, op, flags;
+    uint16_t job, slot;
+    uint8_t worker, set;
+    uint16_t generation;
+    uint32_t psn;
+} pn_header;
+
+PN_API void pn_header_read(const uint8_t *packet, pn_header *h);
+PN_API void pn_header_write(uint8_t *packet, const pn_header *h);
+PN_API size_t pn_packet_size(uint32_t lanes);
+/* Big-endian int32 lane i of a packet. */
+int32_t pn_lane_get(const uint8_t *packet, uint32_t i);
+void pn_lane_set(uint8_t *packet, uint32_t i, int32_t v);
+
+/* ---- errors ---------------------------------------------------------------------- */
+#define PN_OK 0
+#define PN_EINVAL (-1)      /* a bad argument (the message says which) */
+#define PN_ENOMEM (-2)
+#define PN_EEXIST (-3)      /* job already admitted */
+#define PN_ENOENT (-4)      /* job not admitted */
+#define PN_ERANGE (-5)      /* slot range outside the engine, or overlapping another job */
+#define PN_EFULL (-6)       /* no room for another job */
+#define PN_ESYS (-7)        /* a system call failed: errno in the report */
+#define PN_ETIMEOUT (-8)    /* no RESULT within the timeout */
+
+/* ---- the aggregation engine (mirrors passing/aggregation.py) ----------------------- */
+
+/* Counters, in the order of passing.aggregation.COUNTERS. */
+enum {
+    PN_C_RECEIVED, PN_C_MALFORMED, PN_C_REJECTED, PN_C_AGGREGATED, PN_C_COMPLETED,
+    PN_C_DUPLICATE, PN_C_DUPLICATE_ANSWERED, PN_C_STALE, PN_C_OVERFLOW, PN_C_RESULTS_SENT,
+    PN_COUNTERS
+};
+
+typedef struct pn_engine pn_engine;
+
+/* slots x 2 sets x lanes int32 accumulators shared by up to max_jobs jobs; NULL on bad
+ * arguments or no memory. Thread-safe: every call takes the engine's lock. */
+PN_API pn_engine *pn_engine_new(uint32_t slots, uint32_t lanes, uint32_t max_jobs);
+PN_API void pn_engine_free(pn_engine *e);
+/* Admit a job: the caller (passing/aggregation.py's checks) has validated ranges, but the
+ * engine re-checks everything and returns a PN_E* code rather than trusting it.
+ * sources[w] is worker w's admitted origin (packed ip << 16 | port, or any id >= 0). */
+PN_API int pn_engine_add_job(pn_engine *e, uint32_t job, uint32_t generation, uint32_t base, uint32_t pool,
+                             uint32_t workers, const int64_t *sources);
+PN_API int pn_engine_remove_job(pn_engine *e, uint32_t job);
+/* job < 0: the totals. */
+PN_API int pn_engine_counters(pn_engine *e, int64_t job, int64_t out[PN_COUNTERS]);
+
+/* Apply datagrams in arrival order: datagram i starts at in + i * in_stride, is lengths[i]
+ * bytes long (only the first min(length, in_stride) bytes are read) and came from
+ * sources[i]. RESULTs go to out (packet_size bytes each, at most out_cap), with their
+ * destination in out_dest and whether they are a multicast replica (1) or a unicast
+ * answer (0) in out_multicast. Stops before a datagram whose RESULTs might not fit (at most
+ * PN_MAX_WORKERS each); returns how many datagrams it consumed, *emitted how many RESULTs. */
+PN_API size_t pn_engine_process(pn_engine *e, const uint8_t *in, size_t in_stride, const uint32_t *lengths,
+                                const int64_t *sources, size_t n, uint8_t *out, int64_t *out_dest,
+                                uint8_t *out_multicast, size_t out_cap, size_t *emitted);
+
+/* ---- the software aggregator's data path: engine behind a UDP socket --------------- */
+
+typedef struct pn_server pn_server;
+
+typedef struct {
+    uint64_t packets_sent, bytes_sent, packets_received, bytes_received;
+    uint64_t ingress_dropped, ingress_duplicated, egress_dropped, egress_duplicated;
+    uint64_t batches, send_errors;
+    int32_t last_errno;
+} pn_server_stats;
+
+/* fd: a bound, non-blocking UDP socket (GRO may be on); the server does not own it. */
+PN_API pn_server *pn_server_new(pn_engine *e, int fd, uint32_t batch, int gso);
+PN_API void pn_server_free(pn_server *s);
+/* Seeded drop / duplicate / reorder of received DATA (direction 0) or sent RESULTs (1),
+ * for tests. */
+PN_API int pn_server_impair(pn_server *s, int direction, double drop, double duplicate, int reorder,
+                            uint64_t seed);
+/* Blocks in poll() and serves until pn_server_stop(); returns PN_OK or PN_ESYS (errno in
+ * the stats). Call it from one thread; the engine may be changed from others meanwhile. */
+PN_API int pn_server_run(pn_server *s);
+PN_API void pn_server_stop(pn_server *s);
+PN_API void pn_server_get_stats(pn_server *s, pn_server_stats *out);
+
+/* ---- the host streaming engine (mirrors passing/stream.py's Group._stream) ---------- */
+
+#define PN_IN_F32 0
+#define PN_IN_I32 1
+
+typedef struct {
+    /* the group */
+    int fd;                      /* bound non-blocking UDP socket; GRO may be on */
+    uint32_t lanes;
+    uint32_t job, generation, worker;
+    uint32_t op;                 /* PN_OP_SUM or PN_OP_MAX */
+    /* the shards: packets [start[s], start[s] + count[s]) of the array go to aggregator s */
+    uint32_t shards;
+    const int64_t *aggregator;   /* packed ip << 16 | port */
+    const uint32_t *pool;
+    uint32_t *next_psn;          /* in: the shard's first psn; out: after this call */
+    const uint64_t *start, *count;
+    /* the data: elements values, padded with zeros to whole packets */
+    int32_t kind;                /* PN_IN_F32 or PN_IN_I32 */
+    const void *input;
+    void *output;                /* same kind; may be input itself */
+    uint64_t elements;
+    const double *scale;         /* per shard, float input: x * scale rounded to int32 */
+    /* loss recovery, in seconds; srtt/rttvar carry the estimate from call to call */
+    double rto_min, max_rto, timeout;
+    double *srtt, *rttvar;
+    int32_t gso;                 /* in: try UDP GSO; out: 0 once the kernel refused it */
+    /* test impairment: drop this fraction each way, here */
+    double drop;
+    uint64_t *rng;               /* its generator's state */
+} pn_stream_call;
+
+typedef struct {
+    uint64_t packets_sent, bytes_sent, packets_received, bytes_received;
+    uint64_t retransmissions, early_retransmissions, foreign_results;
+    uint8_t *overflow;           /* caller's array of `shards` bytes: 1 where a RESULT overflowed */
+    /* on PN_ETIMEOUT: which packet; on PN_ESYS: errno and the call */
+    uint32_t error_shard, error_psn, error_retries;
+    int32_t error_errno;
+    char error_call[16];
+} pn_stream_report;
+
+/* One allreduce pass of every shard's packets (a MAX round or a SUM), start to finish. */
+PN_API int pn_stream_run(pn_stream_call *c, pn_stream_report *r);
+
+#endif

@@ -1,0 +1,347 @@
+/* The software aggregator's data path: the engine behind a UDP socket, in one thread.
+ *
+ * The loop sleeps in poll() on the socket and an eventfd that pn_server_stop() writes,
+ * so an idle or trickling service costs next to no CPU. On readiness it drains the socket
+ * with recvmmsg (GRO-coalesced buffers split into datagrams), applies the test
+ * impairment, runs the engine and sends the RESULTs, sorted by destination so that each
+ * worker's run leaves as one GSO message. passing/aggregator.py's SoftwareAggregator
+ * (engine numpy) is the specification of the service; this is its fast path.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "engine.h"
+#include "passing_native.h"
+#include "udp.h"
+
+#define OUT_CAP 4096          /* RESULTs per engine call: bounds memory whatever a GRO batch holds */
+#define SEND_TIMEOUT_MS 1000  /* a send buffer full this long: the rest of the batch is lost (counted) */
+
+/* Seeded drop / duplicate / reorder, as passing.aggregator.Impairment does it. */
+typedef struct {
+    double drop, duplicate;
+    int reorder;
+    uint64_t rng[4];          /* xoshiro256** */
+} impairment;
+
+struct pn_server {
+    pn_engine *engine;
+    pn_udp udp;
+    int wake_fd;              /* eventfd: pn_server_stop() makes it readable */
+    size_t packet_size;
+    /* received datagrams, then the ones the ingress impairment lets through (twice as
+     * many room: each may be duplicated) */
+    uint32_t rx_cap;
+    pn_datagram *rx;
+    uint32_t *in_keep;
+    const uint8_t **in_packet;
+    uint32_t *in_length;
+    int64_t *in_source;
+    /* one engine call's RESULTs, then the list to send (again room for duplicates) */
+    uint8_t *out;
+    int64_t *out_dest;
+    uint8_t *out_multicast;
+    uint32_t *tx_keep, *tx_sort_a, *tx_sort_b;
+    const uint8_t **tx_packet;
+    int64_t *tx_dest;
+    pthread_mutex_t lock;     /* stats and impairments: read and set from other threads */
+    impairment impair[2];
+    pn_server_stats stats;
+    atomic_int stop;
+};
+
+/* ---- the impairment's generator: splitmix64 seeds xoshiro256** ------------------- */
+
+static uint64_t splitmix64(uint64_t *state) {
+    uint64_t z = (*state += UINT64_C(0x9E3779B97F4A7C15));
+    z = (z ^ (z >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94D049BB133111EB);
+    return z ^ (z >> 31);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t next_random(uint64_t s[4]) {
+    uint64_t result = rotl(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+static double uniform(uint64_t s[4]) { return (double)(next_random(s) >> 11) * 0x1.0p-53; }
+
+/* Uniform in 0..n-1 without modulo bias. */
+static uint64_t below(uint64_t s[4], uint64_t n) {
+    uint64_t limit = UINT64_MAX - UINT64_MAX % n;
+    uint64_t x;
+    do x = next_random(s);
+    while (x >= limit);
+    return x % n;
+}
+
+static int impairment_active(const impairment *im) { return im->drop > 0 || im->duplicate > 0 || im->reorder; }
+
+/* Indices of the `count` items that go on, in the order they go on, into keep (room for
+ * 2 * count): the survivors, then the duplicates of some of them, all shuffled if asked. */
+static uint32_t impairment_apply(impairment *im, uint32_t count, uint32_t *keep, uint64_t *dropped,
+                                 uint64_t *duplicated) {
+    uint32_t kept = 0;
+    for (uint32_t i = 0; i < count; i++)
+        if (!(im->drop > 0 && uniform(im->rng) < im->drop)) keep[kept++] = i;
+    *dropped += count - kept;
+    uint32_t total = kept;
+    if (im->duplicate > 0)
+        for (uint32_t i = 0; i < kept; i++)
+            if (uniform(im->rng) < im->duplicate) keep[total++] = keep[i];
+    *duplicated += total - kept;
+    if (im->reorder)
+        for (uint32_t i = total; i > 1; i--) {
+            uint32_t j = (uint32_t)below(im->rng, i);
+            uint32_t t = keep[i - 1];
+            keep[i - 1] = keep[j];
+            keep[j] = t;
+        }
+    return total;
+}
+
+/* ---- life cycle ------------------------------------------------------------------- */
+
+pn_server *pn_server_new(pn_engine *e, int fd, uint32_t batch, int gso) {
+    if (!e || fd < 0) return NULL;
+    pn_server *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->wake_fd = -1;
+    if (pthread_mutex_init(&s->lock, NULL) != 0) {
+        free(s);
+        return NULL;
+    }
+    s->engine = e;
+    s->packet_size = pn_engine_packet_bytes(e);
+    if (s->packet_size > 65507 || pn_udp_init(&s->udp, fd, (uint32_t)s->packet_size, batch, gso) != 0) {
+        pthread_mutex_destroy(&s->lock);
+        free(s);
+        return NULL;
+    }
+    s->rx_cap = pn_udp_capacity(&s->udp);
+    s->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    size_t in_cap = (size_t)s->rx_cap * 2, tx_cap = (size_t)OUT_CAP * 2;
+    s->rx = calloc(s->rx_cap, sizeof *s->rx);
+    s->in_keep = calloc(in_cap, sizeof *s->in_keep);
+    s->in_packet = calloc(in_cap, sizeof *s->in_packet);
+    s->in_length = calloc(in_cap, sizeof *s->in_length);
+    s->in_source = calloc(in_cap, sizeof *s->in_source);
+    s->out = calloc(OUT_CAP, s->packet_size);
+    s->out_dest = calloc(OUT_CAP, sizeof *s->out_dest);
+    s->out_multicast = calloc(OUT_CAP, sizeof *s->out_multicast);
+    s->tx_keep = calloc(tx_cap, sizeof *s->tx_keep);
+    s->tx_sort_a = calloc(tx_cap, sizeof *s->tx_sort_a);
+    s->tx_sort_b = calloc(tx_cap, sizeof *s->tx_sort_b);
+    s->tx_packet = calloc(tx_cap, sizeof *s->tx_packet);
+    s->tx_dest = calloc(tx_cap, sizeof *s->tx_dest);
+    if (s->wake_fd < 0 || !s->rx || !s->in_keep || !s->in_packet || !s->in_length || !s->in_source || !s->out ||
+        !s->out_dest || !s->out_multicast || !s->tx_keep || !s->tx_sort_a || !s->tx_sort_b || !s->tx_packet ||
+        !s->tx_dest) {
+        pn_server_free(s);
+        return NULL;
+    }
+    atomic_init(&s->stop, 0);
+    return s;
+}
+
+void pn_server_free(pn_server *s) {
+    if (!s) return;
+    if (s->wake_fd >= 0) close(s->wake_fd);
+    pn_udp_free(&s->udp);
+    pthread_mutex_destroy(&s->lock);
+    free(s->rx);
+    free(s->in_keep);
+    free(s->in_packet);
+    free(s->in_length);
+    free(s->in_source);
+    free(s->out);
+    free(s->out_dest);
+    free(s->out_multicast);
+    free(s->tx_keep);
+    free(s->tx_sort_a);
+    free(s->tx_sort_b);
+    free(s->tx_packet);
+    free(s->tx_dest);
+    free(s);
+}
+
+int pn_server_impair(pn_server *s, int direction, double drop, double duplicate, int reorder, uint64_t seed) {
+    /* written so that NaN fails too */
+    if (!s || (direction != 0 && direction != 1) || !(drop >= 0 && drop < 1) || !(duplicate >= 0 && duplicate < 1))
+        return PN_EINVAL;
+    impairment im = {.drop = drop, .duplicate = duplicate, .reorder = reorder != 0};
+    for (int i = 0; i < 4; i++) im.rng[i] = splitmix64(&seed);
+    pthread_mutex_lock(&s->lock);
+    s->impair[direction] = im;
+    pthread_mutex_unlock(&s->lock);
+    return PN_OK;
+}
+
+void pn_server_stop(pn_server *s) {
+    if (!s) return;
+    atomic_store(&s->stop, 1);
+    uint64_t one = 1;
+    /* async-signal-safe; a failure (EAGAIN) means it is readable already */
+    if (write(s->wake_fd, &one, sizeof one) < 0) return;
+}
+
+void pn_server_get_stats(pn_server *s, pn_server_stats *out) {
+    if (!s || !out) return;
+    pthread_mutex_lock(&s->lock);
+    *out = s->stats;
+    pthread_mutex_unlock(&s->lock);
+}
+
+/* ---- serving ------------------------------------------------------------------------ */
+
+/* Stable sort of tx_keep[0..n) by destination (bottom-up merge sort); returns the array holding it. */
+static uint32_t *sort_by_destination(pn_server *s, uint32_t n) {
+    uint32_t *a = s->tx_sort_a, *b = s->tx_sort_b;
+    memcpy(a, s->tx_keep, n * sizeof *a);
+    const int64_t *dest = s->out_dest;
+    for (uint32_t width = 1; width < n; width *= 2) {
+        for (uint32_t lo = 0; lo < n; lo += 2 * width) {
+            uint32_t mid = lo + width < n ? lo + width : n;
+            uint32_t hi = lo + 2 * width < n ? lo + 2 * width : n;
+            uint32_t l = lo, r = mid, t = lo;
+            while (l < mid && r < hi) b[t++] = dest[a[r]] < dest[a[l]] ? a[r++] : a[l++];
+            while (l < mid) b[t++] = a[l++];
+            while (r < hi) b[t++] = a[r++];
+        }
+        uint32_t *swap = a;
+        a = b;
+        b = swap;
+    }
+    return a;
+}
+
+/* Send the engine call's `emitted` RESULTs through the egress impairment. */
+static void send_results(pn_server *s, uint32_t emitted) {
+    pthread_mutex_lock(&s->lock);
+    uint32_t n;
+    if (impairment_active(&s->impair[1])) {
+        n = impairment_apply(&s->impair[1], emitted, s->tx_keep, &s->stats.egress_dropped,
+                             &s->stats.egress_duplicated);
+    } else {
+        for (uint32_t i = 0; i < emitted; i++) s->tx_keep[i] = i;
+        n = emitted;
+    }
+    pthread_mutex_unlock(&s->lock);
+    const uint32_t *rows = sort_by_destination(s, n);  /* one run per worker: one GSO message */
+    for (uint32_t i = 0; i < n; i++) {
+        s->tx_packet[i] = s->out + (size_t)rows[i] * s->packet_size;
+        s->tx_dest[i] = s->out_dest[rows[i]];
+    }
+    uint64_t bytes = 0;
+    int errors = 0, last_errno = 0;
+    uint32_t at = 0;
+    while (at < n) {
+        uint64_t before = bytes;
+        int r = pn_udp_send(&s->udp, s->tx_packet + at, s->tx_dest + at, n - at, SEND_TIMEOUT_MS, &bytes);
+        if (r == 0) break;
+        /* never fatal for the shared service: count it, skip the destination that failed
+         * (its workers retransmit) and go on with the others; a buffer that stayed full
+         * loses the rest of the batch */
+        errors++;
+        last_errno = -r;
+        if (r == -ETIMEDOUT) break;
+        uint32_t failed = at + (uint32_t)((bytes - before) / s->packet_size);
+        if (failed >= n) break;
+        at = failed + 1;
+        while (at < n && s->tx_dest[at] == s->tx_dest[failed]) at++;
+    }
+    pthread_mutex_lock(&s->lock);
+    s->stats.packets_sent += bytes / s->packet_size;
+    s->stats.bytes_sent += bytes;
+    s->stats.send_errors += (uint64_t)errors;
+    if (errors) s->stats.last_errno = last_errno;
+    pthread_mutex_unlock(&s->lock);
+}
+
+/* One received batch: impairment, engine, RESULTs out. */
+static void serve_batch(pn_server *s, uint32_t received) {
+    uint64_t bytes = 0;
+    for (uint32_t i = 0; i < received; i++) bytes += s->rx[i].length;
+    pthread_mutex_lock(&s->lock);
+    s->stats.batches++;
+    s->stats.packets_received += received;
+    s->stats.bytes_received += bytes;
+    uint32_t n;
+    if (impairment_active(&s->impair[0])) {
+        n = impairment_apply(&s->impair[0], received, s->in_keep, &s->stats.ingress_dropped,
+                             &s->stats.ingress_duplicated);
+    } else {
+        for (uint32_t i = 0; i < received; i++) s->in_keep[i] = i;
+        n = received;
+    }
+    pthread_mutex_unlock(&s->lock);
+    for (uint32_t i = 0; i < n; i++) {
+        const pn_datagram *d = &s->rx[s->in_keep[i]];
+        s->in_packet[i] = d->data;
+        s->in_length[i] = d->length;
+        s->in_source[i] = d->source;
+    }
+    size_t done = 0;
+    while (done < n) {
+        size_t emitted = 0;
+        /* the lock spans processing and sending: counters read meanwhile never count a
+         * packet whose RESULTs are not sent yet */
+        pn_engine_lock(s->engine);
+        size_t consumed = pn_engine_process_locked(s->engine, s->in_packet + done, s->in_length + done,
+                                                   s->in_source + done, n - done, s->out, s->out_dest,
+                                                   s->out_multicast, OUT_CAP, &emitted);
+        if (emitted) send_results(s, (uint32_t)emitted);
+        pn_engine_unlock(s->engine);
+        if (consumed == 0) break;  /* cannot happen: OUT_CAP holds any packet's RESULTs */
+        done += consumed;
+    }
+}
+
+static int record_errno(pn_server *s, int err) {
+    pthread_mutex_lock(&s->lock);
+    s->stats.last_errno = err;
+    pthread_mutex_unlock(&s->lock);
+    return PN_ESYS;
+}
+
+int pn_server_run(pn_server *s) {
+    if (!s) return PN_EINVAL;
+    while (!atomic_load(&s->stop)) {
+        struct pollfd p[2] = {{.fd = s->udp.fd, .events = POLLIN}, {.fd = s->wake_fd, .events = POLLIN}};
+        if (poll(p, 2, -1) < 0) {
+            if (errno == EINTR) continue;
+            return record_errno(s, errno);
+        }
+        if (p[1].revents) break;  /* stopped */
+        if (p[0].revents & POLLNVAL) return record_errno(s, EBADF);
+        if (!(p[0].revents & (POLLIN | POLLERR))) continue;
+        /* drain what is queued; between batches, look whether we were stopped */
+        while (!atomic_load(&s->stop)) {
+            int received = pn_udp_recv(&s->udp, s->rx, s->rx_cap);
+            if (received < 0) {
+                if (received != -ENOMEM && received != -ENOBUFS) return record_errno(s, -received);
+                record_errno(s, -received);  /* transient: noted, and poll again */
+                break;
+            }
+            if (received == 0) break;
+            serve_batch(s, (uint32_t)received);
+        }
+    }
+    return PN_OK;
+}

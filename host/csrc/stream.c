@@ -1,0 +1,428 @@
+/* The host streaming engine: one allreduce pass of a group's array through its
+ * aggregators (passing/stream.py's Group._stream is the specification).
+ *
+ * Per shard a self-clocked window: packet offset o of the shard travels as psn
+ * next_psn + o, and o + pool is sent only once the RESULT of o is in, so the window
+ * holds exactly `pool` packets and its memory is shards x pool x packet size, whatever
+ * the array's size. Packets are built straight from the caller's input (quantized with
+ * the shard's scale) into the window, and RESULTs are written straight into the output.
+ *
+ * Loss recovery keeps the window moving under random loss, where one lost packet must
+ * cost one retransmission of that packet and not stall the stream:
+ *  - every packet has its own timer: the smoothed RTT estimate (RFC 6298, Karn's rule)
+ *    plus a back-off of its own that doubles only when that packet times out again;
+ *  - a packet is resent early, before its timer, once a packet transmitted after it has
+ *    been answered and it has been out for longer than that packet's round trip plus a
+ *    reordering allowance (RACK, RFC 8985: time order, so retransmissions give evidence
+ *    too and a stalled window still recovers). Rounds complete in transmission order on
+ *    an in-order path, since every worker sends in psn order; a round stalled by a peer's
+ *    loss costs each waiting worker about one resend per round trip, not one per RESULT. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "passing_native.h"
+#include "udp.h"
+
+#define REORDER_FRACTION 0.25 /* reordering allowance: a quarter of the round trip (RFC 8985) */
+#define REORDER_MIN_S 200e-6 /* and at least this: RESULTs come in batches */
+#define MAX_WAIT_S 0.05      /* the longest single wait: timers are checked at least this often */
+#define RECV_BATCH 64        /* messages per recvmmsg */
+#define SEND_TIMEOUT_MS 5000 /* a send buffer full this long is an error */
+#define MAX_BACKOFF 64.0
+
+typedef struct {
+    uint64_t offset;   /* packet offset within the shard */
+    double first_sent, last_sent, deadline;
+    uint32_t retries;  /* transmissions after the first */
+    uint32_t timeouts; /* of them, by its timer: each doubles its back-off */
+    uint8_t inflight;
+} window_slot;
+
+typedef struct {
+    uint32_t pool;
+    uint64_t start, count;
+    uint64_t sent, done;       /* packets sent for the first time / answered */
+    double rack_sent;          /* latest transmission time of an answered packet (0: none yet) */
+    double rack_rtt;           /* that packet's round trip */
+    uint32_t base_psn;
+    int64_t aggregator;
+    uint8_t *packets;          /* pool packets */
+    window_slot *slots;
+    double scale;
+    int scale_f32;             /* scale is a power of two that float32 applies exactly */
+    float scale_f, inverse_f;
+} shard_state;
+
+typedef struct {
+    const pn_stream_call *c;
+    pn_stream_report *r;
+    shard_state *shards;
+    size_t packet_size;
+    pn_udp udp;
+    double srtt, rttvar;
+    const uint8_t **send_packets; /* sends queued in one loop iteration */
+    int64_t *send_dest;
+    uint32_t send_count, send_cap;
+} stream_state;
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* splitmix64: the test impairment's generator; its state lives with the caller. */
+static double uniform(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (double)(z >> 11) * 0x1.0p-53;
+}
+
+static int scale_is_f32_exact(double scale) {
+    int exponent;
+    double mantissa = frexp(scale, &exponent);
+    return mantissa == 0.5 && exponent > -120 && exponent < 120;
+}
+
+/* Round x * scale to int32, saturating (passing/quantize.py: the same arithmetic, bit for
+ * bit). NaN saturates too. Returns 1 when the value saturated. */
+static int quantize(float x, const shard_state *s, int32_t *out) {
+    if (s->scale_f32) {
+        float v = rintf(x * s->scale_f);
+        if (v >= 2147483648.0f || v < -2147483648.0f || isnan(v)) {
+            *out = isnan(v) ? 0 : (v > 0 ? INT32_MAX : INT32_MIN);
+            return 1;
+        }
+        *out = (int32_t)v;
+        return 0;
+    }
+    double v = rint((double)x * s->scale);
+    if (v >= 2147483648.0 || v < -2147483648.0 || isnan(v)) {
+        *out = isnan(v) ? 0 : (v > 0 ? INT32_MAX : INT32_MIN);
+        return 1;
+    }
+    *out = (int32_t)v;
+    return 0;
+}
+
+static float dequantize(int32_t q, const shard_state *s) {
+    if (s->scale_f32) return (float)q * s->inverse_f;
+    return (float)((double)q / s->scale);
+}
+
+static uint32_t to_be32(uint32_t v) { return __builtin_bswap32(v); }
+
+/* Build packet `offset` of shard s into its window slot. */
+static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) {
+    const pn_stream_call *c = st->c;
+    uint8_t *p = s->packets + (size_t)(offset % s->pool) * st->packet_size;
+    uint64_t row = s->start + offset;
+    uint64_t first = row * c->lanes;
+    uint32_t *lanes = (uint32_t *)(p + PN_HEADER_SIZE);
+    int saturated = 0;
+    for (uint32_t i = 0; i < c->lanes; i++) {
+        uint64_t e = first + i;
+        int32_t q = 0;
+        if (e < c->elements) {
+            if (c->kind == PN_IN_F32) saturated |= quantize(((const float *)c->input)[e], s, &q);
+            else q = ((const int32_t *)c->input)[e];
+        }
+        uint32_t be = to_be32((uint32_t)q);
+        memcpy(&lanes[i], &be, sizeof be);
+    }
+    uint32_t psn = s->base_psn + (uint32_t)offset;
+    pn_header h = {
+        .version = PN_VERSION, .type = PN_DATA, .op = (uint8_t)c->op,
+        .flags = saturated ? PN_FLAG_OVERFLOW : 0,
+        .job = (uint16_t)c->job, .slot = (uint16_t)(psn % s->pool), .worker = (uint8_t)c->worker,
+        .set = (uint8_t)((psn / s->pool) % 2), .generation = (uint16_t)c->generation, .psn = psn,
+    };
+    pn_header_write(p, &h);
+    return p;
+}
+
+static double rto(const stream_state *st) {
+    double r = st->srtt + 4.0 * st->rttvar;
+    if (r < st->c->rto_min) r = st->c->rto_min;
+    return r < st->c->max_rto ? r : st->c->max_rto;
+}
+
+static double backed_off(const stream_state *st, uint32_t timeouts) {
+    double r = rto(st) * (timeouts < 6 ? (double)(1u << timeouts) : MAX_BACKOFF);
+    return r < st->c->max_rto ? r : st->c->max_rto;
+}
+
+static void queue_send(stream_state *st, const uint8_t *packet, int64_t dest) {
+    /* A slot is queued at most twice per loop iteration (its first transmission, then
+     * never again until flushed), so this cannot fill up; if it ever did, the packet's timer
+     * would resend it. */
+    if (st->send_count == st->send_cap) return;
+    st->send_packets[st->send_count] = packet;
+    st->send_dest[st->send_count] = dest;
+    st->send_count++;
+}
+
+static int flush_sends(stream_state *st) {
+    uint32_t n = 0;
+    if (st->c->drop > 0) { /* test impairment: lose some on the way out */
+        for (uint32_t i = 0; i < st->send_count; i++) {
+            if (uniform(st->c->rng) >= st->c->drop) {
+                st->send_packets[n] = st->send_packets[i];
+                st->send_dest[n] = st->send_dest[i];
+                n++;
+            }
+        }
+    } else {
+        n = st->send_count;
+    }
+    st->send_count = 0;
+    if (n == 0) return PN_OK;
+    uint64_t bytes = 0;
+    int r = pn_udp_send(&st->udp, st->send_packets, st->send_dest, n, SEND_TIMEOUT_MS, &bytes);
+    st->r->bytes_sent += bytes;
+    st->r->packets_sent += bytes / st->packet_size;
+    if (r < 0) {
+        st->r->error_errno = -r;
+        snprintf(st->r->error_call, sizeof st->r->error_call, "sendmmsg");
+        return PN_ESYS;
+    }
+    return PN_OK;
+}
+
+/* First transmission of packet `offset` of the shard (its window slot is free), if it exists. */
+static void send_first(stream_state *st, shard_state *s, uint64_t offset, double now) {
+    if (offset >= s->count) return;
+    s->sent++;
+    window_slot *w = &s->slots[offset % s->pool];
+    *w = (window_slot){.offset = offset, .first_sent = now, .last_sent = now,
+                       .deadline = now + rto(st), .inflight = 1};
+    queue_send(st, build_packet(st, s, offset), s->aggregator);
+}
+
+static void retransmit(stream_state *st, shard_state *s, window_slot *w, double now, int early) {
+    uint8_t *p = s->packets + (size_t)(w->offset % s->pool) * st->packet_size;
+    p[3] |= PN_FLAG_RETRANSMIT;
+    w->retries++;
+    if (!early) w->timeouts++;
+    w->last_sent = now;
+    w->deadline = now + backed_off(st, w->timeouts);
+    st->r->retransmissions++;
+    if (early) st->r->early_retransmissions++;
+    queue_send(st, p, s->aggregator);
+}
+
+static void rtt_sample(stream_state *st, double rtt) {
+    st->rttvar = 0.75 * st->rttvar + 0.25 * fabs(st->srtt - rtt);
+    st->srtt = 0.875 * st->srtt + 0.125 * rtt;
+}
+
+/* A datagram from the socket: a RESULT of this call goes into the output, and the window
+ * moves on. Returns 1 for a RESULT that answered a packet still in flight. */
+static int process_datagram(stream_state *st, const pn_datagram *d, double now) {
+    const pn_stream_call *c = st->c;
+    if (d->length != st->packet_size) return 0;
+    pn_header h;
+    pn_header_read(d->data, &h);
+    if (h.version != PN_VERSION || h.type != PN_RESULT) return 0;
+    if (h.job != c->job || h.generation != c->generation) {
+        st->r->foreign_results++; /* another allocation's: never ours */
+        return 0;
+    }
+    if (h.worker != c->worker) return 0;
+    for (uint32_t k = 0; k < c->shards; k++) {
+        shard_state *s = &st->shards[k];
+        if (s->aggregator != d->source || s->count == 0) continue;
+        uint64_t offset = (uint32_t)(h.psn - s->base_psn);
+        if (offset >= s->count) return 0; /* another call's, or from the future */
+        window_slot *w = &s->slots[offset % s->pool];
+        if (!w->inflight || w->offset != offset) return 0; /* answered already */
+        w->inflight = 0;
+        s->done++;
+        if (w->last_sent > s->rack_sent) { /* RACK: the latest-sent packet known delivered */
+            s->rack_sent = w->last_sent;
+            s->rack_rtt = now - w->last_sent;
+        }
+        if (w->retries == 0) rtt_sample(st, now - w->first_sent); /* Karn: unambiguous samples only */
+        if (h.flags & PN_FLAG_OVERFLOW) st->r->overflow[k] = 1;
+        uint64_t first = (s->start + offset) * c->lanes;
+        const uint8_t *lanes = d->data + PN_HEADER_SIZE;
+        for (uint32_t i = 0; i < c->lanes; i++) {
+            uint32_t be;
+            memcpy(&be, lanes + 4 * (size_t)i, sizeof be);
+            int32_t v = (int32_t)to_be32(be);
+            /* A SUM lane at an int32 bound is a saturated sum: Tofino saturates without the
+             * flag (docs/tofino.md), so every target's is read as overflow. */
+            if (c->op == PN_OP_SUM && (v == INT32_MAX || v == INT32_MIN)) st->r->overflow[k] = 1;
+            uint64_t e = first + i;
+            if (e >= c->elements) continue;
+            if (c->kind == PN_IN_F32) ((float *)c->output)[e] = dequantize(v, s);
+            else ((int32_t *)c->output)[e] = v;
+        }
+        send_first(st, s, offset + s->pool, now); /* self-clocking: this RESULT releases offset + pool */
+        return 1;
+    }
+    return 0;
+}
+
+/* Timers and early retransmissions; returns the earliest deadline left, or PN_ETIMEOUT. */
+static int check_timers(stream_state *st, double now, double *next_deadline) {
+    const pn_stream_call *c = st->c;
+    double next = now + MAX_WAIT_S;
+    for (uint32_t k = 0; k < c->shards; k++) {
+        shard_state *s = &st->shards[k];
+        if (s->done == s->sent) continue; /* nothing in flight */
+        double allowance = s->rack_rtt * REORDER_FRACTION;
+        double overdue = s->rack_rtt + (allowance > REORDER_MIN_S ? allowance : REORDER_MIN_S);
+        for (uint32_t i = 0; i < s->pool; i++) {
+            window_slot *w = &s->slots[i];
+            if (!w->inflight) continue;
+            if (now - w->first_sent > c->timeout) {
+                st->r->error_shard = k;
+                st->r->error_psn = s->base_psn + (uint32_t)w->offset;
+                st->r->error_retries = w->retries;
+                return PN_ETIMEOUT;
+            }
+            int later_answered = s->rack_sent > w->last_sent;
+            if (later_answered && now >= w->last_sent + overdue) retransmit(st, s, w, now, 1);
+            else if (w->deadline <= now) retransmit(st, s, w, now, 0);
+            double due = w->deadline;
+            if (s->rack_sent > w->last_sent && w->last_sent + overdue < due) due = w->last_sent + overdue;
+            if (due < next) next = due;
+        }
+    }
+    *next_deadline = next;
+    return PN_OK;
+}
+
+static void free_state(stream_state *st) {
+    if (st->shards) {
+        for (uint32_t k = 0; k < st->c->shards; k++) {
+            free(st->shards[k].packets);
+            free(st->shards[k].slots);
+        }
+    }
+    free(st->shards);
+    free(st->send_packets);
+    free(st->send_dest);
+    pn_udp_free(&st->udp);
+}
+
+static int validate(const pn_stream_call *c, const pn_stream_report *r) {
+    if (!c || !r || !r->overflow || c->fd < 0 || c->lanes == 0 || c->lanes > 16000 || c->shards == 0 ||
+        c->job > 0xFFFF || c->generation >= PN_GENERATIONS || c->worker >= PN_MAX_WORKERS ||
+        (c->op != PN_OP_SUM && c->op != PN_OP_MAX) || (c->kind != PN_IN_F32 && c->kind != PN_IN_I32) ||
+        !c->aggregator || !c->pool || !c->next_psn || !c->start || !c->count || !c->srtt || !c->rttvar ||
+        !c->rng || !(c->timeout > 0) || !(c->rto_min > 0) || !(c->max_rto >= c->rto_min) || c->drop < 0 ||
+        c->drop >= 1)
+        return PN_EINVAL;
+    if (c->elements && (!c->input || !c->output)) return PN_EINVAL;
+    if (c->kind == PN_IN_F32 && !c->scale) return PN_EINVAL;
+    for (uint32_t k = 0; k < c->shards; k++) {
+        if (c->pool[k] == 0 || c->pool[k] > 65536) return PN_EINVAL;
+        /* every packet of the shard lies inside the (padded) array */
+        if (c->count[k] && (c->start[k] + c->count[k]) * c->lanes > c->elements + c->lanes - 1) return PN_EINVAL;
+        if (c->count[k] > 0x7FFFFFFF) return PN_EINVAL; /* psns of one call stay in serial-number range */
+    }
+    return PN_OK;
+}
+
+int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
+    int rc = validate(c, r);
+    if (rc != PN_OK) return rc;
+    stream_state st = {.c = c, .r = r, .packet_size = pn_packet_size(c->lanes), .srtt = *c->srtt,
+                       .rttvar = *c->rttvar};
+    st.udp.fd = -1;
+    uint64_t window = 0;
+    st.shards = calloc(c->shards, sizeof *st.shards);
+    if (!st.shards) return PN_ENOMEM;
+    for (uint32_t k = 0; k < c->shards; k++) {
+        shard_state *s = &st.shards[k];
+        s->pool = c->pool[k];
+        s->start = c->start[k];
+        s->count = c->count[k];
+        s->base_psn = c->next_psn[k];
+        s->aggregator = c->aggregator[k];
+        if (c->kind == PN_IN_F32) {
+            s->scale = c->scale[k];
+            s->scale_f32 = scale_is_f32_exact(s->scale);
+            s->scale_f = (float)s->scale;
+            s->inverse_f = (float)(1.0 / s->scale);
+        }
+        if (s->count == 0) continue;
+        s->packets = malloc((size_t)s->pool * st.packet_size);
+        s->slots = calloc(s->pool, sizeof *s->slots);
+        if (!s->packets || !s->slots) {
+            free_state(&st);
+            return PN_ENOMEM;
+        }
+        window += s->pool;
+    }
+    st.send_cap = (uint32_t)(2 * window + 2);
+    st.send_packets = malloc(st.send_cap * sizeof *st.send_packets);
+    st.send_dest = malloc(st.send_cap * sizeof *st.send_dest);
+    int u = pn_udp_init(&st.udp, c->fd, (uint32_t)st.packet_size, RECV_BATCH, c->gso);
+    if (!st.send_packets || !st.send_dest || u < 0) {
+        free_state(&st);
+        return u == -ENOMEM || u == 0 ? PN_ENOMEM : PN_EINVAL;
+    }
+
+    double now = now_s();
+    uint64_t remaining = 0;
+    for (uint32_t k = 0; k < c->shards; k++) {
+        shard_state *s = &st.shards[k];
+        remaining += s->count;
+        for (uint32_t i = 0; i < s->pool; i++) send_first(&st, s, i, now);
+    }
+    rc = flush_sends(&st);
+    uint32_t capacity = pn_udp_capacity(&st.udp);
+    pn_datagram *got = malloc(capacity * sizeof *got);
+    if (!got) rc = PN_ENOMEM;
+    double next_deadline = now + rto(&st);
+    while (rc == PN_OK && remaining) {
+        double wait = next_deadline - now_s();
+        if (wait > 0) {
+            int w = pn_udp_wait(&st.udp, (int)ceil((wait < MAX_WAIT_S ? wait : MAX_WAIT_S) * 1000.0), -1);
+            if (w < 0) {
+                r->error_errno = -w;
+                snprintf(r->error_call, sizeof r->error_call, "poll");
+                rc = PN_ESYS;
+                break;
+            }
+        }
+        int n = pn_udp_recv(&st.udp, got, capacity);
+        if (n < 0) {
+            r->error_errno = -n;
+            snprintf(r->error_call, sizeof r->error_call, "recvmmsg");
+            rc = PN_ESYS;
+            break;
+        }
+        now = now_s();
+        for (int i = 0; i < n; i++) {
+            r->packets_received++;
+            r->bytes_received += got[i].length;
+            if (c->drop > 0 && uniform(c->rng) < c->drop) continue; /* test impairment: lost on the way in */
+            if (process_datagram(&st, &got[i], now)) remaining--;
+        }
+        if (remaining == 0) break;
+        rc = check_timers(&st, now, &next_deadline);
+        if (rc != PN_OK) break;
+        rc = flush_sends(&st);
+    }
+    if (rc == PN_OK) {
+        if (st.send_count) rc = flush_sends(&st);
+        for (uint32_t k = 0; k < c->shards; k++) c->next_psn[k] = st.shards[k].base_psn + (uint32_t)st.shards[k].count;
+    }
+    free(got);
+    *c->srtt = st.srtt;
+    *c->rttvar = st.rttvar;
+    c->gso = st.udp.gso;
+    free_state(&st);
+    return rc;
+}

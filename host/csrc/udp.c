@@ -1,0 +1,208 @@
+/* Batched UDP: one recvmmsg or sendmmsg moves a whole batch; GRO and GSO, where the
+ * kernel offers them, cut the per-packet cost further (docs/architecture.md). */
+#define _GNU_SOURCE
+#include "udp.h"
+
+#include <errno.h>
+#include <netinet/udp.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+
+#define PN_UDP_CMSG_BYTES CMSG_SPACE(sizeof(int))
+
+int pn_udp_init(pn_udp *u, int fd, uint32_t packet_size, uint32_t batch, int gso) {
+    memset(u, 0, sizeof *u);
+    if (fd < 0 || packet_size == 0 || packet_size > 65507 || batch == 0 || batch > 1024) return -EINVAL;
+    u->fd = fd;
+    u->packet_size = packet_size;
+    u->gso = gso ? 1 : 0;
+    u->batch = batch;
+    /* A buffer holds a whole GRO-coalesced datagram (up to 64 KiB) as packet rows. */
+    u->msg_bytes = (65536 / packet_size + 2) * packet_size;
+    u->rx = malloc((size_t)batch * u->msg_bytes);
+    u->rx_msgs = calloc(batch, sizeof *u->rx_msgs);
+    u->rx_iov = calloc(batch, sizeof *u->rx_iov);
+    u->rx_names = calloc(batch, sizeof *u->rx_names);
+    u->rx_control = calloc(batch, PN_UDP_CMSG_BYTES);
+    u->tx_msgs = calloc(PN_UDP_SEND_CHUNK, sizeof *u->tx_msgs);
+    u->tx_iov = calloc(PN_UDP_SEND_CHUNK, sizeof *u->tx_iov);
+    u->tx_names = calloc(PN_UDP_SEND_CHUNK, sizeof *u->tx_names);
+    u->tx_control = calloc(1, CMSG_SPACE(sizeof(uint16_t)));
+    if (!u->rx || !u->rx_msgs || !u->rx_iov || !u->rx_names || !u->rx_control || !u->tx_msgs || !u->tx_iov ||
+        !u->tx_names || !u->tx_control) {
+        pn_udp_free(u);
+        return -ENOMEM;
+    }
+    for (uint32_t i = 0; i < batch; i++) {
+        u->rx_iov[i].iov_base = u->rx + (size_t)i * u->msg_bytes;
+        u->rx_iov[i].iov_len = u->msg_bytes;
+        u->rx_msgs[i].msg_hdr.msg_iov = &u->rx_iov[i];
+        u->rx_msgs[i].msg_hdr.msg_iovlen = 1;
+        u->rx_msgs[i].msg_hdr.msg_name = &u->rx_names[i];
+    }
+    struct cmsghdr *c = (struct cmsghdr *)u->tx_control;
+    c->cmsg_level = SOL_UDP;
+    c->cmsg_type = UDP_SEGMENT;
+    c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+    uint16_t segment = (uint16_t)packet_size;
+    memcpy(CMSG_DATA(c), &segment, sizeof segment);
+    return 0;
+}
+
+void pn_udp_free(pn_udp *u) {
+    free(u->rx);
+    free(u->rx_msgs);
+    free(u->rx_iov);
+    free(u->rx_names);
+    free(u->rx_control);
+    free(u->tx_msgs);
+    free(u->tx_iov);
+    free(u->tx_names);
+    free(u->tx_control);
+    memset(u, 0, sizeof *u);
+    u->fd = -1;
+}
+
+uint32_t pn_udp_capacity(const pn_udp *u) { return u->batch * (u->msg_bytes / u->packet_size); }
+
+static int64_t packed(const struct sockaddr_in *a) {
+    return ((int64_t)ntohl(a->sin_addr.s_addr) << 16) | ntohs(a->sin_port);
+}
+
+int pn_udp_recv(pn_udp *u, pn_datagram *out, uint32_t max) {
+    uint32_t want = max < u->batch ? max : u->batch;
+    if (want == 0) return 0;
+    for (uint32_t i = 0; i < want; i++) {
+        struct msghdr *h = &u->rx_msgs[i].msg_hdr;
+        h->msg_namelen = sizeof(struct sockaddr_in);
+        h->msg_control = u->rx_control + (size_t)i * PN_UDP_CMSG_BYTES;
+        h->msg_controllen = PN_UDP_CMSG_BYTES;
+        h->msg_flags = 0;
+    }
+    int n = recvmmsg(u->fd, u->rx_msgs, want, MSG_DONTWAIT, NULL);
+    if (n < 0) {
+        /* ECONNREFUSED: an ICMP error for an earlier datagram of ours, not news for this call */
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNREFUSED) return 0;
+        return -errno;
+    }
+    uint32_t count = 0;
+    for (int i = 0; i < n && count < max; i++) {
+        struct msghdr *h = &u->rx_msgs[i].msg_hdr;
+        uint32_t length = u->rx_msgs[i].msg_len;
+        uint32_t segment = length;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c; c = CMSG_NXTHDR(h, c)) {
+            if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO && c->cmsg_len >= CMSG_LEN(sizeof(int))) {
+                int gro;
+                memcpy(&gro, CMSG_DATA(c), sizeof gro);
+                if (gro > 0) segment = (uint32_t)gro;
+            }
+        }
+        const uint8_t *base = u->rx_iov[i].iov_base;
+        int64_t source = packed(&u->rx_names[i]);
+        if (length == 0 || segment == 0 || segment >= length || (h->msg_flags & MSG_TRUNC)) {
+            /* one datagram (a truncated one shows a length past the buffer: malformed) */
+            out[count++] = (pn_datagram){base, (h->msg_flags & MSG_TRUNC) ? u->msg_bytes + 1 : length, source};
+            continue;
+        }
+        for (uint32_t at = 0; at < length && count < max; at += segment) {
+            uint32_t len = length - at < segment ? length - at : segment;
+            out[count++] = (pn_datagram){base + at, len, source};
+        }
+    }
+    return (int)count;
+}
+
+int pn_udp_wait(pn_udp *u, int timeout_ms, int extra_fd) {
+    struct pollfd p[2] = {{.fd = u->fd, .events = POLLIN}, {.fd = extra_fd, .events = POLLIN}};
+    int r = poll(p, extra_fd >= 0 ? 2 : 1, timeout_ms < 0 ? 0 : timeout_ms);
+    if (r < 0) return errno == EINTR ? 0 : -errno;
+    if (r == 0) return 0;
+    if (extra_fd >= 0 && (p[1].revents & (POLLIN | POLLHUP | POLLERR))) return 2;
+    return 1;
+}
+
+/* Messages for packets [from, from + n): runs of one destination, at most max_segments
+ * packets each (one packet each without GSO). Returns the number of messages. */
+static uint32_t build_messages(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n,
+                               uint32_t *packets_in) {
+    uint32_t max_segments = u->gso ? PN_UDP_GSO_MAX_BYTES / u->packet_size : 1;
+    if (max_segments > PN_UDP_MAX_SEGMENTS) max_segments = PN_UDP_MAX_SEGMENTS;
+    if (max_segments == 0) max_segments = 1;
+    uint32_t m = 0;
+    for (uint32_t i = 0; i < n;) {
+        uint32_t run = 1;
+        while (i + run < n && run < max_segments && dest[i + run] == dest[i]) run++;
+        for (uint32_t k = 0; k < run; k++) {
+            u->tx_iov[i + k].iov_base = (void *)packet[i + k];
+            u->tx_iov[i + k].iov_len = u->packet_size;
+        }
+        struct sockaddr_in *a = &u->tx_names[m];
+        memset(a, 0, sizeof *a);
+        a->sin_family = AF_INET;
+        a->sin_addr.s_addr = htonl((uint32_t)(dest[i] >> 16));
+        a->sin_port = htons((uint16_t)(dest[i] & 0xFFFF));
+        struct msghdr *h = &u->tx_msgs[m].msg_hdr;
+        memset(h, 0, sizeof *h);
+        h->msg_name = a;
+        h->msg_namelen = sizeof *a;
+        h->msg_iov = &u->tx_iov[i];
+        h->msg_iovlen = run;
+        if (u->gso && run > 1) {
+            h->msg_control = u->tx_control;
+            h->msg_controllen = CMSG_SPACE(sizeof(uint16_t));
+        }
+        packets_in[m++] = run;
+        i += run;
+    }
+    return m;
+}
+
+int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, int timeout_ms,
+                uint64_t *bytes_sent) {
+    uint32_t packets_in[PN_UDP_SEND_CHUNK];
+    uint32_t done = 0;
+    while (done < n) {
+        uint32_t chunk = n - done < PN_UDP_SEND_CHUNK ? n - done : PN_UDP_SEND_CHUNK;
+        uint32_t m = build_messages(u, packet + done, dest + done, chunk, packets_in);
+        uint32_t sent_msgs = 0;
+        while (sent_msgs < m) {
+            int r = sendmmsg(u->fd, u->tx_msgs + sent_msgs, m - sent_msgs, 0);
+            if (r > 0) {
+                for (int k = 0; k < r; k++) {
+                    done += packets_in[sent_msgs + k];
+                    if (bytes_sent) *bytes_sent += (uint64_t)packets_in[sent_msgs + k] * u->packet_size;
+                }
+                sent_msgs += (uint32_t)r;
+                continue;
+            }
+            int err = r < 0 ? errno : EAGAIN;
+            if (err == EAGAIN || err == EWOULDBLOCK || err == ENOBUFS) {
+                struct pollfd p = {.fd = u->fd, .events = POLLOUT};
+                int w = poll(&p, 1, timeout_ms);
+                if (w < 0 && errno != EINTR) return -errno;
+                if (w == 0) return -ETIMEDOUT;
+            } else if ((err == EIO || err == EINVAL) && u->gso) {
+                u->gso = 0;  /* this path cannot segment: plain datagrams from now on */
+                break;       /* rebuild the rest of the chunk without GSO */
+            } else if (err == ECONNREFUSED) {
+                /* an ICMP error for an earlier datagram: the message was not sent; count it lost */
+                done += packets_in[sent_msgs];
+                sent_msgs++;
+            } else if (err != EINTR) {
+                return -err;
+            }
+        }
+    }
+    return 0;
+}

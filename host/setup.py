@@ -1,0 +1,22 @@
+"""Builds the native data path (csrc/) with the machine's C compiler when `passing` is installed.
+
+The library has no Python C-API code: passing/native.py loads it with ctypes (see
+docs/architecture.md), so it is an ordinary shared object that the C tests, the
+sanitizer build and the fuzz harness use as they are.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "passing._native",
+            sources=["csrc/wire.c", "csrc/engine.c", "csrc/server.c", "csrc/stream.c", "csrc/udp.c"],
+            depends=["csrc/passing_native.h", "csrc/udp.h", "csrc/engine.h"],
+            include_dirs=["csrc"],
+            extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"],
+            extra_link_args=["-pthread"],
+            optional=False,
+        )
+    ]
+)
