@@ -1,10 +1,20 @@
-"""Core benchmark: raw batched UDP rate, PASSING allreduce through the software aggregator, gloo.
+"""Core benchmark: raw batched UDP, the software aggregator and allreduce, native vs numpy vs gloo.
 
-    make bench-core                    # or: python bench/core.py --elements 2097152 --workers 2 4 8
+    make bench-core                    # or: python bench/core.py [--quick] [--workers 2 4 8]
 
-Prints one table and writes bench/results/core.json. Everything runs on this machine,
-on loopback, as separate processes: the figures include the CPU contention of N
-workers and the aggregator sharing the machine's cores (reported alongside).
+One run measures, everything on this machine, on loopback, as separate processes:
+
+1. the raw batched UDP blast (GSO/GRO and plain datagrams), no processing;
+2. the aggregator alone, open loop, for each engine (native: C data path; numpy: Python);
+3. the allreduce of 8 MiB float32 (2 097 152 elements) with 2, 4, 8 workers on the native
+   path (native host engine + native aggregator), the numpy path (both numpy) and gloo,
+   plus one row at 1024 lanes per packet (2 workers);
+4. the aggregator's CPU at a steady 5 000 packets/s of a 2-worker job, for each engine;
+5. the peak memory a 25M-float allreduce adds in a worker (native path, out= and out=None);
+6. allreduce under host-side loss (4 workers, 200 000 floats, loss 0/1/5/20 % each way).
+
+Prints tables and the targets next to the figures; writes bench/results/core.json. The
+figures include the CPU contention of the workers and the aggregator sharing the cores.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,9 +38,39 @@ from passing.cli import free_udp_ports, start_aggregator
 from passing.transport import BatchSocket, pack_address
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ENGINES = ("native", "numpy")  # native: native host engine + native aggregator; numpy: both numpy
+MIB = 1 << 20
+
+# The targets, printed next to the figures.
+TARGET_CAPACITY_VS_RAW = 0.50  # native aggregator alone: packets per busy core / raw GSO blast rate
+TARGET_SPEEDUP = 5.0  # native over numpy, 8 MiB, 2 workers
+TARGET_VS_GLOO = 5.0  # native ms / gloo ms
+TARGET_STEADY_CPU = 0.05  # native aggregator's CPU share at 5 kpps
+TARGET_MEMORY = 64 * MIB  # peak added by a 25M-float allreduce with out=
+TARGET_LOSS = {0.01: 1.5, 0.05: 2.5, 0.20: 10.0}  # time / loss-free time
 
 
-# ---- raw batched UDP --------------------------------------------------------------------
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process, all its threads (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _aggregator(engine: str, lanes: int, pool: int, extra: list[str] | None = None) -> tuple[subprocess.Popen, dict]:
+    return start_aggregator(["--engine", engine, "--lanes", str(lanes), "--slots", str(max(4096, pool)),
+                             *(extra or [])])
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(10)
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+# ---- 1. raw batched UDP ------------------------------------------------------------------
 
 
 def blast_receiver(port: int, lanes: int, offload: bool, idle: float) -> None:
@@ -49,7 +90,7 @@ def blast_receiver(port: int, lanes: int, offload: bool, idle: float) -> None:
     print(json.dumps({"packets": count, "seconds": (last - first) if count else 0.0}), flush=True)
 
 
-def raw_blast(lanes: int, seconds: float, offload: bool) -> dict:
+def raw_blast(lanes: int, seconds: float, offload: bool) -> dict[str, Any]:
     """One sender process blasting batches at one receiver process, through the same transport."""
     (port,) = free_udp_ports(1)
     recv = subprocess.Popen([sys.executable, __file__, "--blast-receiver", str(port), str(lanes), str(int(offload))],
@@ -69,27 +110,25 @@ def raw_blast(lanes: int, seconds: float, offload: bool) -> dict:
             "gbit_per_s": rate * wire.packet_size(lanes) * 8 / 1e9}
 
 
-# ---- the aggregator alone, open loop -----------------------------------------------------
+# ---- 2. the aggregator alone, open loop -----------------------------------------------------
 
 
-def aggregator_capacity(workers: int, lanes: int, pool: int, seconds: float, offload: bool) -> dict:
+def aggregator_capacity(engine: str, workers: int, lanes: int, pool: int, seconds: float) -> dict[str, Any]:
     """This process plays `workers` workers sending every round back to back, without waiting
     for RESULTs; the aggregator process has the other core to itself. Its rate of taking
     DATA packets (and emitting as many RESULTs) is the aggregator path's packet rate."""
-    flag = [] if offload else ["--no-offload"]
-    agg, ready = start_aggregator(["--lanes", str(lanes), "--slots", str(max(4096, pool)), *flag])
-    socks = [BatchSocket(("127.0.0.1", 0), lanes=lanes, offload=offload, buffer_bytes=1 << 20)
-             for _ in range(workers)]
+    agg, ready = _aggregator(engine, lanes, pool)
+    socks = [BatchSocket(("127.0.0.1", 0), lanes=lanes, buffer_bytes=1 << 20) for _ in range(workers)]
     try:
         control = ControlClient(ready["control"])
         addresses = ["{}:{}".format(*s.address) for s in socks]
-        control.request("add_job", job={"job": 1, "pool": pool, "workers": addresses})
+        job = control.request("add_job", job={"job": 1, "pool": pool, "workers": addresses})["job"]
         host, port = ready["data"].rsplit(":", 1)
         dest = pack_address(host, int(port))
         rounds = 4 * pool  # one block: every slot and both sets, twice
         psn = np.arange(rounds)
         blocks = [wire.encode(type=wire.DATA, job=1, worker=w, psn=psn, pool=pool, payload=np.ones(lanes, np.int64),
-                              lanes=lanes) for w in range(workers)]
+                              generation=job["generation"], lanes=lanes) for w in range(workers)]
         chunk = 512
         before, cpu_before, start = control.request("stats")["totals"], _cpu_seconds(agg.pid), time.perf_counter()
         end, base = start + seconds, 0
@@ -106,11 +145,9 @@ def aggregator_capacity(workers: int, lanes: int, pool: int, seconds: float, off
     finally:
         for sock in socks:
             sock.close()
-        agg.terminate()
-        agg.wait(10)
-    offered = base * workers
+        _stop(agg)
     taken = after["received"] - before["received"]
-    return {"workers": workers, "offered": offered, "received": taken,
+    return {"engine": ready.get("engine", engine), "workers": workers, "offered": base * workers, "received": taken,
             "aggregated": after["aggregated"] - before["aggregated"],
             "results_sent": after["results_sent"] - before["results_sent"],
             "packets_per_s": taken / wall, "cpu_share": cpu / wall,
@@ -119,51 +156,168 @@ def aggregator_capacity(workers: int, lanes: int, pool: int, seconds: float, off
             "cpu_us_per_packet": cpu / taken * 1e6, "capacity_packets_per_s": taken / cpu}
 
 
-# ---- PASSING through the software aggregator -------------------------------------------
+# ---- 3. and 6. allreduce through the software aggregator ------------------------------------
 
 
-def passing_allreduce(workers: int, elements: int, lanes: int, pool: int, iterations: int, offload: bool) -> dict:
-    flag = [] if offload else ["--no-offload"]
-    agg, ready = start_aggregator(["--lanes", str(lanes), "--slots", str(max(4096, pool)), *flag])
+def passing_allreduce(engine: str, workers: int, elements: int, lanes: int, pool: int, iterations: int,
+                      warmup: int = 1, drop: float = 0.0) -> dict[str, Any]:
+    """`workers` passing-allreduce processes (self-checked) and one aggregator, all on `engine`."""
+    agg, ready = _aggregator(engine, lanes, pool)
     try:
         addresses = [f"127.0.0.1:{p}" for p in free_udp_ports(workers)]
         control = ControlClient(ready["control"])
-        control.request("add_job", job={"job": 1, "pool": pool, "workers": addresses})
+        job = control.request("add_job", job={"job": 1, "pool": pool, "workers": addresses})["job"]
         procs = [
-            subprocess.Popen([sys.executable, "-m", "passing.cli", "allreduce", "--worker", str(w), "--workers",
-                              str(workers), "--aggregator", ready["data"], "--bind", addresses[w], "--pool", str(pool),
-                              "--lanes", str(lanes), "--size", str(elements), "--iterations", str(iterations),
-                              "--warmup", "1", "--no-check", *flag], stdout=subprocess.PIPE, text=True)
+            subprocess.Popen([sys.executable, "-m", "passing.cli", "allreduce", "--engine", engine, "--worker", str(w),
+                              "--workers", str(workers), "--aggregator", ready["data"], "--bind", addresses[w],
+                              "--generation", str(job["generation"]), "--pool", str(pool), "--lanes", str(lanes),
+                              "--size", str(elements), "--iterations", str(iterations), "--warmup", str(warmup),
+                              "--drop", str(drop), "--seed", "0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for w in range(workers)
         ]
-        cpu_before, wall_start = _cpu_seconds(agg.pid), time.perf_counter()
-        reports = []
+        cpu_before = _cpu_seconds(agg.pid)
+        reports, errors = [], []
         for p in procs:
-            out, _ = p.communicate(timeout=1800)
-            if p.returncode != 0:
-                raise RuntimeError(f"worker failed: {out}")
-            reports.append(json.loads(out.splitlines()[-1]))
-        cpu, wall = _cpu_seconds(agg.pid) - cpu_before, time.perf_counter() - wall_start
+            out, err = p.communicate(timeout=1800)
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if lines:
+                reports.append(json.loads(lines[-1]))
+            else:
+                errors.append(err.strip().splitlines()[-1] if err.strip() else f"exit {p.returncode}")
+        cpu = _cpu_seconds(agg.pid) - cpu_before
         totals = control.request("stats")["totals"]
     finally:
-        agg.terminate()
-        agg.wait(10)
+        _stop(agg)
+    if errors:
+        return {"engine": engine, "workers": workers, "lanes": lanes, "drop": drop, "ok": False, "error": errors[0]}
     seconds = max(r["seconds"] for r in reports)
-    packets = -(-elements // lanes) + 1  # + the MAX round of auto scaling
     return {
-        "workers": workers,
+        "engine": engine, "host_engines": sorted({r["engine"] for r in reports}), "aggregator_engine": ready["engine"],
+        "workers": workers, "lanes": lanes, "elements": elements, "drop": drop,
         "seconds": seconds,
         "gbit_per_s_per_worker": elements * 4 * 8 / seconds / 1e9,
-        "aggregator_rx_packets_per_s": workers * packets / seconds,  # and as many RESULTs out
-        "aggregator_cpu_share": cpu / wall,  # of one core, over the workers' whole run
+        "aggregator_cpu_ms_per_call": cpu / (warmup + iterations) * 1e3,  # the MAX round and the SUM stream
         "retransmissions": sum(r["retransmissions"] for r in reports),
+        "ok": all(r["ok"] for r in reports),
+        "max_error": max(r["max_error"] for r in reports),
+        "bound": min(r["bound"] for r in reports),
         "aggregator_totals": totals,
     }
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+# ---- 4. the aggregator's CPU at a steady packet rate --------------------------------------
+
+
+def aggregator_steady(engine: str, rate: float, seconds: float, lanes: int, pool: int) -> dict[str, Any]:
+    """A paced sender (this process) plays both workers of an admitted 2-worker job: one round
+    (a DATA packet from each worker) every 2/rate seconds, so every round completes; the
+    RESULTs are read back. The aggregator's CPU over the run comes from /proc/PID/stat."""
+    agg, ready = _aggregator(engine, lanes, pool)
+    socks = [BatchSocket(("127.0.0.1", 0), lanes=lanes) for _ in range(2)]
+    try:
+        control = ControlClient(ready["control"])
+        addresses = ["{}:{}".format(*s.address) for s in socks]
+        job = control.request("add_job", job={"job": 1, "pool": pool, "workers": addresses})["job"]
+        host, port = ready["data"].rsplit(":", 1)
+        dest = pack_address(host, int(port))
+        rounds = int(rate / 2 * seconds)
+        blocks = [wire.encode(type=wire.DATA, job=1, worker=w, psn=np.arange(rounds), pool=pool,
+                              payload=np.ones(lanes, np.int64), generation=job["generation"], lanes=lanes)
+                  for w in range(2)]
+        rows = np.arange(rounds)
+        results = 0
+        time.sleep(1.0)  # idle: the aggregator's own background cost
+        cpu0, t0 = _cpu_seconds(agg.pid), time.perf_counter()
+        time.sleep(1.0)
+        idle_share = (_cpu_seconds(agg.pid) - cpu0) / (time.perf_counter() - t0)
+        before, cpu_before, start = control.request("stats")["totals"], _cpu_seconds(agg.pid), time.perf_counter()
+        interval = 2.0 / rate
+        for r in range(rounds):
+            delay = start + r * interval - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            for w, sock in enumerate(socks):
+                sock.send_batch(blocks[w], dest, rows[r : r + 1])
+            if r % 64 == 63:
+                results += sum(len(s.recv_packets()[1]) for s in socks)
+        sent_span = time.perf_counter() - start
+        time.sleep(0.1)
+        cpu, wall = _cpu_seconds(agg.pid) - cpu_before, time.perf_counter() - start
+        after = control.request("stats")["totals"]
+        results += sum(len(s.recv_packets()[1]) for s in socks)
+    finally:
+        for sock in socks:
+            sock.close()
+        _stop(agg)
+    return {"engine": ready["engine"], "rounds": rounds, "packets": 2 * rounds,
+            "offered_packets_per_s": 2 * rounds / sent_span, "seconds": wall,
+            "completed": after["completed"] - before["completed"], "results_received": results,
+            "cpu_share": cpu / wall, "idle_cpu_share": idle_share,
+            "cpu_us_per_packet": cpu / (2 * rounds) * 1e6}
+
+
+# ---- 5. peak memory of one allreduce in a worker ------------------------------------------
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def memory_worker(worker: int, workers: int, aggregator: str, bind: str, generation: int, pool: int, lanes: int,
+                  elements: int, engine: str, use_out: bool) -> None:
+    """One Group in this process: the peak RSS (VmHWM) during one allreduce minus the RSS once
+    the input and the output exist. Prints JSON."""
+    from passing import Group
+
+    with Group(1, worker, workers, [aggregator], pool=pool, lanes=lanes, generation=generation, bind=bind,
+               engine=engine, timeout=60.0) as group:
+        x = np.random.default_rng(worker).standard_normal(elements, dtype=np.float32)  # no float64 temporary
+        out = np.empty(elements, np.float32) if use_out else None
+        if out is not None:
+            out.fill(0.0)  # resident, as a reused buffer would be
+        baseline = _status_bytes("VmRSS")
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+            reset = True
+        except OSError:
+            reset = False  # then VmHWM may predate the call: peak - baseline is an upper bound
+        hwm_before = _status_bytes("VmHWM")
+        start = time.perf_counter()
+        result = group.allreduce(x, out=out)
+        seconds = time.perf_counter() - start
+        peak = _status_bytes("VmHWM")
+        engine_used = group.engine
+    print(json.dumps({"worker": worker, "engine": engine_used, "out": use_out, "hwm_reset": reset,
+                      "rss_after_alloc": baseline, "hwm_before_call": hwm_before, "peak": peak,
+                      "added": peak - baseline, "seconds": seconds, "finite": bool(np.isfinite(result).all())}),
+          flush=True)
+
+
+def allreduce_memory(engine: str, elements: int, lanes: int, pool: int, use_out: bool, workers: int = 2) \
+        -> dict[str, Any]:
+    agg, ready = _aggregator(engine, lanes, pool)
+    try:
+        addresses = [f"127.0.0.1:{p}" for p in free_udp_ports(workers)]
+        job = ControlClient(ready["control"]).request("add_job", job={"job": 1, "pool": pool,
+                                                                      "workers": addresses})["job"]
+        procs = [subprocess.Popen([sys.executable, __file__, "--memory-worker", str(w), str(workers), ready["data"],
+                                   addresses[w], str(job["generation"]), str(pool), str(lanes), str(elements), engine,
+                                   str(int(use_out))], stdout=subprocess.PIPE, text=True)
+                 for w in range(workers)]
+        reports = []
+        for p in procs:
+            out, _ = p.communicate(timeout=600)
+            if p.returncode != 0:
+                raise RuntimeError(f"memory worker failed: {out}")
+            reports.append(json.loads(out.splitlines()[-1]))
+    finally:
+        _stop(agg)
+    return {"engine": engine, "elements": elements, "out": use_out, "added": max(r["added"] for r in reports),
+            "input_bytes": elements * 4, "seconds": max(r["seconds"] for r in reports), "workers": reports}
 
 
 # ---- gloo ----------------------------------------------------------------------------------
@@ -185,7 +339,7 @@ def gloo_worker(rank: int, world: int, port: int, elements: int, iterations: int
     print(json.dumps({"seconds": elapsed}), flush=True)
 
 
-def gloo_allreduce(workers: int, elements: int, iterations: int) -> dict | None:
+def gloo_allreduce(workers: int, elements: int, iterations: int) -> dict[str, Any] | None:
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -203,54 +357,193 @@ def gloo_allreduce(workers: int, elements: int, iterations: int) -> dict | None:
 # ---- main ------------------------------------------------------------------------------------
 
 
-def main() -> int:
+def _done(row: dict[str, Any] | None) -> bool:
+    """A PASSING run that produced figures (a failed one has "error" instead)."""
+    return row is not None and "seconds" in row
+
+
+def _ms(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "n/a"
+    return f"{row['seconds'] * 1e3:.1f}" if "seconds" in row else "FAILED"
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="a short run: 2 workers, 1 s blasts, 2 s steady rate, 5M floats for memory, loss 0 and 5 %%")
     p.add_argument("--elements", type=int, default=2 * 1024 * 1024, help="float32 elements per allreduce")
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--lanes", type=int, default=wire.DEFAULT_LANES)
     p.add_argument("--pool", type=int, default=512)
-    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--iterations", type=int, default=3, help="timed allreduces per run (after one warm-up)")
+    p.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     p.add_argument("--blast-seconds", type=float, default=3.0)
+    p.add_argument("--wide-lanes", type=int, default=1024, help="lanes of the extra 2-worker row (0: none)")
+    p.add_argument("--wide-pool", type=int, default=256)
+    p.add_argument("--steady-rate", type=float, default=5000.0, help="packets/s of the steady-rate run")
+    p.add_argument("--steady-seconds", type=float, default=5.0)
+    p.add_argument("--memory-elements", type=int, default=25_000_000)
+    p.add_argument("--loss-workers", type=int, default=4)
+    p.add_argument("--loss-elements", type=int, default=200_000)
+    p.add_argument("--loss-pool", type=int, default=256)
+    p.add_argument("--loss-iterations", type=int, default=3)
+    p.add_argument("--loss", type=float, nargs="+", default=[0.0, 0.01, 0.05, 0.20],
+                   help="host-side loss each way at every worker (0 is the reference)")
     p.add_argument("--out", type=Path, default=RESULTS / "core.json")
     args = p.parse_args()
+    if args.quick:
+        args.workers, args.blast_seconds, args.steady_seconds = [2], 1.0, 2.0
+        args.memory_elements, args.loss = 5_000_000, [0.0, 0.05]
+    if 0.0 not in args.loss:
+        args.loss = [0.0, *args.loss]
+    return args
 
-    print(f"machine: {os.cpu_count()} cores, {platform.platform()}, python {platform.python_version()}")
-    print(f"buffer: {args.elements} float32 ({args.elements * 4 / 2**20:.1f} MiB), "
-          f"{args.lanes} lanes/packet ({wire.packet_size(args.lanes)} B), pool {args.pool}")
-    modes = {"offload": True, "plain": False}  # UDP GSO/GRO on, or one kernel datagram per packet
+
+def main() -> int:
+    args = parse_args()
+    engines = args.engines
+    machine = {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+               "numpy": np.__version__, "loadavg_at_start": os.getloadavg()}
+    print(f"machine: {machine['cores']} cores, {machine['platform']}, python {machine['python']}, "
+          f"load average at start {machine['loadavg_at_start'][0]:.2f}")
+    print(f"buffer: {args.elements} float32 ({args.elements * 4 / MIB:.1f} MiB), "
+          f"{args.lanes} lanes/packet ({wire.packet_size(args.lanes)} B), pool {args.pool}", flush=True)
+    started = time.perf_counter()
+
+    print("\n== 1. raw batched UDP blast (one sender process, one receiver process) ==")
     raw = {}
-    for mode, offload in modes.items():
-        raw[mode] = raw_blast(args.lanes, args.blast_seconds, offload)
-        print(f"raw batched UDP blast ({mode}): {raw[mode]['packets_per_s'] / 1e3:.0f} kpps received "
-              f"({raw[mode]['gbit_per_s']:.2f} Gbit/s; {raw[mode]['received']}/{raw[mode]['sent']} delivered)",
-              flush=True)
-    capacity = {}
-    for mode, offload in modes.items():
+    for mode, offload in (("offload", True), ("plain", False)):
+        raw[mode] = r = raw_blast(args.lanes, args.blast_seconds, offload)
+        print(f"{mode:>7}: {r['packets_per_s'] / 1e3:7.0f} kpps received ({r['gbit_per_s']:.2f} Gbit/s; "
+              f"{r['received']}/{r['sent']} delivered)", flush=True)
+    raw_gso = raw["offload"]["packets_per_s"]
+
+    print("\n== 2. the aggregator alone, open loop, GSO/GRO ==")
+    print(f"{'engine':>7} | {'workers':>7} | {'taken kpps':>10} | {'CPU':>5} | {'us/packet':>9} | "
+          f"{'kpps per busy core':>18} | {'vs raw GSO':>10}")
+    capacity: dict[str, dict[str, Any]] = {e: {} for e in engines}
+    for engine in engines:
         for n in args.workers:
-            c = aggregator_capacity(n, args.lanes, args.pool, args.blast_seconds, offload)
-            capacity[f"{mode}-{n}"] = c
-            print(f"aggregator alone ({mode}, {n} workers, open loop): took {c['packets_per_s'] / 1e3:.0f} kpps "
-                  f"at {c['cpu_share']:.0%} of a core = {c['cpu_us_per_packet']:.2f} us/packet -> "
-                  f"{c['capacity_packets_per_s'] / 1e3:.0f} kpps per busy core = "
-                  f"{c['capacity_packets_per_s'] / raw[mode]['packets_per_s']:.0%} of the raw {mode} rate", flush=True)
-    rows = []
-    print(f"{'workers':>7} | {'mode':>7} | {'PASSING ms':>10} | {'Gbit/s/worker':>13} | {'agg rx kpps':>11} | "
-          f"{'vs raw':>6} | {'agg CPU':>7} | {'retx':>5} | {'gloo ms':>8} | {'gloo Gbit/s':>11}")
-    for n in args.workers:
-        gl = gloo_allreduce(n, args.elements, args.iterations)
-        gloo_ms = f"{gl['seconds'] * 1e3:8.1f}" if gl else "     n/a"
-        gloo_bw = f"{gl['gbit_per_s_per_worker']:11.3f}" if gl else "        n/a"
-        for mode, offload in modes.items():
-            pa = passing_allreduce(n, args.elements, args.lanes, args.pool, args.iterations, offload)
-            ratio = pa["aggregator_rx_packets_per_s"] / raw[mode]["packets_per_s"]
-            rows.append({"mode": mode, "passing": pa, "gloo": gl, "ratio_to_raw": ratio})
-            print(f"{n:>7} | {mode:>7} | {pa['seconds'] * 1e3:10.1f} | {pa['gbit_per_s_per_worker']:13.3f} | "
-                  f"{pa['aggregator_rx_packets_per_s'] / 1e3:11.0f} | {ratio:6.0%} | "
-                  f"{pa['aggregator_cpu_share']:7.0%} | {pa['retransmissions']:>5} | {gloo_ms} | {gloo_bw}",
-                  flush=True)
+            c = aggregator_capacity(engine, n, args.lanes, args.pool, args.blast_seconds)
+            c["vs_raw_gso"] = c["capacity_packets_per_s"] / raw_gso
+            capacity[engine][str(n)] = c
+            print(f"{engine:>7} | {n:>7} | {c['packets_per_s'] / 1e3:10.0f} | {c['cpu_share']:5.0%} | "
+                  f"{c['cpu_us_per_packet']:9.3f} | {c['capacity_packets_per_s'] / 1e3:18.0f} | "
+                  f"{c['vs_raw_gso']:10.0%}", flush=True)
+
+    print(f"\n== 3. allreduce of {args.elements} float32, ms per call (1 warm-up + {args.iterations} timed), "
+          f"aggregator CPU ms per call ==")
+    print(f"{'workers':>7} | {'lanes':>5} | {'native ms':>9} | {'numpy ms':>9} | {'gloo ms':>8} | "
+          f"{'native/numpy speed-up':>21} | {'native/gloo':>11} | {'agg CPU ms nat/np':>17} | "
+          f"{'retx nat/np':>11} | {'exact':>5}")
+    configs = [(n, args.lanes, args.pool) for n in args.workers]
+    if args.wide_lanes:
+        configs.append((2, args.wide_lanes, args.wide_pool))
+    gloo: dict[int, dict[str, Any] | None] = {}
+    allreduce = []
+    for n, lanes, pool in configs:
+        if n not in gloo:
+            gloo[n] = gloo_allreduce(n, args.elements, args.iterations)
+        row: dict[str, Any] = {"workers": n, "lanes": lanes, "pool": pool, "gloo": gloo[n]}
+        for engine in engines:
+            row[engine] = passing_allreduce(engine, n, args.elements, lanes, pool, args.iterations)
+        nat, nump, gl = row.get("native"), row.get("numpy"), gloo[n]
+        row["speedup"] = nump["seconds"] / nat["seconds"] if _done(nat) and _done(nump) else None
+        row["native_vs_gloo"] = nat["seconds"] / gl["seconds"] if _done(nat) and gl else None
+        allreduce.append(row)
+        cpu = "/".join(f"{row[e]['aggregator_cpu_ms_per_call']:.0f}" if _done(row[e]) else "-" for e in engines)
+        retx = "/".join(str(row[e]["retransmissions"]) if _done(row[e]) else "-" for e in engines)
+        exact = all(row[e]["ok"] for e in engines)
+        speedup = f"{row['speedup']:.1f}x" if row["speedup"] else "n/a"
+        vs_gloo = f"{row['native_vs_gloo']:.1f}x" if row["native_vs_gloo"] else "n/a"
+        print(f"{n:>7} | {lanes:>5} | {_ms(nat):>9} | {_ms(nump):>9} | {_ms(gl):>8} | {speedup:>21} | "
+              f"{vs_gloo:>11} | {cpu:>17} | {retx:>11} | {'yes' if exact else 'NO':>5}", flush=True)
+
+    print(f"\n== 4. aggregator CPU at a steady {args.steady_rate:.0f} packets/s (2-worker job, "
+          f"{args.steady_seconds:g} s, every round completes) ==")
+    steady = {}
+    for engine in engines:
+        s = steady[engine] = aggregator_steady(engine, args.steady_rate, args.steady_seconds, args.lanes, args.pool)
+        print(f"{engine:>7}: {s['cpu_share']:6.2%} of a core ({s['cpu_us_per_packet']:.1f} us/packet; idle "
+              f"{s['idle_cpu_share']:.2%}) at {s['offered_packets_per_s']:.0f} packets/s offered; "
+              f"{s['completed']}/{s['rounds']} rounds completed, {s['results_received']}/{s['packets']} RESULTs back",
+              flush=True)
+
+    print(f"\n== 5. peak memory added by one allreduce of {args.memory_elements} float32 "
+          f"({args.memory_elements * 4 / MIB:.0f} MiB), 2 workers, native path ==")
+    memory = {}
+    if "native" in engines:
+        for use_out in (True, False):
+            m = memory["out" if use_out else "out=None"] = allreduce_memory(
+                "native", args.memory_elements, args.lanes, args.pool, use_out)
+            resets = all(w["hwm_reset"] for w in m["workers"])
+            print(f"{'out=' if use_out else 'out=None':>8}: {m['added'] / MIB:7.1f} MiB peak over the RSS with input "
+                  f"and output allocated (worst worker; VmHWM {'reset' if resets else 'NOT reset: upper bound'}), "
+                  f"call {m['seconds'] * 1e3:.0f} ms", flush=True)
+
+    print(f"\n== 6. loss: {args.loss_workers} workers, {args.loss_elements} float32, pool {args.loss_pool}, "
+          f"1 warm-up + {args.loss_iterations} timed, host-side loss each way at every worker ==")
+    print(f"{'engine':>7} | {'loss':>5} | {'ms/call':>8} | {'vs no loss':>10} | {'target':>6} | {'retx':>6} | "
+          f"{'exact':>5}")
+    loss: dict[str, list[dict[str, Any]]] = {}
+    for engine in engines:
+        loss[engine] = []
+        for p in sorted(args.loss):
+            r = passing_allreduce(engine, args.loss_workers, args.loss_elements, args.lanes, args.loss_pool,
+                                  args.loss_iterations, drop=p)
+            base = loss[engine][0] if loss[engine] else r
+            r["vs_no_loss"] = r["seconds"] / base["seconds"] if _done(r) and _done(base) else None
+            loss[engine].append(r)
+            ratio = f"{r['vs_no_loss']:.2f}x" if r["vs_no_loss"] else "n/a"
+            goal = f"{TARGET_LOSS[p]:g}x" if p in TARGET_LOSS else "-"
+            print(f"{engine:>7} | {p:5.0%} | {_ms(r):>8} | {ratio:>10} | {goal:>6} | "
+                  f"{r.get('retransmissions', '-'):>6} | {'yes' if r['ok'] else 'NO':>5}"
+                  + (f"  ({r['error']})" if "error" in r else ""), flush=True)
+
+    print("\n== targets ==")
+    targets: list[dict[str, Any]] = []
+
+    def target(what: str, value: float | None, goal: float, higher_is_better: bool, text: str) -> None:
+        met = value is not None and (value >= goal if higher_is_better else value <= goal)
+        targets.append({"what": what, "value": value, "target": goal, "met": met})
+        print(f"  {what}: {text} -> {_verdict(met)}")
+
+    if "native" in engines:
+        for n, c in capacity["native"].items():
+            target(f"native aggregator alone, {n} workers, capacity vs raw GSO", c["vs_raw_gso"],
+                   TARGET_CAPACITY_VS_RAW, True, f"{c['vs_raw_gso']:.0%} (target >= {TARGET_CAPACITY_VS_RAW:.0%})")
+        for row in allreduce:
+            if row["speedup"] and row["workers"] == 2 and row["lanes"] == args.lanes:
+                target("native speed-up over numpy, 8 MiB, 2 workers", row["speedup"], TARGET_SPEEDUP, True,
+                       f"{row['speedup']:.1f}x (target >= {TARGET_SPEEDUP:g}x)")
+        for row in allreduce:
+            if row["native_vs_gloo"]:
+                target(f"native/gloo, {row['workers']} workers, {row['lanes']} lanes", row["native_vs_gloo"],
+                       TARGET_VS_GLOO, False, f"{row['native_vs_gloo']:.1f}x (target <= {TARGET_VS_GLOO:g}x)")
+        s = steady["native"]
+        target(f"native aggregator CPU at {args.steady_rate:.0f} pps", s["cpu_share"], TARGET_STEADY_CPU, False,
+               f"{s['cpu_share']:.2%} of a core (target <= {TARGET_STEADY_CPU:.0%})")
+        m = memory["out"]
+        target(f"peak memory added, {args.memory_elements} floats, out=", m["added"] / MIB, TARGET_MEMORY / MIB, False,
+               f"{m['added'] / MIB:.1f} MiB (target <= {TARGET_MEMORY / MIB:.0f} MiB)")
+    for engine in engines:
+        for r in loss[engine]:
+            goal = TARGET_LOSS.get(r["drop"])
+            if goal is not None:
+                value = r["vs_no_loss"] if r["ok"] else None
+                target(f"{engine} under {r['drop']:.0%} loss vs no loss (exact)", value, goal, False,
+                       f"{value:.2f}x (target <= {goal:g}x)" if value else "failed or inexact")
+
+    elapsed = time.perf_counter() - started
+    machine["loadavg_at_end"] = os.getloadavg()
+    print(f"\nran {elapsed:.0f} s; load average at end {machine['loadavg_at_end'][0]:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "raw": raw,
-                                    "aggregator_alone": capacity, "allreduce": rows}, indent=2))
+    args.out.write_text(json.dumps({
+        "config": vars(args) | {"out": str(args.out)}, "machine": machine, "seconds": elapsed, "raw": raw,
+        "aggregator_alone": capacity, "allreduce": allreduce, "steady": steady, "memory": memory, "loss": loss,
+        "targets": targets,
+    }, indent=2))
     print(f"wrote {args.out}")
     return 0
 
@@ -260,5 +553,9 @@ if __name__ == "__main__":
         blast_receiver(int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4])), idle=1.0)
     elif len(sys.argv) > 1 and sys.argv[1] == "--gloo-worker":
         gloo_worker(*map(int, sys.argv[2:7]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--memory-worker":
+        w, n, agg, bind, gen, pool, lanes, elements, engine, use_out = sys.argv[2:12]
+        memory_worker(int(w), int(n), agg, bind, int(gen), int(pool), int(lanes), int(elements), engine,
+                      bool(int(use_out)))
     else:
         sys.exit(main())

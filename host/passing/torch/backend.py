@@ -165,7 +165,7 @@ class ProcessGroupPassing(ProcessGroup):
                 sock.close()
                 sock = BatchSocket((str(o.host), port), lanes=int(answer["lanes"]))
             stream = Group.from_answer(answer, bind=sock, scale=o.scale, on_overflow=str(o.on_overflow),
-                                       rto=float(o.rto), timeout=float(o.timeout))
+                                       rto=float(o.rto), timeout=float(o.timeout), engine=str(o.engine))
         except BaseException:
             sock.close()
             raise
@@ -199,7 +199,8 @@ class ProcessGroupPassing(ProcessGroup):
                 out = two_stage_allreduce(tensor.detach().reshape(-1), local, self.layout, self.stream)
                 if op == "avg":
                     out /= self.size()
-                tensor.copy_(out.view(tensor.shape))
+                if out.data_ptr() != tensor.data_ptr():  # summed in place already when it could be
+                    tensor.copy_(out.view(tensor.shape))
         except BaseException as e:  # handed to whoever waits on the work
             work.fail(e)
             return

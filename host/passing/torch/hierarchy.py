@@ -41,12 +41,18 @@ class Layout:
 
 def two_stage_allreduce(flat: torch.Tensor, local: C10dBackend | None, layout: Layout,
                         stream: Group) -> torch.Tensor:
-    """Sum a 1-D float32 tensor over every rank of every server; returns a new tensor.
+    """Sum a 1-D float32 tensor over every rank of every server; returns the sums.
 
     With ``local`` (n > 1 ranks per server): reduce-scatter in the server, stream this
     rank's chunk to the aggregator, all-gather. Without: stream the whole tensor (flat).
+    The network stage reads and writes the tensor's own memory on the CPU (no copy): the
+    flat case returns ``flat`` itself, summed in place.
     """
     if local is None:
+        if flat.device.type == "cpu":
+            array = flat.numpy()
+            stream.allreduce(array, "sum", out=array)
+            return flat
         return torch.from_numpy(stream.allreduce(flat.cpu().numpy(), "sum")).to(flat.device)
     n, size = layout.ranks_per_server, flat.numel()
     chunk = -(-size // n)
@@ -54,7 +60,11 @@ def two_stage_allreduce(flat: torch.Tensor, local: C10dBackend | None, layout: L
     padded[:size] = flat
     mine = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
     local._reduce_scatter_base(mine, padded, dist.ReduceScatterOptions()).wait()
-    summed = torch.from_numpy(stream.allreduce(mine.cpu().numpy(), "sum")).to(flat.device)
+    if mine.device.type == "cpu":
+        stream.allreduce(mine.numpy(), "sum", out=mine.numpy())
+        summed = mine
+    else:
+        summed = torch.from_numpy(stream.allreduce(mine.cpu().numpy(), "sum")).to(flat.device)
     gathered = torch.empty(n * chunk, dtype=flat.dtype, device=flat.device)
     local._allgather_base(gathered, summed).wait()
     return gathered[:size]

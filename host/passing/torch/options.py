@@ -11,6 +11,8 @@ import socket
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..native import ENGINES
+
 
 @dataclass(frozen=True)
 class Scheme:
@@ -48,10 +50,11 @@ class Options:
     host: str | None = None  # PASSING_HOST: this rank's IP for PASSING traffic
     server: str | None = None  # PASSING_SERVER: which server this rank is on
     job: str | None = None  # PASSING_JOB: job name at the controller (default: a fresh one per run)
+    engine: str | None = None  # PASSING_ENGINE: host streaming engine, auto | native | numpy
 
     DEFAULTS = {"controller": "tcp://127.0.0.1:9090", "scheme": "passing", "scale": "auto", "on_overflow": "raise",
                 "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 0.02, "host": None, "server": None,
-                "job": None}
+                "job": None, "engine": "auto"}
 
     def resolve(self, environ: dict[str, str] | None = None) -> Options:
         """A copy with every field filled in, checked."""
@@ -90,6 +93,8 @@ class Options:
             raise OptionError(f"scheme must be one of {', '.join(SCHEMES)}; got {self.scheme!r}")
         if self.scale != "auto" and not (isinstance(self.scale, (int, float)) and self.scale > 0):
             raise OptionError(f"scale must be 'auto' or a positive number; got {self.scale!r}")
+        if self.engine not in ENGINES:
+            raise OptionError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
         if self.on_overflow not in ("raise", "auto"):
             raise OptionError(f"on_overflow must be 'raise' or 'auto'; got {self.on_overflow!r}")
         if self.pool is not None and not 1 <= self.pool <= 1 << 16:
