@@ -166,3 +166,100 @@ def test_a_topology_without_switch_serves_any_address_from_the_ps(ps, tmp_path):
 def test_a_topology_needs_somewhere_to_aggregate():
     with pytest.raises(TopologyError, match="neither a switch nor a PS"):
         Topology.from_dict({"hosts": []})
+
+
+# ---- the next aggregator when one fails to admit a group (the one policy of Controller.candidates) ----
+
+
+class HangingPs:
+    """A control endpoint that takes requests and never answers them."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.control = f"tcp://127.0.0.1:{port}"
+        self.data = f"127.0.0.1:{closed_port()}"
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _topology_with(ps_list: list[dict], switch: bool) -> Topology:
+    raw: dict = {"ps": [{"data": p["data"], "control": p["control"]} for p in ps_list]}
+    if switch:
+        raw["switch"] = {"p4runtime": f"127.0.0.1:{closed_port()}", "aggregation_mac": "02:00:00:00:00:fe",
+                         "aggregation_ip": "10.0.0.254"}
+        raw["hosts"] = [{"name": "local", "mac": "02:00:00:00:00:01", "ip": "127.0.0.1", "port": 1}]
+    return Topology.from_dict(raw)
+
+
+@pytest.fixture
+def full_ps():
+    """A PS with 4 slots: it refuses a group that asks for 16."""
+    proc, ready = start_aggregator(["--slots", "4"])
+    yield ready
+    proc.terminate()
+    proc.wait(10)
+
+
+def _first_failing(kind: str, full_ps_ready: dict) -> tuple[dict, object | None]:
+    if kind == "down":
+        return {"data": f"127.0.0.1:{closed_port()}", "control": f"tcp://127.0.0.1:{closed_port()}"}, None
+    if kind == "hanging":
+        h = HangingPs()
+        return {"data": h.data, "control": h.control}, h
+    return full_ps_ready, None  # "refusing": no free slots for the group
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("switch", [False, True], ids=["ps-only", "switch-unreachable"])
+@pytest.mark.parametrize("kind", ["down", "hanging", "refusing"])
+def test_a_failing_ps_is_skipped_for_the_next_one(ps, full_ps, tmp_path, kind, switch):
+    bad, hanging = _first_failing(kind, full_ps)
+    # Job ids start at 1 and the first PS tried is ps[job_id % 2]: put the failing one there.
+    running = Running(_topology_with([ps, bad], switch), tmp_path / "ctl.sqlite")
+    try:
+        data = [np.full(500, w + 1, dtype=np.float32) for w in range(2)]
+        for job in ("first", "second"):  # the second join finds the failed PS marked down: no wait
+            results = run_workers(running.endpoint, job, 2, data)
+            for r in results:
+                assert not isinstance(r, Exception), r
+                answer, result = r
+                assert answer["mode"] == "ps" and answer["aggregators"][0]["port"] == int(ps["data"].split(":")[1])
+                assert np.array_equal(result, np.full(500, 3, dtype=np.float32))
+            if job == "first":
+                assert bad["control"] in answer["reason"]  # the answer says what was tried
+                if switch:
+                    assert answer["reason"].startswith("switch unreachable")
+        status = request(running.endpoint, "status")
+        states = {a["aggregator"]: a for a in status["aggregators"]}
+        assert states[bad["control"]]["state"] == "down" and states[bad["control"]]["reason"]
+        assert states[ps["control"]]["state"] == "up"
+        if switch:
+            assert states["switch"]["state"] == "down"
+    finally:
+        running.stop()
+        if hanging:
+            hanging.close()
+
+
+@pytest.mark.timeout(120)
+def test_with_no_aggregator_left_the_error_names_every_one_tried(full_ps, tmp_path):
+    down = {"data": f"127.0.0.1:{closed_port()}", "control": f"tcp://127.0.0.1:{closed_port()}"}
+    hanging = HangingPs()
+    running = Running(_topology_with([down, {"data": hanging.data, "control": hanging.control}, full_ps], True),
+                      tmp_path / "ctl.sqlite", join_timeout=30)
+    try:
+        results = run_workers(running.endpoint, "doomed", 1, [np.ones(10, np.float32)])
+        assert isinstance(results[0], ControllerError)
+        message = str(results[0])
+        assert "no aggregator can take the group" in message and "switch unreachable" in message
+        for control in (down["control"], hanging.control, full_ps["control"]):
+            assert control in message
+        assert request(running.endpoint, "status")["jobs"] == []  # nothing half-allocated
+    finally:
+        running.stop()
+        hanging.close()

@@ -55,6 +55,7 @@ def ctl_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="passing-ctl", description="ask the PASSING controller")
     p.add_argument("--controller", default="tcp://127.0.0.1:9090")
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("status", help="everything: the switch, each aggregator up or down and why, slots, jobs")
     sub.add_parser("jobs", help="running job groups and pending joins")
     sub.add_parser("slots", help="free slots and ranges")
     s = sub.add_parser("stats", help="per-job counters")
@@ -70,6 +71,8 @@ def ctl_main(argv: list[str] | None = None) -> int:
                 keys = ("switch", "jobs", "pending") if args.cmd == "jobs" else ("switch", "slots", "free_slots",
                                                                                   "free_ranges")
                 reply = {"ok": True, **{k: reply[k] for k in keys}}
+        elif args.cmd == "status":
+            reply = request(args.controller, "status")
         elif args.cmd == "stats":
             reply = request(args.controller, "stats", **({"job_id": args.job_id} if args.job_id else {}))
         else:

@@ -33,11 +33,16 @@ PS_CONTROL_VERSION = 2  # the software aggregator's control channel (docs/protoc
 UDP_PORT = 9877  # docs/protocol.md: the aggregator's PASSING port
 MAX_WORKERS = 32
 SWITCH_RETRY_SECONDS = 30.0  # a switch that was unavailable is tried again at a join after this long
+AGGREGATOR_RETRY_SECONDS = 30.0  # a PS that failed goes last in the order for this long
 AGGREGATOR_CHOICES = ("any", "ps")  # a join's "aggregator": the PS and PSRing baselines ask for "ps"
 
 
 class RequestError(ValueError):
     """A request the controller refuses; the text goes back to the host."""
+
+
+class AggregatorFailed(RuntimeError):
+    """One aggregator could not take a group (the text says which and why); the next one is tried."""
 
 
 @dataclass
@@ -87,6 +92,7 @@ class Controller:
         except SwitchError as e:
             self.switch, self.switch_error = None, str(e)
             self._switch_retry_at = time.monotonic() + SWITCH_RETRY_SECONDS
+            self.store.mark_down("switch", str(e), time.time(), SWITCH_RETRY_SECONDS)
             log.warning("switch unavailable, PS fallback only: %s", e)
             return
         try:
@@ -105,9 +111,11 @@ class Controller:
             sw.close()
             self.switch, self.switch_error = None, str(e)
             self._switch_retry_at = time.monotonic() + SWITCH_RETRY_SECONDS
+            self.store.mark_down("switch", str(e), time.time(), SWITCH_RETRY_SECONDS)
             log.warning("switch unusable, PS fallback only: %s", e)
             return
         self.switch, self.switch_error = sw, None
+        self.store.mark_up("switch")
 
     def _reconcile(self, sw: Switch) -> None:
         """Make the switch's tables exactly what the store says (registers stay as they are)."""
@@ -227,59 +235,106 @@ class Controller:
             })
 
     def _allocate(self, name: str, group: int, pending: PendingGroup) -> tuple[Record, str]:
+        """Admit the group on the first aggregator that takes it, the whole group on one."""
         job_id, generation = self.store.claim_job_id(MAX_JOB_ID)
         workers = [{"index": w, "host": self.topo.host(str(req["host"])).name, "udp_port": int(req["udp_port"])}
                    for w, (_, req) in sorted(pending.members.items())]
-        if pending.aggregator == "ps":
-            reason = "a software aggregator (PS), as the job asked"
-            return self._allocate_ps(job_id, name, group, generation, pending.pool, workers, reason), reason
-        reason = ""
+        tried: list[str] = []
+        for aggregator in self.candidates(job_id, pending.aggregator):
+            try:
+                if aggregator == "switch":
+                    record = self._allocate_switch(job_id, name, group, generation, pending.pool, workers)
+                else:
+                    record = self._allocate_ps(self._ps(aggregator), job_id, name, group, generation, pending.pool,
+                                               workers)
+            except AggregatorFailed as e:
+                tried.append(str(e))
+                continue
+            if record.mode == "switch":
+                return record, "in-network aggregation on the switch"
+            if pending.aggregator == "ps":
+                why = ["a software aggregator (PS), as the job asked"]
+            elif self.topo.p4runtime is None:
+                why = ["no switch in the topology"]
+            else:
+                why = []
+            return record, "; ".join(why + tried)
+        if not tried:
+            raise RequestError("no aggregator can serve it: the topology has no switch and no PS fallback")
+        raise RequestError("no aggregator can take the group: " + "; ".join(tried))
+
+    def candidates(self, job_id: int, wanted: str) -> list[str]:
+        """The aggregators to try for a group, in order: the one policy for choosing an aggregator.
+
+        The switch first when the group may use it, then every PS of the topology, starting at
+        job id mod their number (so groups spread over them); a PS that failed lately and is
+        not yet due for a retry goes last, still tried before the group is refused."""
+        order = ["switch"] if wanted == "any" and self.topo.p4runtime is not None else []
+        ps = [p.control for p in self.topo.ps]
+        if ps:
+            k = job_id % len(ps)
+            order += ps[k:] + ps[:k]
+        down, now = self.store.down(), time.time()
+        # (the switch keeps its place: it fails at once while it is down, see _allocate_switch)
+        resting = {a for a, (_, retry_at, _) in down.items() if retry_at > now and a != "switch"}
+        return [a for a in order if a not in resting] + [a for a in order if a in resting]
+
+    def _ps(self, control: str) -> PsEndpoint:
+        return next(p for p in self.topo.ps if p.control == control)
+
+    def _allocate_switch(self, job_id: int, name: str, group: int, generation: int, pool: int,
+                         workers: list[dict]) -> Record:
         if self.switch is None and time.monotonic() >= self._switch_retry_at:
             self.connect_switch()  # it may be back
-        if self.switch is not None:
-            try:
-                base = self.allocator.allocate(pending.pool)
-            except SlotsExhausted as e:
-                reason = f"switch slots exhausted: {e}"
-            else:
-                r = Record(job_id, name, group, "switch", generation, base, pending.pool, workers,
-                           {"data": f"{self.topo.aggregation_ip}:{UDP_PORT}"})
-                a = self._allocation(r)
+        if self.switch is None:
+            raise AggregatorFailed(f"switch unreachable: {self.switch_error}")
+        try:
+            base = self.allocator.allocate(pool)
+        except SlotsExhausted as e:
+            raise AggregatorFailed(f"switch slots exhausted: {e}") from None
+        r = Record(job_id, name, group, "switch", generation, base, pool, workers,
+                   {"data": f"{self.topo.aggregation_ip}:{UDP_PORT}"})
+        a = self._allocation(r)
+        try:
+            admission.install(self.switch, a)
+            result_rewrite.install(self.switch, a)
+        except SwitchError as e:
+            self.allocator.release(base)
+            for remove in (admission.remove, result_rewrite.remove):  # what went in of it
                 try:
-                    admission.install(self.switch, a)
-                    result_rewrite.install(self.switch, a)
+                    remove(self.switch, a)
                 except SwitchError:
-                    self.allocator.release(base)
-                    raise
-                self.store.add(r)
-                log.info("job %s group %d -> switch slots %d..%d (job id %d generation %d)", name, group, base,
-                         base + pending.pool - 1, job_id, generation)
-                return r, "in-network aggregation on the switch"
-        elif self.topo.p4runtime is None:
-            reason = "no switch in the topology"
-        else:
-            reason = f"switch unreachable: {self.switch_error}"
-        return self._allocate_ps(job_id, name, group, generation, pending.pool, workers, reason), reason
+                    pass
+            self.store.mark_down("switch", str(e), time.time(), SWITCH_RETRY_SECONDS)
+            raise AggregatorFailed(f"switch refused the group's entries: {e}") from None
+        self.store.add(r)
+        self.store.mark_up("switch")
+        log.info("job %s group %d -> switch slots %d..%d (job id %d generation %d)", name, group, base,
+                 base + pool - 1, job_id, generation)
+        return r
 
-    def _allocate_ps(self, job_id: int, name: str, group: int, generation: int, pool: int, workers: list[dict],
-                     reason: str) -> Record:
-        if not self.topo.ps:
-            raise RequestError(f"{reason}; and no PS fallback is configured")
-        ps: PsEndpoint = self.topo.ps[job_id % len(self.topo.ps)]
+    def _allocate_ps(self, ps: PsEndpoint, job_id: int, name: str, group: int, generation: int, pool: int,
+                     workers: list[dict]) -> Record:
         allocator = self.ps_allocators.setdefault(ps.control, SlotAllocator(4096))
-        base = allocator.allocate(pool)
+        try:
+            base = allocator.allocate(pool)
+        except SlotsExhausted as e:
+            raise AggregatorFailed(f"PS {ps.control}: {e}") from None
         addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
         try:
             ps_request(ps.control, "add_job",
                        job={"job": job_id, "base": base, "pool": pool, "workers": addresses,
                             "generation": generation})
-        except (OSError, RequestError):
+        except (OSError, RequestError) as e:  # down (TimeoutError is an OSError), hanging, or refusing
             allocator.release(base)
-            raise
+            self.store.mark_down(ps.control, str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
+            log.warning("PS %s failed to admit job %s group %d: %s", ps.control, name, group, e)
+            raise AggregatorFailed(f"PS {ps.control}: {e}") from None
+        self.store.mark_up(ps.control)
         r = Record(job_id, name, group, "ps", generation, base, pool, workers,
                    {"data": ps.data, "control": ps.control})
         self.store.add(r)
-        log.info("job %s group %d -> PS %s (%s)", name, group, ps.data, reason)
+        log.info("job %s group %d -> PS %s", name, group, ps.data)
         return r
 
     def _leave(self, req: dict) -> dict:
@@ -306,7 +361,11 @@ class Controller:
                         result_rewrite.remove(self.switch, a)
                     self.allocator.release(r.base)
                 else:
-                    ps_request(r.aggregator["control"], "remove_job", job=r.job_id)
+                    try:
+                        ps_request(r.aggregator["control"], "remove_job", job=r.job_id)
+                    except (OSError, RequestError) as e:  # a dead PS holds nothing: the group ends anyway
+                        self.store.mark_down(r.aggregator["control"], str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
+                        log.warning("PS %s did not remove job id %d: %s", r.aggregator["control"], r.job_id, e)
                     self.ps_allocators[r.aggregator["control"]].release(r.base)
                 self.store.remove(r.job_id)
                 return {"left": {"job": name, "group": group, "job_id": r.job_id}, "remaining": []}
@@ -334,7 +393,23 @@ class Controller:
                       "aggregator": r.aggregator["data"]} for r in self.store.all()],
             "pending": [{"job": k[0], "group": k[1], "joined": sorted(p.members), "workers": p.workers}
                         for k, p in self.pending.items()],
+            "aggregators": self.aggregators(),
         }
+
+    def aggregators(self) -> list[dict[str, Any]]:
+        """Every aggregator of the topology: up, or down since when and why (from the store)."""
+        down = self.store.down()
+        out = []
+        names = (["switch"] if self.topo.p4runtime is not None else []) + [p.control for p in self.topo.ps]
+        for name in names:
+            entry: dict[str, Any] = {"aggregator": name, "state": "up"}
+            if name == "switch" and self.switch is None:
+                entry.update(state="down", reason=self.switch_error)
+            if name in down:
+                since, retry_at, reason = down[name]
+                entry.update(state="down", since=since, retry_at=retry_at, reason=reason)
+            out.append(entry)
+        return out
 
     def stats(self, job_id: int | None) -> dict[str, Any]:
         out: dict[str, Any] = {}

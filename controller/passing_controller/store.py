@@ -34,6 +34,12 @@ CREATE TABLE IF NOT EXISTS job_id (
     used       INTEGER NOT NULL      -- when it was last handed out (the 'use' counter): LRU order
 );
 CREATE TABLE IF NOT EXISTS counter (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS down (
+    aggregator TEXT PRIMARY KEY,    -- 'switch' or a PS's control endpoint
+    since      REAL NOT NULL,       -- wall-clock time it failed first
+    retry_at   REAL NOT NULL,       -- wall-clock time after which it is tried first again
+    reason     TEXT NOT NULL
+);
 """
 
 
@@ -92,6 +98,18 @@ class Store:
         job_id, generation = row[0], (row[1] + 1) % GENERATIONS
         self.db.execute("UPDATE job_id SET generation = ?, used = ? WHERE id = ?", (generation, used, job_id))
         return job_id, generation
+
+    def mark_down(self, aggregator: str, reason: str, now: float, retry_after: float) -> None:
+        self.db.execute("INSERT INTO down VALUES (?, ?, ?, ?) ON CONFLICT (aggregator) DO UPDATE SET "
+                        "retry_at = excluded.retry_at, reason = excluded.reason",
+                        (aggregator, now, now + retry_after, reason))
+
+    def mark_up(self, aggregator: str) -> None:
+        self.db.execute("DELETE FROM down WHERE aggregator = ?", (aggregator,))
+
+    def down(self) -> dict[str, tuple[float, float, str]]:
+        """aggregator -> (since, retry_at, reason) of those that failed and have not served since."""
+        return {r[0]: (r[1], r[2], r[3]) for r in self.db.execute("SELECT * FROM down")}
 
     def add(self, r: Record) -> None:
         self.db.execute(

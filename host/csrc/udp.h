@@ -34,7 +34,8 @@ typedef struct {
 /* A received datagram (one segment of a coalesced buffer counts as one). */
 typedef struct {
     const uint8_t *data;
-    uint32_t length;
+    uint32_t length;          /* a truncated datagram shows as longer than its buffer: read only
+                                 datagrams whose length is the packet size */
     int64_t source;           /* ip << 16 | port */
 } pn_datagram;
 
