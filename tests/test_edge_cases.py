@@ -20,7 +20,7 @@ def engine(request) -> str:
 
 
 def allreduce_all(inputs: list[np.ndarray], shards: int = 1, pool: int = 8, engine: str = "auto",
-                  out_is_input: bool = False, **group_args) -> list:
+                  out_is_input: bool = False, op: str = "sum", **group_args) -> list:
     """Run one allreduce per input, each in its own worker thread; returns results or exceptions."""
     workers = len(inputs)
     ports = free_udp_ports(workers)
@@ -37,7 +37,7 @@ def allreduce_all(inputs: list[np.ndarray], shards: int = 1, pool: int = 8, engi
     def work(w: int) -> np.ndarray:
         with Group(1, w, workers, [a.address for a in aggregators], pool=pool, bind=addresses[w],
                    timeout=10, engine=engine, **group_args) as g:
-            return g.allreduce(inputs[w], out=inputs[w] if out_is_input else None)
+            return g.allreduce(inputs[w], op=op, out=inputs[w] if out_is_input else None)
 
     results = run_threads(work, workers)
     for a in aggregators:

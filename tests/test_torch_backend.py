@@ -107,3 +107,27 @@ def test_dead_peer_gives_an_error_from_wait(services):
         assert report["seconds"] < timeout + 15, report
     # the ranks of the other server lose no local peer: their error is PASSING's own
     assert all("AggregatorUnreachable" in outcomes[r][1]["error"] for r in (0, 1))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers,ranks", [(1, 1), (1, 3), (2, 2), (1, 8)])
+def test_nan_and_inf_give_gloos_ieee_sums(services, servers, ranks):
+    """A NaN or an infinity in some rank's gradient is no error: the same classes as gloo element by
+    element (NaN, +inf, -inf), the finite elements summed as usual; float16 and bfloat16 too."""
+    for r in run(services, "nonfinite", servers, ranks):
+        for c in r["checks"]:
+            assert c["streamed"], f"{c} did not go through PASSING"
+            assert c["same_class"], c
+            assert c["error"] <= c["tolerance"], c
+
+
+@pytest.mark.timeout(300)
+def test_gradscaler_runs_through_its_overflowing_first_steps(services):
+    """torch.amp.GradScaler starts with a huge scale: the first steps' gradients are inf, the steps
+    are skipped and the scale lowered; then training goes on, as on gloo."""
+    for r in run(services, "gradscaler", 2, 2, "30"):
+        passing_run, gloo_run = r["passing"], r["gloo"]
+        assert passing_run["skipped"] >= 1 and passing_run["skipped"] == gloo_run["skipped"]
+        assert passing_run["scale"] == gloo_run["scale"]
+        for a, b in zip(passing_run["params"], gloo_run["params"]):
+            assert abs(a - b) <= 1e-3 * max(1.0, abs(b)), (passing_run["params"], gloo_run["params"])

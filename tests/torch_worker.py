@@ -151,10 +151,81 @@ def hook(epochs: int) -> dict:
     return {"hook": hooked, "gloo": train(data, None, epochs, check_group=None, check_every=10)}
 
 
+def nonfinite() -> dict:
+    """NaN, +inf and -inf in some ranks' tensors, in float32, float16 and bfloat16: the same classes
+    as gloo's IEEE sums element by element, and the finite elements within the scale bound."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = dist.new_group(backend="gloo")
+    checks = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for pattern in ("nan", "inf", "mixed", "all"):
+            g = torch.Generator().manual_seed(rank)
+            x = (torch.rand(5000, generator=g) - 0.5) * 4
+            if pattern == "nan" and rank == 0:
+                x[::97] = float("nan")
+            if pattern in ("inf", "mixed"):
+                x[rank::50] = float("inf") if rank % 2 == 0 else float("-inf")  # +inf and -inf meet at some
+            if pattern == "mixed" and rank == world - 1:
+                x[7::31] = float("nan")
+            if pattern == "all":
+                x[:] = float("inf") if rank == 0 else 1.0  # every element non-finite: the shard's scale is 0
+            x = x.to(dtype)
+            mine = x.clone()
+            sent = transport_stats()["packets_sent"]
+            dist.all_reduce(mine)
+            streamed = transport_stats()["packets_sent"] > sent
+            expected = x.float()
+            dist.all_reduce(expected, group=reference)  # float32 IEEE sums, cast back like PASSING's
+            expected = expected.to(dtype).float()
+            got = mine.float()
+            same_class = bool(torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.isposinf(),
+                              expected.isposinf()) and torch.equal(got.isneginf(), expected.isneginf()))
+            finite = expected.isfinite()
+            error = float((got[finite] - expected[finite]).abs().max()) if finite.any() else 0.0
+            scale = float(expected[finite].abs().max()) if finite.any() else 0.0
+            checks.append({"dtype": str(dtype), "pattern": pattern, "streamed": streamed, "same_class": same_class,
+                           "error": error, "tolerance": 1e-3 + scale * (1e-2 if dtype != torch.float32 else 1e-5)})
+    return {"checks": checks}
+
+
+def gradscaler(steps: int) -> dict:
+    """Mixed precision (CPU autocast to bfloat16) with torch.amp.GradScaler, whose first steps
+    overflow to inf on purpose; the same run on "passing" and on gloo."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from demo.train import digits
+
+    data = digits()
+    out = {}
+    for name, group in (("passing", None), ("gloo", dist.new_group(backend="gloo"))):
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)),
+                    process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=2.0**-20)
+        skipped = 0
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for step in range(steps):
+            idx = torch.arange(step * 32, step * 32 + 32) % len(data.x_train)
+            xb, yb = data.x_train[idx][rank::world], data.y_train[idx][rank::world]
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(xb), yb)
+            scaler.scale(loss * 64).backward()  # x 64: at the initial scale the gradients overflow to inf
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+        out[name] = {"skipped": skipped, "scale": scaler.get_scale(), "loss": float(loss),
+                     "params": [p.detach().double().sum().item() for p in model.parameters()]}
+    return out
+
+
 SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lambda a: bytes_per_allreduce(int(a[0])),
              "fallback": lambda a: fallback(), "dead_peer": lambda a: dead_peer(int(a[0])),
              "ddp": lambda a: ddp(int(a[0])), "post_local_sgd": lambda a: post_local_sgd(int(a[0])),
-             "hook": lambda a: hook(int(a[0]))}
+             "hook": lambda a: hook(int(a[0])), "nonfinite": lambda a: nonfinite(),
+             "gradscaler": lambda a: gradscaler(int(a[0]))}
 
 
 def init_explicitly() -> None:

@@ -92,8 +92,13 @@ static int scale_is_f32_exact(double scale) {
 }
 
 /* Round x * scale to int32, saturating (passing/quantize.py: the same arithmetic, bit for
- * bit). NaN saturates too. Returns 1 when the value saturated. */
+ * bit). A NaN or an infinity becomes 0 and counts as saturated (the stream restores IEEE
+ * semantics from a class round). Returns 1 when the value saturated. */
 static int quantize(float x, const shard_state *s, int32_t *out) {
+    if (!isfinite(x)) {
+        *out = 0;
+        return 1;
+    }
     if (s->scale_f32) {
         float v = rintf(x * s->scale_f);
         if (v >= 2147483648.0f || v < -2147483648.0f || isnan(v)) {

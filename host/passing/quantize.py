@@ -24,6 +24,9 @@ def max_abs_bits(x: np.ndarray) -> int:
     return int(bits.max())
 
 
+INF_BITS = 0x7F800000  # |x| bits at or above this: infinity or NaN
+
+
 def bits_to_float(bits: int) -> float:
     return float(np.array([bits], dtype=np.int32).view(np.float32)[0])
 
@@ -46,7 +49,10 @@ def _float32_exact(scale: float) -> bool:
 
 
 def quantize(x: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """Round x * scale to int32, saturating. Returns (values, saturated mask)."""
+    """Round x * scale to int32, saturating. Returns (values, saturated mask).
+
+    A NaN or an infinity becomes 0 and counts as saturated: its packet carries OVERFLOW, and
+    the stream restores IEEE semantics from a class round (passing.stream)."""
     if _float32_exact(scale):  # the common (auto) case: half the memory traffic of float64
         scaled = np.multiply(x, np.float32(scale), dtype=np.float32)
         limit = np.float32(2.0**31)  # int32 ends just below it
@@ -54,12 +60,15 @@ def quantize(x: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
         scaled = np.multiply(x, scale, dtype=np.float64)
         limit = 2.0**31
     np.rint(scaled, out=scaled)
+    nonfinite = ~np.isfinite(x)
     saturated = (scaled >= limit) | (scaled < -limit)
     np.clip(scaled, -limit, np.nextafter(limit, 0, dtype=scaled.dtype), out=scaled)
+    scaled[nonfinite] = 0
     q = scaled.astype(np.int32)
     if saturated.any():
         q[saturated] = np.where(scaled[saturated] > 0, wire.INT32_MAX, wire.INT32_MIN)
-    return q, saturated
+        q[nonfinite] = 0
+    return q, saturated | nonfinite
 
 
 def dequantize(q: np.ndarray, scale: float) -> np.ndarray:

@@ -48,6 +48,7 @@ class PassingOverflow(PassingError, OverflowError):
 
 
 OPS = ("sum", "avg")
+NONFINITE_SHIFT = 6  # bits per count in the non-finite class round: up to 32 workers, + 1
 REORDER_FRACTION = 0.25  # RACK's reordering allowance: a quarter of the round trip (RFC 8985)
 REORDER_MIN = 200e-6  # and at least this: RESULTs come in batches
 INT32_MAX, INT32_MIN = np.iinfo(np.int32).max, np.iinfo(np.int32).min
@@ -224,14 +225,24 @@ class Group:
             return
         mode = self.scale
         # A fixed-scale call may be redone in auto mode: then the input must outlive the first try.
-        target = out if not np.shares_memory(flat, out) or mode == "auto" or self.on_overflow == "raise" \
-            else np.empty_like(out)
+        target = out if mode == "auto" or not np.shares_memory(flat, out) else np.empty_like(out)
+        classes = None
         while True:
-            scales = self._auto_scales(flat, starts, counts) if mode == "auto" else [float(mode)] * len(counts)
+            if mode == "auto":
+                scales, nonfinite = self._auto_scales(flat, starts, counts)
+                if any(nonfinite):  # counted before the data round, which may overwrite an in-place input
+                    classes = self._nonfinite_classes(flat, starts, counts, nonfinite)
+            else:
+                scales, nonfinite = [float(mode)] * len(counts), [False] * len(counts)
             live = np.array([c if sc else 0 for c, sc in zip(counts, scales)], dtype=np.int64)
             overflow = self._pass(wire.SUM, flat, target, starts, live, scales)
+            # A non-finite element travels as 0 with OVERFLOW set; an auto scale cannot saturate.
+            overflow = [o and not n for o, n in zip(overflow, nonfinite)]
             if not any(overflow):
                 break
+            if mode != "auto" and self._anywhere(flat, starts, counts, lambda block: not np.isfinite(block).all()):
+                mode = "auto"  # a non-finite input, not a large one: scale the finite values from their own max
+                continue
             if mode == "auto" or self.on_overflow == "raise":
                 raise PassingOverflow(
                     f"job {self.job}: the sum overflowed int32 at scale {mode}; "
@@ -241,26 +252,60 @@ class Group:
         for start, count, scale in zip(starts, counts, scales):
             if not scale:  # a shard that is zero on every worker needed no SUM
                 target[start * self.lanes : (start + count) * self.lanes] = 0
+        if classes is not None:
+            _apply_nonfinite(target, classes)
         if target is not out:
             out[:] = target
         if op == "avg":
             out /= np.float32(self.workers)
 
-    def _auto_scales(self, flat: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> list[float]:
-        """One MAX round per aggregator; 0.0 marks a shard that is zero everywhere."""
+    def _auto_scales(self, flat: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple[list[float], list[bool]]:
+        """One MAX round per aggregator: per shard the scale of its finite values (0.0 where they
+        are zero on every worker) and whether some worker holds a NaN or an infinity in it.
+
+        Lane 0 carries max |x| of the finite values as float32 bits, lane 1 a 1 where this worker's
+        block holds a non-finite value: the common all-finite case costs nothing more."""
         rows = np.zeros((len(counts), self.lanes), dtype=np.int32)
         for i, (start, count) in enumerate(zip(starts, counts)):
-            rows[i, 0] = quantize.max_abs_bits(flat[start * self.lanes : (start + count) * self.lanes])
-        maxima = np.empty_like(rows)
-        shards = np.arange(len(counts))
-        self._pass(wire.MAX, rows.reshape(-1), maxima.reshape(-1), shards, np.ones(len(counts), np.int64))
+            block = flat[start * self.lanes : (start + count) * self.lanes]
+            bits = quantize.max_abs_bits(block)
+            if bits >= quantize.INF_BITS:  # only then a second look, at the finite values alone
+                rows[i, 0] = quantize.max_abs_bits(block[np.isfinite(block)])
+                rows[i, 1] = 1
+            else:
+                rows[i, 0] = bits
+        maxima = self._max_round(rows)
         scales = []
         for m in maxima[:, 0]:
             max_abs = quantize.bits_to_float(int(m))
-            if not np.isfinite(max_abs):
-                raise ValueError(f"job {self.job}: the input holds NaN or infinity on some worker")
             scales.append(quantize.auto_scale(max_abs, self.workers) if max_abs > 0 else 0.0)
-        return scales
+        return scales, [bool(v) for v in maxima[:, 1]]
+
+    def _max_round(self, rows: np.ndarray) -> np.ndarray:
+        """Lane-wise int32 max of one row per shard over every worker."""
+        maxima = np.empty_like(rows)
+        shards = np.arange(len(rows))
+        self._pass(wire.MAX, rows.reshape(-1), maxima.reshape(-1), shards, np.ones(len(rows), np.int64))
+        return maxima
+
+    def _anywhere(self, flat: np.ndarray, starts: np.ndarray, counts: np.ndarray, test) -> bool:
+        """Whether ``test(block)`` holds for some shard's block on some worker (one MAX round)."""
+        rows = np.zeros((len(counts), self.lanes), dtype=np.int32)
+        for i, (start, count) in enumerate(zip(starts, counts)):
+            rows[i, 0] = int(bool(test(flat[start * self.lanes : (start + count) * self.lanes])))
+        return bool(self._max_round(rows)[:, 0].any())
+
+    def _nonfinite_classes(self, flat: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                           nonfinite: list[bool]) -> np.ndarray:
+        """Per element, how many workers hold NaN, +inf and -inf there: one int32 SUM round over
+        the shards that hold any, each worker contributing nan + (+inf << 6) + (-inf << 12) (at most
+        32 workers: each count fits its 6 bits). Shards without any get zeros."""
+        codes = (np.isnan(flat).astype(np.int32) | (np.isposinf(flat).astype(np.int32) << NONFINITE_SHIFT)
+                 | (np.isneginf(flat).astype(np.int32) << 2 * NONFINITE_SHIFT))
+        live = np.array([c if n else 0 for c, n in zip(counts, nonfinite)], dtype=np.int64)
+        summed = np.zeros_like(codes)
+        self._pass(wire.SUM, codes, summed, starts, live)
+        return summed
 
     def _pass(self, op: int, flat: np.ndarray, out: np.ndarray, starts: np.ndarray, counts: np.ndarray,
               scales: list[float] | None = None) -> list[bool]:
@@ -480,3 +525,13 @@ class Group:
 
     def _rto(self) -> float:
         return min(max(self._srtt + 4.0 * self._rttvar, self.rto_min), self.max_rto)
+
+
+def _apply_nonfinite(out: np.ndarray, classes: np.ndarray) -> None:
+    """IEEE float32 sums where non-finite values met (gloo's answers): NaN where some worker had NaN
+    or where +inf and -inf met, +inf or -inf where only infinities of one sign met finite values."""
+    mask = (1 << NONFINITE_SHIFT) - 1
+    nan, pos, neg = classes & mask, (classes >> NONFINITE_SHIFT) & mask, (classes >> 2 * NONFINITE_SHIFT) & mask
+    out[pos > 0] = np.inf
+    out[neg > 0] = -np.inf
+    out[(nan > 0) | ((pos > 0) & (neg > 0))] = np.nan

@@ -196,7 +196,10 @@ class ProcessGroupPassing(ProcessGroup):
                 if self.local and local is None:
                     raise PassingError(f"no in-host group for {tensor.device.type} tensors")
                 assert self.stream is not None
-                out = two_stage_allreduce(tensor.detach().reshape(-1), local, self.layout, self.stream)
+                # float16/bfloat16 (mixed precision) travel as their float32 values and come back cast
+                flat = tensor.detach().reshape(-1)
+                wide = flat if flat.dtype == torch.float32 else flat.float()
+                out = two_stage_allreduce(wide, local, self.layout, self.stream)
                 if op == "avg":
                     out /= self.size()
                 if out.data_ptr() != tensor.data_ptr():  # summed in place already when it could be
@@ -212,7 +215,7 @@ class ProcessGroupPassing(ProcessGroup):
         if len(tensors) != 1:
             return f"{len(tensors)} tensors at once"
         t = tensors[0]
-        if t.dtype != torch.float32:
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return f"dtype {t.dtype}"
         if t.layout != torch.strided:
             return f"layout {t.layout}"
