@@ -147,7 +147,7 @@ def aggregator_capacity(engine: str, workers: int, lanes: int, pool: int, second
             sock.close()
         _stop(agg)
     taken = after["received"] - before["received"]
-    return {"engine": ready.get("engine", engine), "workers": workers, "offered": base * workers, "received": taken,
+    return {"engine": ready["engine"], "workers": workers, "offered": base * workers, "received": taken,
             "aggregated": after["aggregated"] - before["aggregated"],
             "results_sent": after["results_sent"] - before["results_sent"],
             "packets_per_s": taken / wall, "cpu_share": cpu / wall,

@@ -23,6 +23,7 @@ from tests.cluster import run_threads
 
 WORKERS, POOL, LANES = 2, 16, 64
 SIZE = 64 * 400  # 400 packets per worker and call
+CALLS = 12  # per allocation: long enough for the replay to land between and inside calls
 
 
 def _inputs(generation: int, worker: int) -> np.ndarray:
@@ -30,14 +31,14 @@ def _inputs(generation: int, worker: int) -> np.ndarray:
 
 
 def _late_copies(generation: int, job: int, rng: np.random.Generator) -> list[tuple[int, bytes]]:
-    """What workers of allocation ``generation`` sent: every psn of two calls, some marked resent."""
+    """What workers of allocation ``generation`` sent: every psn of its calls, some marked resent."""
     copies = []
     for w in range(WORKERS):
         rows = _inputs(generation, w).reshape(-1, LANES)
-        psn = np.arange(2 * len(rows))  # two calls of the same array
+        psn = np.arange(CALLS * len(rows))  # every call of the same array
         flags = np.where(rng.random(psn.size) < 0.5, wire.FLAG_RETRANSMIT, 0)
         packets = wire.encode(type=wire.DATA, job=job, worker=w, psn=psn, pool=POOL, generation=generation,
-                              flags=flags, payload=np.vstack([rows, rows]), lanes=LANES)
+                              flags=flags, payload=np.vstack([rows] * CALLS), lanes=LANES)
         copies += [(w, p.tobytes()) for p in packets]
     return copies
 
@@ -67,7 +68,7 @@ def _run_allocation(ready: dict, addresses: list[str], generation: int, replay: 
     if replay:
         replayer.start()
     try:
-        results = run_threads(lambda w: [groups[w].allreduce(_inputs(generation, w)) for _ in range(2)], WORKERS)
+        results = run_threads(lambda w: [groups[w].allreduce(_inputs(generation, w)) for _ in range(CALLS)], WORKERS)
     finally:
         stop.set()
         if replay:
@@ -96,7 +97,7 @@ def test_late_copies_of_the_previous_allocation_never_touch_the_next_one():
             time.sleep(0.2)  # the last copies reach the aggregator
             after = control.request("stats", job=2)["jobs"]["2"]
             if generation == 1:
-                assert fired > 100
+                assert fired >= 100
                 # every copy was rejected at admission; nothing else of this allocation was
                 assert after["rejected"] - before["rejected"] == fired
                 assert after["stale"] == before["stale"]

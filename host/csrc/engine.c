@@ -51,7 +51,8 @@ struct pn_engine {
     /* ordering RESULTs like the numpy engine (pn_engine_process only) */
     uint32_t *rank_stamp, *rank_count; /* per slot/set: which call last counted it, and how often */
     uint32_t call_serial;
-    uint32_t *order_key, *order, *order_tmp;
+    int64_t *order_key;
+    uint32_t *order, *order_tmp;
     size_t order_cap;
     uint8_t *packet_tmp;
 };
@@ -70,7 +71,7 @@ typedef struct {
     int64_t *dest;
     uint8_t *multicast;
     size_t cap, count;
-    uint32_t *key;             /* NULL: no ordering wanted */
+    int64_t *key;              /* NULL: no ordering wanted */
 } batch_output;
 
 static size_t checked_mul(size_t a, size_t b, int *overflowed) {
@@ -83,14 +84,21 @@ static size_t checked_mul(size_t a, size_t b, int *overflowed) {
 static int grow_order(pn_engine *e, size_t cap) {
     if (cap <= e->order_cap) return 0;
     int overflowed = 0;
-    size_t bytes = checked_mul(cap, 3 * sizeof(uint32_t), &overflowed);
+    size_t key_bytes = checked_mul(cap, sizeof(int64_t), &overflowed);
+    size_t order_bytes = checked_mul(cap, 2 * sizeof(uint32_t), &overflowed);
     if (overflowed) return -1;
-    uint32_t *block = malloc(bytes);
-    if (!block) return -1;
-    free(e->order_key);  /* the three arrays share one block, order_key first */
-    e->order_key = block;
-    e->order = block + cap;
-    e->order_tmp = block + 2 * cap;
+    int64_t *key = malloc(key_bytes);
+    uint32_t *block = malloc(order_bytes);
+    if (!key || !block) {
+        free(key);
+        free(block);
+        return -1;
+    }
+    free(e->order_key);
+    free(e->order);  /* order and order_tmp share one block, order first */
+    e->order_key = key;
+    e->order = block;
+    e->order_tmp = block + cap;
     e->order_cap = cap;
     return 0;
 }
@@ -151,6 +159,7 @@ void pn_engine_free(pn_engine *e) {
     free(e->jobs);
     free(e->free_ids);
     free(e->order_key);
+    free(e->order);
     free(e->packet_tmp);
     free(e);
 }
@@ -256,7 +265,7 @@ static int32_t saturating_add(int32_t a, int32_t b, int *saturated) {
 
 /* One RESULT of the round in slot/set k, caused by the packet with header h, for worker w. */
 static void emit(pn_engine *e, batch_output *o, const job_entry *j, const pn_header *h, size_t k, uint32_t w,
-                 int multicast, uint32_t order_key) {
+                 int multicast, int64_t order_key) {
     uint8_t *p = o->packets + o->count * e->packet_size;
     pn_header r = *h;  /* op, job, slot, set, generation, psn: the causing packet's */
     r.version = PN_VERSION;
@@ -370,9 +379,7 @@ static size_t run(pn_engine *e, const batch_input *in, size_t n, batch_output *o
     return i;
 }
 
-/* Stable sort of 0..n-1 by key (bottom-up merge sort); returns the array holding it. */
-static uint32_t *sort_by_key(const uint32_t *key, uint32_t *a, uint32_t *b, size_t n) {
-    for (size_t i = 0; i < n; i++) a[i] = (uint32_t)i;
+uint32_t *pn_stable_order(const int64_t *key, uint32_t *a, uint32_t *b, size_t n) {
     for (size_t width = 1; width < n; width *= 2) {
         for (size_t lo = 0; lo < n; lo += 2 * width) {
             size_t mid = lo + width < n ? lo + width : n;
@@ -395,7 +402,8 @@ static void order_results(pn_engine *e, batch_output *o) {
     size_t sorted = 1;
     while (sorted < n && o->key[sorted - 1] <= o->key[sorted]) sorted++;
     if (sorted >= n) return;  /* the usual case: nothing to move */
-    uint32_t *order = sort_by_key(o->key, e->order, e->order_tmp, n);
+    for (size_t i = 0; i < n; i++) e->order[i] = (uint32_t)i;
+    uint32_t *order = pn_stable_order(o->key, e->order, e->order_tmp, n);
     uint8_t *done = (uint8_t *)(order == e->order ? e->order_tmp : e->order);  /* the spare array */
     memset(done, 0, n);
     size_t ps = e->packet_size;

@@ -22,4 +22,8 @@ size_t pn_engine_process_locked(pn_engine *e, const uint8_t *const *packets, con
                                 const int64_t *sources, size_t n, uint8_t *out, int64_t *out_dest,
                                 uint8_t *out_multicast, size_t out_cap, size_t *emitted);
 
+/* Stable sort of the indices a[0..n) by key[a[i]] (bottom-up merge sort, b as scratch);
+ * returns whichever of a and b holds the result. */
+uint32_t *pn_stable_order(const int64_t *key, uint32_t *a, uint32_t *b, size_t n);
+
 #endif

@@ -210,27 +210,6 @@ void pn_server_get_stats(pn_server *s, pn_server_stats *out) {
 
 /* ---- serving ------------------------------------------------------------------------ */
 
-/* Stable sort of tx_keep[0..n) by destination (bottom-up merge sort); returns the array holding it. */
-static uint32_t *sort_by_destination(pn_server *s, uint32_t n) {
-    uint32_t *a = s->tx_sort_a, *b = s->tx_sort_b;
-    memcpy(a, s->tx_keep, n * sizeof *a);
-    const int64_t *dest = s->out_dest;
-    for (uint32_t width = 1; width < n; width *= 2) {
-        for (uint32_t lo = 0; lo < n; lo += 2 * width) {
-            uint32_t mid = lo + width < n ? lo + width : n;
-            uint32_t hi = lo + 2 * width < n ? lo + 2 * width : n;
-            uint32_t l = lo, r = mid, t = lo;
-            while (l < mid && r < hi) b[t++] = dest[a[r]] < dest[a[l]] ? a[r++] : a[l++];
-            while (l < mid) b[t++] = a[l++];
-            while (r < hi) b[t++] = a[r++];
-        }
-        uint32_t *swap = a;
-        a = b;
-        b = swap;
-    }
-    return a;
-}
-
 /* Send the engine call's `emitted` RESULTs through the egress impairment. */
 static void send_results(pn_server *s, uint32_t emitted) {
     pthread_mutex_lock(&s->lock);
@@ -243,7 +222,9 @@ static void send_results(pn_server *s, uint32_t emitted) {
         n = emitted;
     }
     pthread_mutex_unlock(&s->lock);
-    const uint32_t *rows = sort_by_destination(s, n);  /* one run per worker: one GSO message */
+    /* by destination: one run per worker, which leaves as one GSO message */
+    memcpy(s->tx_sort_a, s->tx_keep, n * sizeof *s->tx_keep);
+    const uint32_t *rows = pn_stable_order(s->out_dest, s->tx_sort_a, s->tx_sort_b, n);
     for (uint32_t i = 0; i < n; i++) {
         s->tx_packet[i] = s->out + (size_t)rows[i] * s->packet_size;
         s->tx_dest[i] = s->out_dest[rows[i]];

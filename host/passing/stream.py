@@ -188,7 +188,9 @@ class Group:
         float32 goes through scaling (exact to within ``quantize.error_bound``); int32
         is summed exactly and raises PassingOverflow when a sum leaves int32. The result
         goes to ``out`` when given (same dtype and size, C-contiguous; it may be ``array``
-        itself), else to a new array.
+        itself: the native engine then needs no memory beyond its window; a fixed-scale call
+        in place takes a temporary, since it may have to be redone in auto mode), else to a
+        new array. NaN and infinities give IEEE sums element by element, as gloo does.
         """
         x = np.asarray(array)
         if op not in OPS:
