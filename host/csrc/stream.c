@@ -33,7 +33,9 @@
 #define MAX_WAIT_S 0.05      /* the longest single wait: timers are checked at least this often */
 #define RECV_BATCH 64        /* messages per recvmmsg */
 #define SEND_TIMEOUT_MS 5000 /* a send buffer full this long is an error */
-#define MAX_BACKOFF 64.0
+/* A packet's own timer doubles at each of its timeouts, up to 8 x the RTO: random loss is
+ * not congestion (the window is fixed), and a dead aggregator is told by `timeout`. */
+#define MAX_BACKOFF_DOUBLINGS 3
 
 typedef struct {
     uint64_t offset;   /* packet offset within the shard */
@@ -117,6 +119,14 @@ static int quantize(float x, const shard_state *s, int32_t *out) {
     return 0;
 }
 
+/* rintf in the default rounding mode (half to even), without a libm call: adding and taking
+ * away 1.5 * 2^23 leaves an integer for |v| < 2^22; from 2^23 on every float32 is one. */
+static float round_even(float v) {
+    float a = fabsf(v);
+    if (a < 4194304.0f) return (v + 12582912.0f) - 12582912.0f; /* IEEE: no compiler may fold this */
+    return a < 8388608.0f ? rintf(v) : v;
+}
+
 static float dequantize(int32_t q, const shard_state *s) {
     if (s->scale_f32) return (float)q * s->inverse_f;
     return (float)((double)q / s->scale);
@@ -130,18 +140,30 @@ static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) 
     uint8_t *p = s->packets + (size_t)(offset % s->pool) * st->packet_size;
     uint64_t row = s->start + offset;
     uint64_t first = row * c->lanes;
-    uint32_t *lanes = (uint32_t *)(p + PN_HEADER_SIZE);
+    uint8_t *lanes = p + PN_HEADER_SIZE;
+    uint32_t full = first + c->lanes <= c->elements ? c->lanes : (uint32_t)(c->elements - first);
     int saturated = 0;
-    for (uint32_t i = 0; i < c->lanes; i++) {
-        uint64_t e = first + i;
-        int32_t q = 0;
-        if (e < c->elements) {
-            if (c->kind == PN_IN_F32) saturated |= quantize(((const float *)c->input)[e], s, &q);
-            else q = ((const int32_t *)c->input)[e];
+    if (c->kind == PN_IN_F32 && s->scale_f32) {
+        /* the common case, kept tight: x * scale is exact in float32, then round half to even */
+        const float *x = (const float *)c->input + first;
+        for (uint32_t i = 0; i < full; i++) {
+            float v = round_even(x[i] * s->scale_f);
+            int32_t q;
+            if (v >= -2147483648.0f && v < 2147483648.0f) q = (int32_t)v; /* false for NaN too */
+            else saturated |= quantize(x[i], s, &q);
+            uint32_t be = to_be32((uint32_t)q);
+            memcpy(lanes + 4 * (size_t)i, &be, sizeof be);
         }
-        uint32_t be = to_be32((uint32_t)q);
-        memcpy(&lanes[i], &be, sizeof be);
+    } else {
+        for (uint32_t i = 0; i < full; i++) {
+            int32_t q;
+            if (c->kind == PN_IN_F32) saturated |= quantize(((const float *)c->input)[first + i], s, &q);
+            else q = ((const int32_t *)c->input)[first + i];
+            uint32_t be = to_be32((uint32_t)q);
+            memcpy(lanes + 4 * (size_t)i, &be, sizeof be);
+        }
     }
+    memset(lanes + 4 * (size_t)full, 0, 4 * (size_t)(c->lanes - full)); /* the padding of the last packet */
     uint32_t psn = s->base_psn + (uint32_t)offset;
     pn_header h = {
         .version = PN_VERSION, .type = PN_DATA, .op = (uint8_t)c->op,
@@ -160,7 +182,7 @@ static double rto(const stream_state *st) {
 }
 
 static double backed_off(const stream_state *st, uint32_t timeouts) {
-    double r = rto(st) * (timeouts < 6 ? (double)(1u << timeouts) : MAX_BACKOFF);
+    double r = rto(st) * (double)(1u << (timeouts < MAX_BACKOFF_DOUBLINGS ? timeouts : MAX_BACKOFF_DOUBLINGS));
     return r < st->c->max_rto ? r : st->c->max_rto;
 }
 

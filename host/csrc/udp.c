@@ -21,6 +21,14 @@
 
 #define PN_UDP_CMSG_BYTES CMSG_SPACE(sizeof(int))
 
+static void reset_rx_header(pn_udp *u, uint32_t i) {
+    struct msghdr *h = &u->rx_msgs[i].msg_hdr;
+    h->msg_namelen = sizeof(struct sockaddr_in);
+    h->msg_control = u->rx_control + (size_t)i * PN_UDP_CMSG_BYTES;
+    h->msg_controllen = PN_UDP_CMSG_BYTES;
+    h->msg_flags = 0;
+}
+
 int pn_udp_init(pn_udp *u, int fd, uint32_t packet_size, uint32_t batch, int gso) {
     memset(u, 0, sizeof *u);
     if (fd < 0 || packet_size == 0 || packet_size > 65507 || batch == 0 || batch > 1024) return -EINVAL;
@@ -50,6 +58,7 @@ int pn_udp_init(pn_udp *u, int fd, uint32_t packet_size, uint32_t batch, int gso
         u->rx_msgs[i].msg_hdr.msg_iov = &u->rx_iov[i];
         u->rx_msgs[i].msg_hdr.msg_iovlen = 1;
         u->rx_msgs[i].msg_hdr.msg_name = &u->rx_names[i];
+        reset_rx_header(u, i);
     }
     struct cmsghdr *c = (struct cmsghdr *)u->tx_control;
     c->cmsg_level = SOL_UDP;
@@ -83,14 +92,10 @@ static int64_t packed(const struct sockaddr_in *a) {
 int pn_udp_recv(pn_udp *u, pn_datagram *out, uint32_t max) {
     uint32_t want = max < u->batch ? max : u->batch;
     if (want == 0) return 0;
-    for (uint32_t i = 0; i < want; i++) {
-        struct msghdr *h = &u->rx_msgs[i].msg_hdr;
-        h->msg_namelen = sizeof(struct sockaddr_in);
-        h->msg_control = u->rx_control + (size_t)i * PN_UDP_CMSG_BYTES;
-        h->msg_controllen = PN_UDP_CMSG_BYTES;
-        h->msg_flags = 0;
-    }
+    /* the kernel rewrites these only in the headers of the messages it filled last time */
+    for (uint32_t i = 0; i < u->rx_dirty; i++) reset_rx_header(u, i);
     int n = recvmmsg(u->fd, u->rx_msgs, want, MSG_DONTWAIT, NULL);
+    u->rx_dirty = n > 0 ? (uint32_t)n : 0;
     if (n < 0) {
         /* ECONNREFUSED: an ICMP error for an earlier datagram of ours, not news for this call */
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNREFUSED) return 0;

@@ -24,6 +24,7 @@ typedef struct {
     struct iovec *rx_iov;
     struct sockaddr_in *rx_names;
     uint8_t *rx_control;      /* batch x PN_UDP_CMSG_BYTES */
+    uint32_t rx_dirty;        /* headers the last recvmmsg filled: to restore before the next */
     /* send side */
     struct mmsghdr *tx_msgs;
     struct iovec *tx_iov;

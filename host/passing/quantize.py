@@ -20,8 +20,11 @@ def max_abs_bits(x: np.ndarray) -> int:
     """max |x| as the int32 that has its float32 bit pattern (NaN sorts above inf)."""
     if x.size == 0:
         return 0
-    bits = np.abs(x.astype(np.float32, copy=False)).view(np.int32)
-    return int(bits.max())
+    x = x.astype(np.float32, copy=False)
+    hi, lo = x.max(), x.min()  # two passes, no temporary the size of x (np.abs would make one)
+    if np.isnan(hi) or np.isnan(lo):
+        return int(np.array([np.nan], np.float32).view(np.int32)[0] & 0x7FFFFFFF)
+    return int(np.array([max(abs(hi), abs(lo))], np.float32).view(np.int32)[0])
 
 
 INF_BITS = 0x7F800000  # |x| bits at or above this: infinity or NaN

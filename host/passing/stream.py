@@ -486,7 +486,8 @@ class Group:
                 self.socket.stats.retransmissions += rows.size
                 self.socket.stats.early_retransmissions += int(early[due].sum())
                 retries[rows] += 1
-                backoff = np.minimum(self._rto() * 2.0 ** np.minimum(timeouts[rows], 6), self.max_rto)
+                # up to 8 x: random loss is not congestion (the window is fixed); `timeout` tells a dead aggregator
+                backoff = np.minimum(self._rto() * 2.0 ** np.minimum(timeouts[rows], 3), self.max_rto)
                 deadline[due] = now + backoff
 
         self._next_psn = (self._next_psn + counts) & 0xFFFFFFFF
