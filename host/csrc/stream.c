@@ -11,6 +11,9 @@
  * cost one retransmission of that packet and not stall the stream:
  *  - every packet has its own timer: the smoothed RTT estimate (RFC 6298, Karn's rule)
  *    plus a back-off of its own that doubles only when that packet times out again;
+ *  - a shard silent for two round trips (nothing sent, nothing answered) resends its
+ *    latest-sent packet (a tail loss probe, RFC 8985): its answer lets RACK judge the
+ *    ones before it, so the end of a call does not wait for timers;
  *  - a packet is resent early, before its timer, once a packet transmitted after it has
  *    been answered and it has been out for longer than that packet's round trip plus a
  *    reordering allowance (RACK, RFC 8985: time order, so retransmissions give evidence
@@ -30,6 +33,7 @@
 
 #define REORDER_FRACTION 0.25 /* reordering allowance: a quarter of the round trip (RFC 8985) */
 #define REORDER_MIN_S 200e-6 /* and at least this: RESULTs come in batches */
+#define PROBE_MIN_S 1e-3     /* a tail loss probe waits at least this (RFC 8985's PTO: 2 x SRTT) */
 #define MAX_WAIT_S 0.05      /* the longest single wait: timers are checked at least this often */
 #define RECV_BATCH 64        /* messages per recvmmsg */
 #define SEND_TIMEOUT_MS 5000 /* a send buffer full this long is an error */
@@ -40,6 +44,7 @@
 typedef struct {
     uint64_t offset;   /* packet offset within the shard */
     double first_sent, last_sent, deadline;
+    uint64_t xmit;     /* order of its latest transmission among the call's (ties of time broken) */
     uint32_t retries;  /* transmissions after the first */
     uint32_t timeouts; /* of them, by its timer: each doubles its back-off */
     uint8_t inflight;
@@ -49,7 +54,8 @@ typedef struct {
     uint32_t pool;
     uint64_t start, count;
     uint64_t sent, done;       /* packets sent for the first time / answered */
-    double rack_sent;          /* latest transmission time of an answered packet (0: none yet) */
+    uint64_t rack_xmit;        /* the latest-transmitted answered packet's xmit (0: none yet) */
+    double last_activity;      /* the shard's latest transmission or answer */
     double rack_rtt;           /* that packet's round trip */
     uint32_t base_psn;
     int64_t aggregator;
@@ -67,6 +73,7 @@ typedef struct {
     size_t packet_size;
     pn_udp udp;
     double srtt, rttvar;
+    uint64_t xmit;                /* transmissions so far */
     const uint8_t **send_packets; /* sends queued in one loop iteration */
     int64_t *send_dest;
     uint32_t send_count, send_cap;
@@ -227,8 +234,9 @@ static int flush_sends(stream_state *st) {
 static void send_first(stream_state *st, shard_state *s, uint64_t offset, double now) {
     if (offset >= s->count) return;
     s->sent++;
+    s->last_activity = now;
     window_slot *w = &s->slots[offset % s->pool];
-    *w = (window_slot){.offset = offset, .first_sent = now, .last_sent = now,
+    *w = (window_slot){.offset = offset, .xmit = ++st->xmit, .first_sent = now, .last_sent = now,
                        .deadline = now + rto(st), .inflight = 1};
     queue_send(st, build_packet(st, s, offset), s->aggregator);
 }
@@ -239,10 +247,18 @@ static void retransmit(stream_state *st, shard_state *s, window_slot *w, double 
     w->retries++;
     if (!early) w->timeouts++;
     w->last_sent = now;
+    w->xmit = ++st->xmit;
+    s->last_activity = now;
     w->deadline = now + backed_off(st, w->timeouts);
     st->r->retransmissions++;
     if (early) st->r->early_retransmissions++;
     queue_send(st, p, s->aggregator);
+}
+
+/* How long a shard may stay silent (nothing sent, nothing answered) before a probe. */
+static double probe_timeout(const stream_state *st) {
+    double pto = 2.0 * st->srtt;
+    return pto > PROBE_MIN_S ? pto : PROBE_MIN_S;
 }
 
 static void rtt_sample(stream_state *st, double rtt) {
@@ -272,8 +288,9 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
         if (!w->inflight || w->offset != offset) return 0; /* answered already */
         w->inflight = 0;
         s->done++;
-        if (w->last_sent > s->rack_sent) { /* RACK: the latest-sent packet known delivered */
-            s->rack_sent = w->last_sent;
+        s->last_activity = now;
+        if (w->xmit > s->rack_xmit) { /* RACK: the latest-sent packet known delivered */
+            s->rack_xmit = w->xmit;
             s->rack_rtt = now - w->last_sent;
         }
         if (w->retries == 0) rtt_sample(st, now - w->first_sent); /* Karn: unambiguous samples only */
@@ -307,6 +324,7 @@ static int check_timers(stream_state *st, double now, double *next_deadline) {
         if (s->done == s->sent) continue; /* nothing in flight */
         double allowance = s->rack_rtt * REORDER_FRACTION;
         double overdue = s->rack_rtt + (allowance > REORDER_MIN_S ? allowance : REORDER_MIN_S);
+        window_slot *latest = NULL; /* the in-flight packet transmitted last */
         for (uint32_t i = 0; i < s->pool; i++) {
             window_slot *w = &s->slots[i];
             if (!w->inflight) continue;
@@ -316,13 +334,22 @@ static int check_timers(stream_state *st, double now, double *next_deadline) {
                 st->r->error_retries = w->retries;
                 return PN_ETIMEOUT;
             }
-            int later_answered = s->rack_sent > w->last_sent;
+            int later_answered = s->rack_xmit > w->xmit;
             if (later_answered && now >= w->last_sent + overdue) retransmit(st, s, w, now, 1);
             else if (w->deadline <= now) retransmit(st, s, w, now, 0);
             double due = w->deadline;
-            if (s->rack_sent > w->last_sent && w->last_sent + overdue < due) due = w->last_sent + overdue;
+            if (later_answered && w->last_sent + overdue < due) due = w->last_sent + overdue;
             if (due < next) next = due;
+            if (!latest || w->xmit > latest->xmit) latest = w;
         }
+        /* Tail loss probe: nothing sent or answered for a while, and nothing later to tell a
+         * loss: resend the latest-sent packet; its answer lets RACK judge the ones before it. */
+        double probe_at = s->last_activity + probe_timeout(st);
+        if (latest && now >= probe_at) {
+            retransmit(st, s, latest, now, 1);
+            probe_at = now + probe_timeout(st);
+        }
+        if (probe_at < next) next = probe_at;
     }
     *next_deadline = next;
     return PN_OK;

@@ -14,7 +14,9 @@ transmitted after it has been answered and it has been out for longer than that 
 round trip plus a reordering allowance (RACK, RFC 8985). Rounds complete in
 transmission order on an in-order path, since every worker sends in psn order, so this
 is evidence of loss; retransmissions give evidence too, so a stalled window recovers. A
-packet unanswered for ``timeout`` seconds ends the call with AggregatorUnreachable.
+shard silent for two round trips resends its latest-sent packet (a tail loss probe), so
+the end of a call does not wait for timers either. A packet unanswered for ``timeout``
+seconds ends the call with AggregatorUnreachable.
 
 Two engines implement the stream: the native one (host/csrc/stream.c, through
 passing.native) and ``_stream`` below in numpy, the executable specification it is tested
@@ -51,6 +53,7 @@ OPS = ("sum", "avg")
 NONFINITE_SHIFT = 6  # bits per count in the non-finite class round: up to 32 workers, + 1
 REORDER_FRACTION = 0.25  # RACK's reordering allowance: a quarter of the round trip (RFC 8985)
 REORDER_MIN = 200e-6  # and at least this: RESULTs come in batches
+PROBE_MIN = 1e-3  # a tail loss probe waits at least this (RFC 8985's PTO: 2 x SRTT)
 INT32_MAX, INT32_MIN = np.iinfo(np.int32).max, np.iinfo(np.int32).min
 
 
@@ -421,7 +424,9 @@ class Group:
         last_sent = np.zeros(total)
         retries = np.zeros(total, dtype=np.int64)  # transmissions after the first
         timeouts = np.zeros(total, dtype=np.int64)  # of them, by the packet's own timer: each doubles its back-off
-        rack_sent = np.zeros(len(blocks))  # per shard: latest transmission time of an answered packet
+        xmit = np.zeros(total, dtype=np.int64)  # order of each packet's latest transmission (ties of time broken)
+        transmissions = 0
+        rack_xmit = np.zeros(len(blocks), dtype=np.int64)  # per shard: the latest-transmitted answered packet's
         rack_rtt = np.zeros(len(blocks))  # and that packet's round trip
 
         now = time.monotonic()
@@ -429,11 +434,31 @@ class Group:
         inflight = inflight.astype(np.int64)
         self._send(packets, dest, inflight)
         first_sent[inflight] = last_sent[inflight] = now
+        xmit[inflight] = np.arange(1, inflight.size + 1)
+        transmissions = inflight.size
         deadline = np.full(inflight.size, now + self._rto())
+        next_due = float(deadline.min())
+        last_activity = np.full(len(blocks), now)  # per shard: its latest transmission or answer
         remaining = total
 
+        def resend(positions: np.ndarray, early_count: int, now: float) -> None:
+            """Retransmit inflight[positions]; their timers restart with their own back-off."""
+            nonlocal transmissions
+            rows = inflight[positions]
+            packets["hdr"]["flags"][rows] |= wire.FLAG_RETRANSMIT
+            self._send(packets, dest, rows)
+            last_sent[rows] = now
+            last_activity[shard[rows]] = now
+            xmit[rows] = transmissions + 1 + np.arange(rows.size)
+            transmissions += rows.size
+            self.socket.stats.retransmissions += rows.size
+            self.socket.stats.early_retransmissions += early_count
+            retries[rows] += 1
+            # up to 8 x: random loss is not congestion (the window is fixed); `timeout` tells a dead aggregator
+            deadline[positions] = now + np.minimum(self._rto() * 2.0 ** np.minimum(timeouts[rows], 3), self.max_rto)
+
         while remaining:
-            wait = float(deadline.min()) - time.monotonic() if inflight.size else 0.05
+            wait = next_due - time.monotonic() if inflight.size else 0.05
             if wait > 0:
                 self.socket.wait_readable(min(wait, 0.05))
             view, lengths, sources = self.socket.recv_packets()
@@ -451,10 +476,11 @@ class Group:
                     result_flags[rows] = got["hdr"]["flags"]
                     done[rows] = True
                     remaining -= rows.size
+                    last_activity[shard[rows]] = now
                     for sh in np.unique(shard[rows]):  # RACK: the latest-sent packet known delivered
-                        latest = rows[shard[rows] == sh][np.argmax(last_sent[rows[shard[rows] == sh]])]
-                        if last_sent[latest] > rack_sent[sh]:
-                            rack_sent[sh], rack_rtt[sh] = last_sent[latest], now - last_sent[latest]
+                        latest = rows[shard[rows] == sh][np.argmax(xmit[rows[shard[rows] == sh]])]
+                        if xmit[latest] > rack_xmit[sh]:
+                            rack_xmit[sh], rack_rtt[sh] = xmit[latest], now - last_sent[latest]
                     clean = rows[retries[rows] == 0]  # Karn: only unambiguous RTT samples
                     if clean.size:
                         self._rtt_sample(float(np.max(now - first_sent[clean])))
@@ -463,32 +489,40 @@ class Group:
                     if nxt.size:
                         self._send(packets, dest, nxt)
                         first_sent[nxt] = last_sent[nxt] = now
+                        xmit[nxt] = transmissions + 1 + np.arange(nxt.size)
+                        transmissions += nxt.size
                     keep = ~done[inflight]
                     inflight = np.r_[inflight[keep], nxt]
                     deadline = np.r_[deadline[keep], np.full(nxt.size, now + self._rto())]
             # a packet sent later is answered and this one is overdue for that round trip: resend it now
             overdue = rack_rtt + np.maximum(rack_rtt * REORDER_FRACTION, REORDER_MIN)
             sh = shard[inflight]
-            early = (rack_sent[sh] > last_sent[inflight]) & (now >= last_sent[inflight] + overdue[sh])
+            later_answered = rack_xmit[sh] > xmit[inflight]
+            early = later_answered & (now >= last_sent[inflight] + overdue[sh])
             due = np.flatnonzero((deadline <= now) | early)
             if due.size:
                 rows = inflight[due]
                 late = now - first_sent[rows] > self.timeout
                 if late.any():
                     r = int(rows[late][0])
-                    s = int(shard[r])
-                    raise self._unreachable(s, int(psn[r]), int(retries[r]))
-                by_timer = rows[~early[due]]
-                timeouts[by_timer] += 1  # a back-off for the packet that keeps failing, not for all
-                packets["hdr"]["flags"][rows] |= wire.FLAG_RETRANSMIT
-                self._send(packets, dest, rows)
-                last_sent[rows] = now
-                self.socket.stats.retransmissions += rows.size
-                self.socket.stats.early_retransmissions += int(early[due].sum())
-                retries[rows] += 1
-                # up to 8 x: random loss is not congestion (the window is fixed); `timeout` tells a dead aggregator
-                backoff = np.minimum(self._rto() * 2.0 ** np.minimum(timeouts[rows], 3), self.max_rto)
-                deadline[due] = now + backoff
+                    raise self._unreachable(int(shard[r]), int(psn[r]), int(retries[r]))
+                timeouts[rows[~early[due]]] += 1  # a back-off for the packet that keeps failing, not for all
+                resend(due, int(early[due].sum()), now)
+            # tail loss probe: a shard silent for two round trips resends its latest-sent packet, whose
+            # answer lets RACK judge the ones before it
+            pto = max(2.0 * self._srtt, PROBE_MIN)
+            probes = []
+            for sh_i in np.unique(sh):
+                if now >= last_activity[sh_i] + pto:
+                    mine = np.flatnonzero(sh == sh_i)
+                    probes.append(mine[np.argmax(xmit[inflight[mine]])])
+            if probes:
+                resend(np.array(probes), len(probes), now)
+            if inflight.size:  # wake for the earliest timer, RACK deadline or probe
+                next_due = min(float(deadline.min()), float(np.min(last_activity[np.unique(sh)])) + pto)
+                rack_due = last_sent[inflight] + overdue[sh]
+                if later_answered.any():
+                    next_due = min(next_due, float(rack_due[later_answered].min()))
 
         self._next_psn = (self._next_psn + counts) & 0xFFFFFFFF
         out = [results[s : s + c] for s, c in zip(starts, counts)]
