@@ -56,6 +56,7 @@ typedef struct {
     uint64_t sent, done;       /* packets sent for the first time / answered */
     uint64_t rack_xmit;        /* the latest-transmitted answered packet's xmit (0: none yet) */
     double last_activity;      /* the shard's latest transmission or answer */
+    uint32_t probes;           /* tail loss probes since the last answer: each doubles the next wait */
     double rack_rtt;           /* that packet's round trip */
     uint32_t base_psn;
     int64_t aggregator;
@@ -289,6 +290,7 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
         w->inflight = 0;
         s->done++;
         s->last_activity = now;
+        s->probes = 0;
         if (w->xmit > s->rack_xmit) { /* RACK: the latest-sent packet known delivered */
             s->rack_xmit = w->xmit;
             s->rack_rtt = now - w->last_sent;
@@ -344,10 +346,13 @@ static int check_timers(stream_state *st, double now, double *next_deadline) {
         }
         /* Tail loss probe: nothing sent or answered for a while, and nothing later to tell a
          * loss: resend the latest-sent packet; its answer lets RACK judge the ones before it. */
-        double probe_at = s->last_activity + probe_timeout(st);
+        /* a peer that is only slow makes a shard silent too: each unanswered probe doubles the wait */
+        double pto = probe_timeout(st) * (double)(1u << (s->probes < 6 ? s->probes : 6));
+        double probe_at = s->last_activity + pto;
         if (latest && now >= probe_at) {
             retransmit(st, s, latest, now, 1);
-            probe_at = now + probe_timeout(st);
+            s->probes++;
+            probe_at = now + 2 * pto;
         }
         if (probe_at < next) next = probe_at;
     }

@@ -439,6 +439,7 @@ class Group:
         deadline = np.full(inflight.size, now + self._rto())
         next_due = float(deadline.min())
         last_activity = np.full(len(blocks), now)  # per shard: its latest transmission or answer
+        probes = np.zeros(len(blocks), dtype=np.int64)  # per shard: tail loss probes since its last answer
         remaining = total
 
         def resend(positions: np.ndarray, early_count: int, now: float) -> None:
@@ -477,6 +478,7 @@ class Group:
                     done[rows] = True
                     remaining -= rows.size
                     last_activity[shard[rows]] = now
+                    probes[shard[rows]] = 0
                     for sh in np.unique(shard[rows]):  # RACK: the latest-sent packet known delivered
                         latest = rows[shard[rows] == sh][np.argmax(xmit[rows[shard[rows] == sh]])]
                         if xmit[latest] > rack_xmit[sh]:
@@ -509,17 +511,21 @@ class Group:
                 timeouts[rows[~early[due]]] += 1  # a back-off for the packet that keeps failing, not for all
                 resend(due, int(early[due].sum()), now)
             # tail loss probe: a shard silent for two round trips resends its latest-sent packet, whose
-            # answer lets RACK judge the ones before it
-            pto = max(2.0 * self._srtt, PROBE_MIN)
-            probes = []
+            # answer lets RACK judge the ones before it; a peer that is only slow makes a shard silent
+            # too, so each unanswered probe doubles the wait
+            pto = max(2.0 * self._srtt, PROBE_MIN) * 2.0 ** np.minimum(probes, 6)
+            probe_rows = []
             for sh_i in np.unique(sh):
-                if now >= last_activity[sh_i] + pto:
+                if now >= last_activity[sh_i] + pto[sh_i]:
                     mine = np.flatnonzero(sh == sh_i)
-                    probes.append(mine[np.argmax(xmit[inflight[mine]])])
-            if probes:
-                resend(np.array(probes), len(probes), now)
+                    probe_rows.append(mine[np.argmax(xmit[inflight[mine]])])
+                    probes[sh_i] += 1
+            if probe_rows:
+                resend(np.array(probe_rows), len(probe_rows), now)
             if inflight.size:  # wake for the earliest timer, RACK deadline or probe
-                next_due = min(float(deadline.min()), float(np.min(last_activity[np.unique(sh)])) + pto)
+                live = np.unique(sh)
+                pto = max(2.0 * self._srtt, PROBE_MIN) * 2.0 ** np.minimum(probes, 6)  # after this round's probes
+                next_due = min(float(deadline.min()), float(np.min(last_activity[live] + pto[live])))
                 rack_due = last_sent[inflight] + overdue[sh]
                 if later_answered.any():
                     next_due = min(next_due, float(rack_due[later_answered].min()))
