@@ -157,4 +157,9 @@ typedef struct {
 /* One allreduce pass of every shard's packets (a MAX round or a SUM), start to finish. */
 PN_API int pn_stream_run(pn_stream_call *c, pn_stream_report *r);
 
+/* max |x| of n float32 as its bit pattern, in one pass (passing/quantize.py's
+ * max_abs_bits): any NaN gives the canonical NaN's 0x7FC00000, which sorts above
+ * infinity's 0x7F800000. finite_only: over the finite values alone (0 when none). */
+PN_API uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only);
+
 #endif

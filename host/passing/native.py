@@ -19,6 +19,8 @@ import os
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 ENGINES = ("auto", "native", "numpy")
 
 PN_OK = 0
@@ -88,6 +90,7 @@ _PROTOTYPES = {
     "pn_server_stop": (None, [_p]),
     "pn_server_get_stats": (None, [_p, ctypes.POINTER(ServerStats)]),
     "pn_stream_run": (ctypes.c_int, [ctypes.POINTER(StreamCall), ctypes.POINTER(StreamReport)]),
+    "pn_max_abs_bits": (ctypes.c_uint32, [_p, ctypes.c_size_t, ctypes.c_int]),
 }
 
 _lib: ctypes.CDLL | None = None
@@ -164,3 +167,10 @@ def check(code: int, what: str) -> None:
 def address(array) -> int:
     """The data pointer of a numpy array (for the ctypes calls)."""
     return array.__array_interface__["data"][0]
+
+
+def max_abs_bits(x: np.ndarray, finite_only: bool = False) -> int:
+    """passing.quantize.max_abs_bits in one pass of C (a contiguous float32 array)."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError("max_abs_bits: a contiguous float32 array")
+    return int(lib().pn_max_abs_bits(address(x), x.size, int(finite_only)))

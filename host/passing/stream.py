@@ -273,9 +273,10 @@ class Group:
         rows = np.zeros((len(counts), self.lanes), dtype=np.int32)
         for i, (start, count) in enumerate(zip(starts, counts)):
             block = flat[start * self.lanes : (start + count) * self.lanes]
-            bits = quantize.max_abs_bits(block)
+            bits = native.max_abs_bits(block) if self.native else quantize.max_abs_bits(block)
             if bits >= quantize.INF_BITS:  # only then a second look, at the finite values alone
-                rows[i, 0] = quantize.max_abs_bits(block[np.isfinite(block)])
+                rows[i, 0] = (native.max_abs_bits(block, finite_only=True) if self.native
+                              else quantize.max_abs_bits(block[np.isfinite(block)]))
                 rows[i, 1] = 1
             else:
                 rows[i, 0] = bits
