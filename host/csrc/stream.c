@@ -435,7 +435,7 @@ static int validate(const pn_stream_call *c, const pn_stream_report *r) {
         (c->op != PN_OP_SUM && c->op != PN_OP_MAX) || (c->kind != PN_IN_F32 && c->kind != PN_IN_I32) ||
         !c->aggregator || !c->pool || !c->next_psn || !c->start || !c->count || !c->srtt || !c->rttvar ||
         !c->rng || !(c->timeout > 0) || !(c->rto_min > 0) || !(c->max_rto >= c->rto_min) || c->drop < 0 ||
-        c->drop >= 1)
+        c->drop >= 1 || !(c->silence >= 0) || (c->silence > 0 && (!c->on_silence || !(c->silence_every > 0))))
         return PN_EINVAL;
     if (c->elements && (!c->input || !c->output)) return PN_EINVAL;
     if (c->kind == PN_IN_F32 && !c->scale) return PN_EINVAL;
@@ -500,6 +500,8 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     pn_datagram *got = malloc(capacity * sizeof *got);
     if (!got) rc = PN_ENOMEM;
     double next_deadline = now + rto(&st);
+    double last_answer = now; /* the latest RESULT that answered a packet (or the call's start) */
+    double silence_check = now + c->silence;
     while (rc == PN_OK && remaining) {
         double wait = next_deadline - now_s();
         if (wait > 0) {
@@ -523,11 +525,26 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
             r->packets_received++;
             r->bytes_received += got[i].length;
             if (c->drop > 0 && uniform(c->rng) < c->drop) continue; /* test impairment: lost on the way in */
-            if (process_datagram(&st, &got[i], now)) remaining--;
+            if (process_datagram(&st, &got[i], now)) {
+                remaining--;
+                last_answer = now;
+            }
         }
         if (remaining == 0) break;
         rc = check_timers(&st, now, &next_deadline);
         if (rc != PN_OK) break;
+        if (c->silence > 0) {
+            if (now - last_answer < c->silence) {
+                silence_check = last_answer + c->silence;
+            } else if (now >= silence_check) {
+                if (c->on_silence(c->silence_ctx)) {
+                    rc = PN_ESILENT;
+                    break;
+                }
+                silence_check = now_s() + c->silence_every;
+            }
+            if (silence_check < next_deadline) next_deadline = silence_check;
+        }
         rc = flush_sends(&st);
     }
     if (rc == PN_OK) {

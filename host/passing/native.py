@@ -24,11 +24,12 @@ import numpy as np
 ENGINES = ("auto", "native", "numpy")
 
 PN_OK = 0
-PN_EINVAL, PN_ENOMEM, PN_EEXIST, PN_ENOENT, PN_ERANGE, PN_EFULL, PN_ESYS, PN_ETIMEOUT = range(-1, -9, -1)
+PN_EINVAL, PN_ENOMEM, PN_EEXIST, PN_ENOENT, PN_ERANGE, PN_EFULL, PN_ESYS, PN_ETIMEOUT, PN_ESILENT = range(-1, -10, -1)
 ERRORS = {
     PN_EINVAL: "bad argument", PN_ENOMEM: "out of memory", PN_EEXIST: "already admitted",
     PN_ENOENT: "not admitted", PN_ERANGE: "slot range outside the engine or overlapping another job",
     PN_EFULL: "no room for another job", PN_ESYS: "system call failed", PN_ETIMEOUT: "timed out",
+    PN_ESILENT: "given up after silence",
 }
 COUNTERS = 10
 IN_F32, IN_I32 = 0, 1
@@ -50,6 +51,10 @@ _u32p, _u64p, _i64p, _dp = (ctypes.POINTER(t) for t in (ctypes.c_uint32, ctypes.
                                                          ctypes.c_double))
 
 
+# int on_silence(void *ctx): 0 keeps the call waiting, nonzero gives it up (PN_ESILENT)
+SILENCE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
 class StreamCall(ctypes.Structure):
     _fields_ = [
         ("fd", ctypes.c_int), ("lanes", ctypes.c_uint32), ("job", ctypes.c_uint32),
@@ -59,6 +64,8 @@ class StreamCall(ctypes.Structure):
         ("kind", ctypes.c_int32), ("input", _p), ("output", _p), ("elements", ctypes.c_uint64), ("scale", _dp),
         ("rto_min", ctypes.c_double), ("max_rto", ctypes.c_double), ("timeout", ctypes.c_double),
         ("srtt", _dp), ("rttvar", _dp), ("gso", ctypes.c_int32), ("drop", ctypes.c_double), ("rng", _u64p),
+        ("silence", ctypes.c_double), ("silence_every", ctypes.c_double), ("on_silence", SILENCE_CALLBACK),
+        ("silence_ctx", _p),
     ]
 
 
