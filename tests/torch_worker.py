@@ -127,6 +127,28 @@ def ddp(epochs: int) -> dict:
             "gloo": train(data, gloo, epochs, check_group=gloo, check_every=10)}
 
 
+def ddp_fault(epochs: int) -> dict:
+    """DDP training while the test kills an aggregator under it (tests/test_torch_failover.py): the
+    parameters are compared across ranks every 10 steps, then the same training runs on gloo."""
+    from demo.train import digits, train
+
+    data, gloo = digits(), dist.new_group(backend="gloo")
+    pg = dist.distributed_c10d._get_default_group()
+    start = time.time()
+    if dist.get_rank() == 0:  # the test kills the aggregator a little after this
+        import os
+        from pathlib import Path
+
+        Path(os.environ["PASSING_TEST_MARKER"]).touch()
+    passing_run = train(data, None, epochs, check_group=gloo, check_every=10)
+    passing_run.update(started=start, ended=time.time(), seconds=time.time() - start)
+    start = time.monotonic()
+    gloo_run = train(data, gloo, epochs, check_group=gloo, check_every=10)
+    gloo_run["seconds"] = time.monotonic() - start
+    return {"passing": passing_run, "gloo": gloo_run, "moves": pg.stream.moves,
+            "on_gloo": pg.network.gloo is not None, "mode": pg.mode}
+
+
 def post_local_sgd(epochs: int) -> dict:
     """torch's PostLocalSGD (hook + optimizer) over "passing", averaging within each server."""
     from demo.train import digits, train
@@ -223,7 +245,8 @@ def gradscaler(steps: int) -> dict:
 
 SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lambda a: bytes_per_allreduce(int(a[0])),
              "fallback": lambda a: fallback(), "dead_peer": lambda a: dead_peer(int(a[0])),
-             "ddp": lambda a: ddp(int(a[0])), "post_local_sgd": lambda a: post_local_sgd(int(a[0])),
+             "ddp": lambda a: ddp(int(a[0])), "ddp_fault": lambda a: ddp_fault(int(a[0])),
+             "post_local_sgd": lambda a: post_local_sgd(int(a[0])),
              "hook": lambda a: hook(int(a[0])), "nonfinite": lambda a: nonfinite(),
              "gradscaler": lambda a: gradscaler(int(a[0]))}
 

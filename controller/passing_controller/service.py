@@ -72,7 +72,7 @@ class Controller:
         self.pending: dict[tuple[str, int], PendingGroup] = {}
         self.leaving: dict[int, set[int]] = {}  # job id -> workers that left (the group goes when all have)
         # failover (docs/control.md): heartbeats, the reports of silent groups, and what was decided
-        self.started = time.monotonic()
+        self.started = self.stalled_until = time.monotonic()  # heartbeats count from the later of these
         self.last_seen: dict[tuple[str, int, int], tuple[float, float]] = {}  # worker -> (when, interval)
         self.stuck: dict[tuple[str, int, int], dict[int, int]] = {}  # (job, group, generation) -> worker -> call
         self.decided: dict[tuple[str, int, int], tuple[float, dict]] = {}  # same key -> (when, decision)
@@ -154,7 +154,10 @@ class Controller:
             while not self._stop.is_set():
                 if dict(poller.poll(100)).get(self.socket):
                     identity, _, raw = self.socket.recv_multipart()
+                    began = time.monotonic()
                     self._handle(identity, raw)
+                    if time.monotonic() - began > 0.5:  # heartbeats queued meanwhile: no one's fault
+                        self.stalled_until = time.monotonic()
                 self._expire()
         finally:
             self.close()
@@ -241,13 +244,18 @@ class Controller:
         for w, (ident, _) in pending.members.items():
             self._reply(ident, {"ok": True, **self._answer(record, reason), "worker": w})
 
-    def _allocate(self, name: str, group: int, pending: PendingGroup) -> tuple[Record, str]:
-        """Admit the group on the first aggregator that takes it, the whole group on one."""
+    def _allocate(self, name: str, group: int, pending: PendingGroup,
+                  exclude: frozenset[str] = frozenset()) -> tuple[Record, str]:
+        """Admit the group on the first aggregator that takes it, the whole group on one
+        (``exclude``: aggregators not to try, such as the one a move leaves for being down)."""
         job_id, generation = self.store.claim_job_id(MAX_JOB_ID)
         workers = [{"index": w, "host": self.topo.host(str(req["host"])).name, "udp_port": int(req["udp_port"])}
                    for w, (_, req) in sorted(pending.members.items())]
         tried: list[str] = []
         for aggregator in self.candidates(job_id, pending.aggregator):
+            if aggregator in exclude:
+                tried.append(f"{aggregator} is down")
+                continue
             try:
                 if aggregator == "switch":
                     record = self._allocate_switch(job_id, name, group, generation, pending.pool, workers)
@@ -398,11 +406,10 @@ class Controller:
 
     def _presumed_dead(self, name: str, group: int, worker: int) -> bool:
         now = time.monotonic()
-        seen = self.last_seen.get((name, group, worker))
-        if seen is None:  # no beat since this controller started: dead once it has waited as long
-            return now - self.started > DEAD_AFTER_BEATS * 1.0
-        when, every = seen
-        return now - when > DEAD_AFTER_BEATS * every
+        # (a controller that was busy, e.g. checking a dead aggregator, has not read the beats sent
+        # meanwhile: they count from the end of that stall)
+        when, every = self.last_seen.get((name, group, worker), (self.started, 1.0))
+        return now - max(when, self.stalled_until) > DEAD_AFTER_BEATS * every
 
     def _stuck(self, req: dict) -> dict:
         """A worker's aggregator has been silent: "wait" until every worker of the group says so (a
@@ -479,7 +486,8 @@ class Controller:
             w["index"]: (b"", {"host": w["host"], "udp_port": w["udp_port"]}) for w in r.workers})
         why = down or f"{name} answers, but no RESULT reached any worker"
         try:
-            new, reason = self._allocate(r.job_name, r.group, pending)
+            new, reason = self._allocate(r.job_name, r.group, pending,
+                                         exclude=frozenset([name]) if down is not None else frozenset())
         except (RequestError, SwitchError, StoreError, OSError) as e:
             log.warning("job %s group %d: silent aggregator (%s) and none to move to: %s", r.job_name, r.group,
                         why, e)

@@ -15,7 +15,8 @@ from .stream import PassingError
 
 PROTOCOL_VERSION = 2  # 2: the join answer carries the allocation's generation
 HEARTBEAT_SECONDS = 1.0  # a worker with failover says it is alive this often
-REPORT_TIMEOUT = 2.0  # a 'stuck' report not answered in this long: keep waiting, ask again
+REPORT_TIMEOUT = 10.0  # a 'stuck' report not answered in this long: keep waiting, ask again (a move
+# may take the controller a check and an admission: seconds)
 
 
 class ControllerError(PassingError):

@@ -17,13 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import PrefixStore, ProcessGroup, ReduceOp
 
 from .. import control, wire
-from ..stream import Group, PassingError
+from ..stream import Group, GroupFailed, PassingError
 from ..transport import BatchSocket
 from .hierarchy import Layout, two_stage_allreduce
 from .options import SCHEMES, OptionError, Options
@@ -49,6 +50,48 @@ class Membership:
             control.leave(self.controller, self.job, self.group, self.worker, timeout=5.0)
         except PassingError as e:
             log.warning("passing: leaving job %s group %d: %s", self.job, self.group, e)
+
+
+class FailoverStage:
+    """The network stage of one process group: its PASSING Group, and gloo among the same
+    workers once the controller has no aggregator left for it (docs/control.md "Failover").
+
+    All the group's workers get the same decision for the same call, so they switch together;
+    each first redoes, over gloo, the calls the group agreed to redo (its share of them), then
+    the interrupted one from its start."""
+
+    def __init__(self, stream: Group, store: dist.Store, prefix: str, timeout: timedelta) -> None:
+        self.stream, self.store, self.prefix, self.timeout = stream, store, prefix, timeout
+        self.gloo: C10dBackend | None = None
+
+    def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+        if self.gloo is None:
+            try:
+                return self.stream.allreduce(array, op, out=out)
+            except GroupFailed as e:
+                if e.dead:  # a peer is gone: no transport can finish the call
+                    raise
+                log.warning("passing: %s; this process group carries on over gloo", e)
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = self.timeout
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.stream.socket.address[0])]
+                self.gloo = dist.ProcessGroupGloo(PrefixStore(self.prefix, self.store), self.stream.worker,
+                                                  self.stream.workers, options)
+                for kept in e.redo_inputs:  # calls a peer did not complete: this worker's share again
+                    self._sum(torch.from_numpy(kept.copy()))
+                if e.current_input is not None:
+                    array = e.current_input
+        result = out if out is not None else np.empty_like(array)
+        if result is not array:
+            result[...] = array
+        self._sum(torch.from_numpy(result))
+        if op == "avg":
+            result /= np.float32(self.stream.workers)
+        return result
+
+    def _sum(self, tensor: torch.Tensor) -> None:
+        assert self.gloo is not None
+        self.gloo.allreduce([tensor], dist.AllreduceOptions()).wait()
 
 
 class PassingWork(dist.Work):
@@ -124,6 +167,7 @@ class ProcessGroupPassing(ProcessGroup):
                               + ("" if in_host else " (the in-host schemes need one per server)"))
         job = self._job_name(store, name)
         self.stream, answer = self._join(job, group, worker, workers)
+        self.network = FailoverStage(self.stream, store, f"passing/fallback/{name}/{group}/", timeout)
         self.mode, self.reason = answer["mode"], answer["reason"]
         self._membership = Membership(str(options.controller), job, group, worker, self.stream)
         weakref.finalize(self, self._membership.close)  # also at interpreter exit
@@ -164,8 +208,11 @@ class ProcessGroupPassing(ProcessGroup):
                 port = sock.address[1]
                 sock.close()
                 sock = BatchSocket((str(o.host), port), lanes=int(answer["lanes"]))
+            line = (control.Failover(str(o.controller), job, group, worker, aggregator=str(self.scheme.aggregator),
+                                     after=float(o.failover_after)) if o.failover_after else None)
             stream = Group.from_answer(answer, bind=sock, scale=o.scale, on_overflow=str(o.on_overflow),
-                                       rto=float(o.rto), timeout=float(o.timeout), engine=str(o.engine))
+                                       rto=float(o.rto), timeout=float(o.timeout), engine=str(o.engine),
+                                       failover=line)
         except BaseException:
             sock.close()
             raise
@@ -199,7 +246,7 @@ class ProcessGroupPassing(ProcessGroup):
                 # float16/bfloat16 (mixed precision) travel as their float32 values and come back cast
                 flat = tensor.detach().reshape(-1)
                 wide = flat if flat.dtype == torch.float32 else flat.float()
-                out = two_stage_allreduce(wide, local, self.layout, self.stream)
+                out = two_stage_allreduce(wide, local, self.layout, self.network)
                 if op == "avg":
                     out /= self.size()
                 if out.data_ptr() != tensor.data_ptr():  # summed in place already when it could be

@@ -7,13 +7,21 @@ Rank j of every server streams chunk j of the server's reduce-scatter through gr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 
 from ..stream import Group
 from .options import OptionError
+
+
+class NetworkStage(Protocol):
+    """What the network stage needs: a Group, or the backend's Group-then-gloo stage."""
+
+    def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,7 @@ class Layout:
 
 
 def two_stage_allreduce(flat: torch.Tensor, local: C10dBackend | None, layout: Layout,
-                        stream: Group) -> torch.Tensor:
+                        stream: Group | NetworkStage) -> torch.Tensor:
     """Sum a 1-D float32 tensor over every rank of every server; returns the sums.
 
     With ``local`` (n > 1 ranks per server): reduce-scatter in the server, stream this

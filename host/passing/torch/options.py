@@ -51,10 +51,12 @@ class Options:
     server: str | None = None  # PASSING_SERVER: which server this rank is on
     job: str | None = None  # PASSING_JOB: job name at the controller (default: a fresh one per run)
     engine: str | None = None  # PASSING_ENGINE: host streaming engine, auto | native | numpy
+    failover_after: float | None = None  # PASSING_FAILOVER_AFTER: silent this long, move the group (0: never;
+    # default: 5 s, or half the timeout when that is shorter)
 
     DEFAULTS = {"controller": "tcp://127.0.0.1:9090", "scheme": "passing", "scale": "auto", "on_overflow": "raise",
                 "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 0.02, "host": None, "server": None,
-                "job": None, "engine": "auto"}
+                "job": None, "engine": "auto", "failover_after": None}
 
     def resolve(self, environ: dict[str, str] | None = None) -> Options:
         """A copy with every field filled in, checked."""
@@ -66,6 +68,8 @@ class Options:
                 raw = env.get(f"PASSING_{f.name.upper()}")
                 value = self._parse(f.name, raw) if raw not in (None, "") else self.DEFAULTS[f.name]
             values[f.name] = value
+        if values["failover_after"] is None:
+            values["failover_after"] = min(5.0, values["timeout"] / 2)
         if values["server"] is None:
             # torchrun's node rank names the server; without torchrun, the machine does.
             values["server"] = env.get("GROUP_RANK") or socket.gethostname()
@@ -80,7 +84,7 @@ class Options:
         try:
             if name == "pool":
                 return int(raw)
-            if name in ("timeout", "join_timeout", "rto"):
+            if name in ("timeout", "join_timeout", "rto", "failover_after"):
                 return float(raw)
             if name == "scale":
                 return raw if raw == "auto" else float(raw)
@@ -102,6 +106,9 @@ class Options:
         for name in ("timeout", "join_timeout", "rto"):
             if not getattr(self, name) > 0:
                 raise OptionError(f"{name} must be positive; got {getattr(self, name)}")
+        if not 0 <= self.failover_after < self.timeout:
+            raise OptionError(f"failover_after must be 0 (off) or below timeout ({self.timeout:g} s); "
+                              f"got {self.failover_after}")
 
 
 def route_source(endpoint: str) -> str:
