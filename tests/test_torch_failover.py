@@ -5,6 +5,7 @@ ranks' parameters stay identical at every check and the training ends as a fault
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -15,15 +16,27 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
 pytest.importorskip("sklearn", reason="scikit-learn is not installed (pip install -e 'host[test]')")
 
-from cluster.local import LocalServices, collect, launch_ranks  # noqa: E402
+from cluster.local import LocalServices, collect, launch_ranks, start_controller  # noqa: E402
+from passing.control import request  # noqa: E402
 from tests.test_torch_backend import WORKER  # noqa: E402
 
 EPOCHS = 8
 
 
-def train_through_a_kill(ps: int, tmp_path: Path) -> tuple[list[dict], float]:
-    """Start the training, SIGKILL PS 0 once every group runs and a few steps are done; returns
-    each rank's report and when the kill came (time.time())."""
+def restart_controller(services: LocalServices) -> None:
+    """SIGKILL the controller, and 2 s later start it again on the same topology and store."""
+    controller = services.procs[-1]
+    os.kill(controller.pid, signal.SIGKILL)
+    controller.wait(10)
+    time.sleep(2.0)  # the groups' heartbeats find nobody meanwhile; their data path does not need it
+    workdir = Path(services._tmp.name)
+    topology = json.loads((workdir / "topology.json").read_text())
+    services.procs[-1], _ = start_controller(topology, workdir, services.controller)
+
+
+def train_through_a_kill(ps: int, tmp_path: Path, victim: str = "ps") -> tuple[list[dict], float]:
+    """Start the training, SIGKILL PS 0 (or restart the controller) once every group runs and a
+    few steps are done; returns each rank's report and when the kill came (time.time())."""
     marker = tmp_path / "training"
     with LocalServices(ps=ps) as services:
         procs = launch_ranks([*WORKER, "ddp_fault", str(EPOCHS)], 2, 2,
@@ -35,8 +48,13 @@ def train_through_a_kill(ps: int, tmp_path: Path) -> tuple[list[dict], float]:
                 assert all(p.poll() is None for p in procs), "a rank died before the kill"
                 time.sleep(0.1)
             time.sleep(1.5)  # mid-training
-            os.kill(services.procs[0].pid, signal.SIGKILL)
             killed_at = time.time()
+            if victim == "ps":
+                os.kill(services.procs[0].pid, signal.SIGKILL)
+            else:
+                restart_controller(services)
+                jobs = request(services.controller, "status")["jobs"]
+                assert len(jobs) == 2, jobs  # reconciled from its store: both groups still there
             outcomes = collect(procs, 600)
         finally:
             for p in procs:
@@ -73,3 +91,11 @@ def test_ps_killed_mid_training_with_none_left_the_groups_carry_on_over_gloo(tmp
     check_training(reports)
     assert all(r["passing"]["started"] < killed_at < r["passing"]["ended"] for r in reports), "not mid-training"
     assert all(r["on_gloo"] for r in reports)
+
+
+@pytest.mark.timeout(600)
+def test_controller_killed_and_restarted_mid_training_changes_nothing(tmp_path):
+    reports, killed_at = train_through_a_kill(1, tmp_path, victim="controller")
+    check_training(reports)
+    assert all(r["passing"]["started"] < killed_at < r["passing"]["ended"] for r in reports), "not mid-training"
+    assert all(r["moves"] == 0 and not r["on_gloo"] for r in reports)
