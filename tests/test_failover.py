@@ -104,7 +104,10 @@ def test_killed_ps_mid_run_moves_the_group_and_every_result_is_exact(two_ps, tmp
                 proc = p0 if r0["data"].endswith(f":{first['port']}") else p1
                 os.kill(proc.pid, signal.SIGKILL)
 
+        start = time.monotonic()
         outcomes = run_group(running.endpoint, "killed-ps", data, kill_at_call_5, engine=engine)
+        print(f"killed PS ({engine}): 30 calls of 3 workers in {time.monotonic() - start:.1f} s, "
+              f"failover_after {AFTER} s")
         assert_exact(data, outcomes)
         assert all(moves == 1 for _, _, moves in outcomes)
         killed, other = (r0, r1) if r0["data"].endswith(f":{first['port']}") else (r1, r0)
@@ -223,6 +226,7 @@ def test_with_no_aggregator_left_the_group_fails_with_the_reason(tmp_path):
                 if len(results) == 5:  # completed call 3 before the kill reached it
                     assert np.array_equal(results[3], expected) and len(error.redo_inputs) in (0, 1)
             assert took < 30  # AFTER + the check, not the 60 s timeout
+            print(f"no aggregator left: GroupFailed after {took:.1f} s of a 10-call run")
             assert running.ctl.status()["jobs"] == []  # the allocation on the dead PS is gone
         finally:
             running.stop()
@@ -261,6 +265,7 @@ def test_a_dead_worker_is_named_to_its_peers_and_its_slots_are_freed(tmp_path):
             assert "slots freed" in str(results[4])
         assert status["jobs"] == [] and status["pending"] == []
         assert took < 20  # AFTER + 3 missed heartbeats, not the 60 s timeout
+        print(f"dead worker: its peers' error after {took:.1f} s (failover_after {AFTER} s, heartbeat 0.2 s)")
     finally:
         proc.terminate()
         proc.wait(10)

@@ -131,6 +131,8 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     p.add_argument("--leave", action="store_true",
                    help="leave the job at the end; the controller ends it when every worker has (--controller)")
     p.add_argument("--drop", type=float, default=0.0, help="test: drop this fraction of packets each way, here")
+    p.add_argument("--failover-after", type=float, default=5.0,
+                   help="with --controller: seconds without a RESULT before the group asks to move (0: off)")
     p.add_argument("--gate", help="test: between iterations, wait until this file exists")
     p.add_argument("--bind", required=True, help="this worker's admitted address, ip:port")
     p.add_argument("--pool", type=int, default=256)
@@ -162,7 +164,9 @@ def allreduce_main(argv: list[str] | None = None) -> int:
             answer = control.join(args.controller, args.job_name, args.worker, args.workers, host, port,
                                   group=args.group, pool=args.pool, timeout=args.timeout)
             mode = answer["mode"]
-            group = Group.from_answer(answer, bind=args.bind, **options)
+            line = (control.Failover(args.controller, args.job_name, args.group, args.worker,
+                                     after=args.failover_after) if args.failover_after > 0 else None)
+            group = Group.from_answer(answer, bind=args.bind, failover=line, **options)
         else:
             group = Group(args.job, args.worker, args.workers, args.aggregator, pool=args.pool, lanes=args.lanes,
                           generation=args.generation, bind=args.bind, **options)
