@@ -221,11 +221,33 @@ def gradscaler(steps: int) -> dict:
     return out
 
 
+def embedded_run() -> dict:
+    """One all_reduce, then destroy_process_group: reports where the controller was and, on rank 0,
+    whether the embedded controller and aggregator stopped with the group."""
+    import socket
+    import threading
+
+    pg = dist.distributed_c10d._get_default_group()
+    x = torch.full((5000,), float(dist.get_rank() + 1))
+    dist.all_reduce(x)
+    world = dist.get_world_size()
+    out = {"sum_ok": bool((x == world * (world + 1) / 2).all()), "mode": pg.mode, "reason": pg.reason,
+           "embedded_mode": pg.embedded_mode, "controller": pg.options.controller, "host": pg.options.host,
+           "rank": dist.get_rank()}
+    dist.destroy_process_group()
+    host, port = pg.options.controller.rsplit("/", 1)[-1].rsplit(":", 1)
+    with socket.socket() as s:  # free again once the embedded controller has stopped
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        out["port_free"] = s.connect_ex((host, int(port))) != 0
+    out["threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("passing-embedded")]
+    return out
+
+
 SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lambda a: bytes_per_allreduce(int(a[0])),
              "fallback": lambda a: fallback(), "dead_peer": lambda a: dead_peer(int(a[0])),
              "ddp": lambda a: ddp(int(a[0])), "post_local_sgd": lambda a: post_local_sgd(int(a[0])),
              "hook": lambda a: hook(int(a[0])), "nonfinite": lambda a: nonfinite(),
-             "gradscaler": lambda a: gradscaler(int(a[0]))}
+             "gradscaler": lambda a: gradscaler(int(a[0])), "embedded": lambda a: embedded_run()}
 
 
 def init_explicitly() -> None:
@@ -249,7 +271,7 @@ def main() -> None:
     try:
         result = SCENARIOS[scenario](args)
     finally:
-        if scenario != "dead_peer":
+        if scenario not in ("dead_peer", "embedded"):  # these end the group themselves
             dist.destroy_process_group()
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
