@@ -325,7 +325,7 @@ class SoftwareAggregator:
         jobs = [job] if job is not None else [s.job for s in self.engine.jobs()]
         reply: dict[str, Any] = {
             "totals": self.engine.counters(),
-            "jobs": {str(j): self.engine.counters(j) for j in jobs},
+            "jobs": {str(j): job_counters(self.engine.counters(j)) for j in jobs},
         }
         if self.native is None:
             reply["injected"] = {
@@ -386,6 +386,16 @@ class SoftwareAggregator:
         else:
             reply = self.handle(request)
         self.control.send(json.dumps(reply).encode())
+
+
+# Every DATA packet of an admitted job ends in exactly one of these (overflow is part of aggregated).
+OUTCOMES = ("rejected", "aggregated", "duplicate", "duplicate_answered", "stale")
+
+
+def job_counters(counters: dict[str, int]) -> dict[str, int]:
+    """A job's counters with its ``received`` filled in: the engines count arrivals in their totals
+    only (a packet's job is known after it is parsed), so a job's arrivals are its outcomes."""
+    return {**counters, "received": sum(counters[k] for k in OUTCOMES)}
 
 
 def thread_cpu_seconds(thread: threading.Thread) -> float:
