@@ -10,7 +10,7 @@ from pathlib import Path
 
 import zmq
 
-from . import metrics, rpc
+from . import metrics, rpc, top
 from .p4runtime import Pipeline
 from .service import PROTOCOL_VERSION, Controller
 from .store import StoreError
@@ -89,7 +89,18 @@ def ctl_main(argv: list[str] | None = None) -> int:
     lv = sub.add_parser("leave", help="remove a job group")
     lv.add_argument("job")
     lv.add_argument("--group", type=int, default=0)
+    tp = sub.add_parser("top", help="a live view of jobs, groups, modes, slots and rates (q quits)")
+    tp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    tp.add_argument("--once", action="store_true", help="print one frame as text and exit")
     args = p.parse_args(argv)
+    if args.cmd == "top":
+        if not args.interval > 0:
+            p.error("--interval must be positive")
+        try:
+            return top.once(args.controller) if args.once else top.run(args.controller, args.interval)
+        except (OSError, RuntimeError, zmq.ZMQError) as e:
+            print(f"passing-ctl: error: {e}", file=sys.stderr)
+            return 2
     try:
         if args.cmd in ("jobs", "slots"):
             reply = request(args.controller, "status")
