@@ -25,7 +25,7 @@ def without_controller(env: dict[str, str]) -> dict[str, str]:
 
 def clean_env() -> dict[str, str]:
     return {**without_controller(dict(os.environ)), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-            "PASSING_TIMEOUT": "20"}
+            "PASSING_TIMEOUT": "20", "PASSING_REPORT_INTERVAL": "0.2"}
 
 
 def check_embedded(reports: list[dict], address: str) -> None:
@@ -34,6 +34,7 @@ def check_embedded(reports: list[dict], address: str) -> None:
         assert r["sum_ok"] and r["embedded_mode"] and r["mode"] == "ps", r
         assert "embedded controller in rank 0" in r["reason"], r
         assert r["controller"].startswith(f"tcp://{address}:"), r
+        assert r["reported_calls"] == 1, r  # the rank's periodic report reached the controller
     rank0 = next(r for r in reports if r["rank"] == 0)
     assert rank0["port_free"] and rank0["threads_left"] == [], rank0  # stopped with the process group
 
@@ -57,7 +58,7 @@ def test_across_network_namespaces():
         pytest.skip(f"network namespaces unavailable: {why}")
     servers = ["server0", "server1"]
     with netns.EmulatedNetwork(servers) as net:
-        procs = launch_ranks([*WORKER, "embedded"], 2, 2, {"PASSING_TIMEOUT": "20"},
+        procs = launch_ranks([*WORKER, "embedded"], 2, 2, {"PASSING_TIMEOUT": "20", "PASSING_REPORT_INTERVAL": "0.2"},
                              popen_for_server=lambda s: lambda argv, env, **kw: net.popen(
                                  servers[s], argv, env=without_controller(env), **kw),
                              env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},

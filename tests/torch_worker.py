@@ -221,6 +221,21 @@ def gradscaler(steps: int) -> dict:
     return out
 
 
+def reported_calls(pg, wait: float = 10.0) -> float:
+    """The calls this rank reported to the controller (PASSING_REPORT_INTERVAL), as its `metrics` shows them."""
+    from passing import control
+
+    m = pg._membership
+    deadline = time.monotonic() + wait
+    while True:
+        groups = control.request(m.controller, "metrics")["groups"]
+        mine = next(g for g in groups if (g["job"], g["group"]) == (m.job, m.group))
+        calls = mine["hosts"].get(str(m.worker), {}).get("calls", 0.0)
+        if calls or time.monotonic() > deadline:
+            return calls
+        time.sleep(0.05)
+
+
 def embedded_run() -> dict:
     """One all_reduce, then destroy_process_group: reports where the controller was and, on rank 0,
     whether the embedded controller and aggregator stopped with the group."""
@@ -233,7 +248,7 @@ def embedded_run() -> dict:
     world = dist.get_world_size()
     out = {"sum_ok": bool((x == world * (world + 1) / 2).all()), "mode": pg.mode, "reason": pg.reason,
            "embedded_mode": pg.embedded_mode, "controller": pg.options.controller, "host": pg.options.host,
-           "rank": dist.get_rank()}
+           "rank": dist.get_rank(), "reported_calls": reported_calls(pg)}
     dist.destroy_process_group()
     host, port = pg.options.controller.rsplit("/", 1)[-1].rsplit(":", 1)
     with socket.socket() as s:  # free again once the embedded controller has stopped
