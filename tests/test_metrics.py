@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -150,3 +151,22 @@ def test_bad_metrics_address_and_port_in_use_are_clear_errors(tmp_path):
             used = subprocess.run([*argv, "--metrics", taken], capture_output=True, text=True, timeout=60)
             assert used.returncode == 2, used.stderr
             assert f"cannot serve metrics on {taken}" in used.stderr and "in use" in used.stderr, used.stderr
+
+
+def test_a_report_for_a_group_that_is_not_running_is_refused(tmp_path):
+    from passing.control import ControllerError, request
+    from passing_controller.service import Controller
+    from passing_controller.topology import Topology
+
+    topo = Topology.from_dict({"ps": [{"data": "127.0.0.1:9", "control": f"tcp://127.0.0.1:{free_tcp_port()}"}]})
+    ctl = Controller(topo, None, tmp_path / "s.sqlite", "tcp://127.0.0.1:*")
+    thread = threading.Thread(target=ctl.serve)
+    thread.start()
+    try:
+        with pytest.raises(ControllerError, match="job 'nobody' group 0 is not running"):
+            report(ctl.endpoint, "nobody", 0, 0, {"calls": 1})
+        answer = request(ctl.endpoint, "metrics")
+        assert answer["groups"] == [] and answer["pending"] == 0 and answer["joins_failed"] == 0
+    finally:
+        ctl.stop()
+        thread.join(10)
