@@ -14,7 +14,7 @@ setup(
             sources=["csrc/wire.c", "csrc/engine.c", "csrc/server.c", "csrc/stream.c", "csrc/udp.c"],
             depends=["csrc/passing_native.h", "csrc/udp.h", "csrc/engine.h"],
             include_dirs=["csrc"],
-            extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"],
+            extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"],
             extra_link_args=["-pthread"],
             optional=False,
         )

@@ -38,3 +38,22 @@ def test_saturation_at_a_fixed_scale_is_flagged_alike():
     for engine in ("native", "numpy"):
         results = allreduce_all([x, x], engine=engine, scale=1.0)
         assert all("overflowed" in str(r) for r in results), (engine, results)
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 64, 1001])
+def test_native_max_abs_bits_matches_the_specification(size):
+    from passing import native, quantize
+
+    rng = np.random.default_rng(size)
+    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, -0.0, 1e-45, -3.4e38], np.float32)
+    for trial in range(20):
+        x = tricky_floats(trial, size)
+        if size and trial % 2:
+            x[rng.integers(0, size, 1 + size // 50)] = rng.choice(specials, 1 + size // 50)
+        if size and trial % 5 == 0:  # a NaN with a payload of its own
+            payload = np.array([0x7FC12345 | (trial << 31 & 0x80000000)], np.uint32)
+            x[rng.integers(0, size)] = payload.view(np.float32)[0]
+        assert native.max_abs_bits(x) == quantize.max_abs_bits(x), x
+        assert native.max_abs_bits(x, finite_only=True) == quantize.max_abs_bits(x[np.isfinite(x)]), x
+    with pytest.raises(ValueError):
+        native.max_abs_bits(np.zeros(4, np.float64))

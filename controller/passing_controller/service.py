@@ -38,6 +38,9 @@ AGGREGATOR_CHOICES = ("any", "ps")  # a join's "aggregator": the PS and PSRing b
 FINISHED_RETENTION = 300.0  # s a finished group stays in `metrics`, so a scrape sees its final counters
 REPORT_FIELDS = ("packets_sent", "bytes_sent", "packets_received", "bytes_received", "retransmissions",
                  "early_retransmissions", "calls", "call_seconds")  # what a worker reports (docs/control.md)
+DEAD_AFTER_BEATS = 3  # a worker whose heartbeats stopped this many intervals ago is presumed dead
+CHECK_TIMEOUT = 2.0  # seconds the liveness check of a silent aggregator may take
+DECISIONS_KEPT_SECONDS = 600.0  # a move's decision is answered to late reporters this long
 
 
 class RequestError(ValueError):
@@ -74,8 +77,13 @@ class Controller:
         # For `metrics` (memory only: counters restart with the controller, as Prometheus expects):
         self.reports: dict[int, dict[int, dict[str, float]]] = {}  # job id -> worker -> its latest report
         self.finished: list[dict[str, Any]] = []  # groups torn down lately, with their final counters
-        self.admitted = {"switch": 0, "ps": 0}  # groups allocated since start, by mode
-        self.joins_failed = 0  # groups refused since start
+        self.admitted = {"switch": 0, "ps": 0}  # groups allocated since start (joins and moves), by mode
+        self.joins_failed = 0  # groups no aggregator could take since start (joins and moves)
+        # failover (docs/control.md): heartbeats, the reports of silent groups, and what was decided
+        self.started = time.monotonic()
+        self.last_seen: dict[tuple[str, int, int], tuple[float, float]] = {}  # worker -> (when, interval)
+        self.stuck: dict[tuple[str, int, int], dict[int, int]] = {}  # (job, group, generation) -> worker -> call
+        self.decided: dict[tuple[str, int, int], tuple[float, dict]] = {}  # same key -> (when, decision)
         for r in self.store.all():
             (self.allocator if r.mode == "switch" else self.ps_allocators.setdefault(
                 r.aggregator["control"], SlotAllocator(4096))).reserve(r.base, r.pool)
@@ -191,6 +199,10 @@ class Controller:
                 return  # answered when the group is complete
             if cmd == "leave":
                 reply = self._leave(request)
+            elif cmd == "alive":
+                reply = self._alive(request)
+            elif cmd == "stuck":
+                reply = self._stuck(request)
             elif cmd == "status":
                 reply = self.status()
             elif cmd == "stats":
@@ -230,6 +242,7 @@ class Controller:
         if worker in pending.members:
             raise RequestError(f"worker {worker} of job {name!r} group {group} joined already")
         pending.members[worker] = (identity, req)
+        self.last_seen[(name, group, worker)] = (time.monotonic(), 1.0)  # a join is a sign of life too
         if len(pending.members) < workers:
             return
         del self.pending[key]
@@ -241,14 +254,8 @@ class Controller:
                 self._reply(ident, {"ok": False, "error": f"job {name!r} group {group}: {e}"})
             return
         self.admitted[record.mode] += 1
-        host, port = record.aggregator["data"].rsplit(":", 1)
         for w, (ident, _) in pending.members.items():
-            self._reply(ident, {
-                "ok": True, "mode": record.mode, "reason": reason, "job": name, "group": group,
-                "job_id": record.job_id, "generation": record.generation, "worker": w, "workers": workers,
-                "pool": record.pool,
-                "lanes": self.topo.lanes, "aggregators": [{"host": host, "port": int(port), "pool": record.pool}],
-            })
+            self._reply(ident, {"ok": True, **self._answer(record, reason), "worker": w})
 
     def _allocate(self, name: str, group: int, pending: PendingGroup) -> tuple[Record, str]:
         """Admit the group on the first aggregator that takes it, the whole group on one."""
@@ -371,26 +378,147 @@ class Controller:
                     if len(left) < len(r.workers):
                         return {"left": {"job": name, "group": group, "job_id": r.job_id, "worker": worker},
                                 "remaining": sorted(set(range(len(r.workers))) - left)}
-                self.leaving.pop(r.job_id, None)
-                final = self._group_metrics(r, self._final_counters(r), running=False)
-                self.reports.pop(r.job_id, None)
-                if r.mode == "switch":
-                    if self.switch is not None:
-                        a = self._allocation(r)
-                        admission.remove(self.switch, a)
-                        result_rewrite.remove(self.switch, a)
-                    self.allocator.release(r.base)
-                else:
-                    try:
-                        ps_request(r.aggregator["control"], "remove_job", job=r.job_id)
-                    except (OSError, RequestError) as e:  # a dead PS holds nothing: the group ends anyway
-                        self.store.mark_down(r.aggregator["control"], str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
-                        log.warning("PS %s did not remove job id %d: %s", r.aggregator["control"], r.job_id, e)
-                    self.ps_allocators[r.aggregator["control"]].release(r.base)
-                self.store.remove(r.job_id)
-                self.finished.append({**final, "ended": time.time()})
+                self._teardown(r)
                 return {"left": {"job": name, "group": group, "job_id": r.job_id}, "remaining": []}
         raise RequestError(f"job {name!r} group {group} is not running")
+
+    def _teardown(self, r: Record, reachable: bool = True) -> None:
+        """Free a group's allocation: its entries or its PS job where the aggregator still answers
+        (``reachable=False``: it is known dead, so nobody waits for it), its slots in any case."""
+        self.leaving.pop(r.job_id, None)
+        final = self._group_metrics(r, self._final_counters(r) if reachable else {}, running=False)
+        self.reports.pop(r.job_id, None)
+        if r.mode == "switch":
+            if self.switch is not None and reachable:
+                a = self._allocation(r)
+                try:
+                    admission.remove(self.switch, a)
+                    result_rewrite.remove(self.switch, a)
+                except SwitchError as e:  # reconciliation removes them once the switch is back
+                    log.warning("switch did not remove job id %d: %s", r.job_id, e)
+            self.allocator.release(r.base)
+        else:
+            if reachable:
+                try:
+                    ps_request(r.aggregator["control"], "remove_job", job=r.job_id)
+                except (OSError, RequestError) as e:  # a dead PS holds nothing: the group ends anyway
+                    self.store.mark_down(r.aggregator["control"], str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
+                    log.warning("PS %s did not remove job id %d: %s", r.aggregator["control"], r.job_id, e)
+            self.ps_allocators[r.aggregator["control"]].release(r.base)
+        self.store.remove(r.job_id)
+        self.finished.append({**final, "ended": time.time()})  # for `metrics`, a while
+
+    # ---- failover: heartbeats, silent groups, moves (docs/control.md) ------------------------
+
+    def _alive(self, req: dict) -> dict:
+        every = float(req.get("every", 1.0))
+        if not 0 < every <= 60:
+            raise RequestError(f"heartbeat interval {every} outside (0, 60] s")
+        self.last_seen[(str(req["job"]), int(req.get("group", 0)), int(req["worker"]))] = (time.monotonic(), every)
+        return {}
+
+    def _presumed_dead(self, name: str, group: int, worker: int) -> bool:
+        now = time.monotonic()
+        seen = self.last_seen.get((name, group, worker))
+        if seen is None:  # no beat since this controller started: dead once it has waited as long
+            return now - self.started > DEAD_AFTER_BEATS * 1.0
+        when, every = seen
+        return now - when > DEAD_AFTER_BEATS * every
+
+    def _stuck(self, req: dict) -> dict:
+        """A worker's aggregator has been silent: "wait" until every worker of the group says so (a
+        slow peer is not a failure), then move the whole group at once; a peer whose heartbeats
+        stopped ends the group instead. Every reporter of an allocation gets the same decision."""
+        name, group, worker = str(req["job"]), int(req.get("group", 0)), int(req["worker"])
+        generation, call = int(req["generation"]), int(req["call"])
+        wanted = str(req.get("aggregator", "any"))
+        if wanted not in AGGREGATOR_CHOICES:
+            raise RequestError(f"aggregator must be one of {AGGREGATOR_CHOICES}, got {wanted!r}")
+        if call < 0:
+            raise RequestError(f"bad call index {call}")
+        key = (name, group, generation)
+        now = time.monotonic()
+        for k, (when, _) in list(self.decided.items()):
+            if now - when > DECISIONS_KEPT_SECONDS:
+                del self.decided[k]
+        if key in self.decided:
+            return {**self.decided[key][1], "worker": worker}
+        r = next((r for r in self.store.all() if r.job_name == name and r.group == group), None)
+        if r is None or r.generation != generation:
+            raise RequestError(f"job {name!r} group {group} has no allocation of generation {generation}")
+        if not 0 <= worker < len(r.workers):
+            raise RequestError(f"job {name!r} group {group} has no worker {worker}")
+        reports = self.stuck.setdefault(key, {})
+        reports[worker] = call
+        missing = [w for w in range(len(r.workers)) if w not in reports]
+        redo = min(reports.values())
+        if missing:
+            left = self.leaving.get(r.job_id, set())
+            dead = [w for w in missing if w in left or self._presumed_dead(name, group, w)]
+            if not dead:
+                return {"state": "wait", "waiting_for": missing}
+            why = ", ".join(f"worker {w} ({'left the group' if w in left else 'no heartbeat'})" for w in dead)
+            decision = {"state": "failed", "redo": redo, "dead": dead,
+                        "error": f"job {name!r} group {group}: {why}: the group is ended and its slots freed"}
+            log.warning("job %s group %d: %s: ending the group", name, group, why)
+            self._teardown(r)
+        else:
+            decision = self._move(r, wanted, redo)
+        del self.stuck[key]
+        self.decided[key] = (now, decision)
+        return {**decision, "worker": worker}
+
+    def _check(self, r: Record) -> str | None:
+        """Why the group's aggregator is down, or None when it answers."""
+        if r.mode == "switch":
+            if self.switch is None:
+                return f"switch unreachable: {self.switch_error}"
+            try:
+                counters.totals(self.switch)
+            except SwitchError as e:
+                self.switch.close()
+                self.switch, self.switch_error = None, str(e)
+                self._switch_retry_at = time.monotonic() + SWITCH_RETRY_SECONDS
+                return f"switch unreachable: {e}"
+            return None
+        try:
+            ps_request(r.aggregator["control"], "ping", timeout=CHECK_TIMEOUT)
+        except (OSError, RequestError) as e:
+            return f"PS {r.aggregator['control']}: {e}"
+        return None
+
+    def _move(self, r: Record, wanted: str, redo: int) -> dict:
+        """Every worker is stuck: a new allocation for the whole group, on the next aggregator
+        that can serve (the same one when it still answers and comes first)."""
+        down = self._check(r)
+        name = "switch" if r.mode == "switch" else r.aggregator["control"]
+        if down is not None:
+            self.store.mark_down(name, down, time.time(),
+                                 SWITCH_RETRY_SECONDS if r.mode == "switch" else AGGREGATOR_RETRY_SECONDS)
+        self._teardown(r, reachable=down is None)
+        pending = PendingGroup(len(r.workers), r.pool, 0.0, wanted, {
+            w["index"]: (b"", {"host": w["host"], "udp_port": w["udp_port"]}) for w in r.workers})
+        why = down or f"{name} answers, but no RESULT reached any worker"
+        try:
+            new, reason = self._allocate(r.job_name, r.group, pending)
+        except (RequestError, SwitchError, StoreError, OSError) as e:
+            self.joins_failed += 1
+            log.warning("job %s group %d: silent aggregator (%s) and none to move to: %s", r.job_name, r.group,
+                        why, e)
+            return {"state": "failed", "redo": redo, "dead": [],
+                    "error": f"job {r.job_name!r} group {r.group}: {why}; no aggregator left: {e}"}
+        self.admitted[new.mode] += 1
+        log.info("job %s group %d moved from %s (%s) to %s, redoing call %d", r.job_name, r.group, name, why,
+                 new.aggregator["data"], redo)
+        return {"state": "move", "redo": redo, **self._answer(new, reason=f"moved: {why}; now {reason}")}
+
+    def _answer(self, record: Record, reason: str) -> dict:
+        """The part of a join (or move) answer that is the same for every worker of the group."""
+        host, port = record.aggregator["data"].rsplit(":", 1)
+        return {"mode": record.mode, "reason": reason, "job": record.job_name, "group": record.group,
+                "job_id": record.job_id, "generation": record.generation, "workers": len(record.workers),
+                "pool": record.pool, "lanes": self.topo.lanes,
+                "aggregators": [{"host": host, "port": int(port), "pool": record.pool}]}
 
     def _report(self, req: dict) -> dict:
         """A worker's counters so far (cumulative); the latest one counts."""

@@ -53,6 +53,7 @@ void pn_lane_set(uint8_t *packet, uint32_t i, int32_t v);
 #define PN_EFULL (-6)       /* no room for another job */
 #define PN_ESYS (-7)        /* a system call failed: errno in the report */
 #define PN_ETIMEOUT (-8)    /* no RESULT within the timeout */
+#define PN_ESILENT (-9)     /* the stream's on_silence callback gave the call up (failover) */
 
 /* ---- the aggregation engine (mirrors passing/aggregation.py) ----------------------- */
 
@@ -142,6 +143,12 @@ typedef struct {
     /* test impairment: drop this fraction each way, here */
     double drop;
     uint64_t *rng;               /* its generator's state */
+    /* failover (docs/control.md): once no RESULT has come for `silence` seconds (0: never),
+     * and every `silence_every` seconds after that, on_silence(silence_ctx) says whether to
+     * keep waiting (0) or give the call up (nonzero: PN_ESILENT) */
+    double silence, silence_every;
+    int (*on_silence)(void *ctx);
+    void *silence_ctx;
 } pn_stream_call;
 
 typedef struct {
@@ -156,5 +163,10 @@ typedef struct {
 
 /* One allreduce pass of every shard's packets (a MAX round or a SUM), start to finish. */
 PN_API int pn_stream_run(pn_stream_call *c, pn_stream_report *r);
+
+/* max |x| of n float32 as its bit pattern, in one pass (passing/quantize.py's
+ * max_abs_bits): any NaN gives the canonical NaN's 0x7FC00000, which sorts above
+ * infinity's 0x7F800000. finite_only: over the finite values alone (0 when none). */
+PN_API uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only);
 
 #endif

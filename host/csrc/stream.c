@@ -127,20 +127,93 @@ static int quantize(float x, const shard_state *s, int32_t *out) {
     return 0;
 }
 
-/* rintf in the default rounding mode (half to even), without a libm call: adding and taking
- * away 1.5 * 2^23 leaves an integer for |v| < 2^22; from 2^23 on every float32 is one. */
-static float round_even(float v) {
-    float a = fabsf(v);
-    if (a < 4194304.0f) return (v + 12582912.0f) - 12582912.0f; /* IEEE: no compiler may fold this */
-    return a < 8388608.0f ? rintf(v) : v;
+/* The lane loops below are written so that the compiler vectorizes them; byte swaps need
+ * SSSE3, which x86-64's baseline lacks, so on x86-64 they are also built for AVX2 and the
+ * loader picks the variant the CPU runs. */
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#define LANE_LOOP __attribute__((target_clones("avx2", "default")))
+#else
+#define LANE_LOOP
+#endif
+
+static uint32_t float_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
 }
 
-static float dequantize(int32_t q, const shard_state *s) {
-    if (s->scale_f32) return (float)q * s->inverse_f;
-    return (float)((double)q / s->scale);
+/* The common case: x * scale (exact in float32: scale is a power of two), rounded half to
+ * even, to big-endian int32 lanes, without a branch or a libm call. Adding and taking away
+ * 2^23 rounds |v| < 2^23 in the default rounding mode (IEEE: no compiler may fold it); from
+ * 2^23 on every float32 is an integer. The selects are on bits, so the loop has no control
+ * flow to keep it from vectorizing. Returns 0 when a value is not finite or falls outside
+ * int32 (converted as 0 here, never out of range): the caller then redoes the packet with
+ * quantize(), which saturates and flags. */
+LANE_LOOP static int quantize_f32_fast(const float *restrict x, uint32_t n, float scale, uint8_t *restrict lanes) {
+    uint32_t bad = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        float v = x[i] * scale;
+        float a = fabsf(v);
+        float rounded = (a + 8388608.0f) - 8388608.0f;
+        uint32_t small = -(uint32_t)(a < 8388608.0f);
+        uint32_t fits = -(uint32_t)(a < 2147483648.0f); /* 0 for NaN too */
+        uint32_t magnitude = (float_bits(rounded) & small) | (float_bits(a) & ~small);
+        uint32_t bits = (magnitude | (float_bits(v) & 0x80000000u)) & fits;
+        float r;
+        memcpy(&r, &bits, sizeof r);
+        bad |= ~fits;
+        uint32_t be = __builtin_bswap32((uint32_t)(int32_t)r);
+        memcpy(lanes + 4 * (size_t)i, &be, sizeof be);
+    }
+    return bad == 0;
+}
+
+LANE_LOOP uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only) {
+    uint32_t most = 0;
+    if (finite_only) {
+        for (size_t i = 0; i < n; i++) {
+            uint32_t b = float_bits(x[i]) & 0x7FFFFFFFu;
+            b = b < 0x7F800000u ? b : 0;
+            most = b > most ? b : most;
+        }
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            uint32_t b = float_bits(x[i]) & 0x7FFFFFFFu;
+            most = b > most ? b : most;
+        }
+    }
+    return most > 0x7F800000u ? 0x7FC00000u : most;
 }
 
 static uint32_t to_be32(uint32_t v) { return __builtin_bswap32(v); }
+
+static int32_t lane_at(const uint8_t *lanes, uint32_t i) {
+    uint32_t be;
+    memcpy(&be, lanes + 4 * (size_t)i, sizeof be);
+    return (int32_t)to_be32(be);
+}
+
+LANE_LOOP static int saturated_lanes(const uint8_t *lanes, uint32_t n) {
+    int saturated = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        int32_t v = lane_at(lanes, i);
+        saturated |= (v == INT32_MAX) | (v == INT32_MIN);
+    }
+    return saturated;
+}
+
+/* Lanes to floats: one rounding either way (passing/quantize.py's dequantize). */
+LANE_LOOP static void dequantize_lanes(const uint8_t *restrict lanes, uint32_t n, const shard_state *s, float *restrict out) {
+    if (s->scale_f32) {
+        for (uint32_t i = 0; i < n; i++) out[i] = (float)lane_at(lanes, i) * s->inverse_f;
+    } else {
+        for (uint32_t i = 0; i < n; i++) out[i] = (float)((double)lane_at(lanes, i) / s->scale);
+    }
+}
+
+LANE_LOOP static void read_lanes(const uint8_t *restrict lanes, uint32_t n, int32_t *restrict out) {
+    for (uint32_t i = 0; i < n; i++) out[i] = lane_at(lanes, i);
+}
 
 /* Build packet `offset` of shard s into its window slot. */
 static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) {
@@ -151,18 +224,8 @@ static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) 
     uint8_t *lanes = p + PN_HEADER_SIZE;
     uint32_t full = first + c->lanes <= c->elements ? c->lanes : (uint32_t)(c->elements - first);
     int saturated = 0;
-    if (c->kind == PN_IN_F32 && s->scale_f32) {
-        /* the common case, kept tight: x * scale is exact in float32, then round half to even */
-        const float *x = (const float *)c->input + first;
-        for (uint32_t i = 0; i < full; i++) {
-            float v = round_even(x[i] * s->scale_f);
-            int32_t q;
-            if (v >= -2147483648.0f && v < 2147483648.0f) q = (int32_t)v; /* false for NaN too */
-            else saturated |= quantize(x[i], s, &q);
-            uint32_t be = to_be32((uint32_t)q);
-            memcpy(lanes + 4 * (size_t)i, &be, sizeof be);
-        }
-    } else {
+    if (c->kind != PN_IN_F32 || !s->scale_f32 ||
+        !quantize_f32_fast((const float *)c->input + first, full, s->scale_f, lanes)) {
         for (uint32_t i = 0; i < full; i++) {
             int32_t q;
             if (c->kind == PN_IN_F32) saturated |= quantize(((const float *)c->input)[first + i], s, &q);
@@ -298,19 +361,12 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
         if (w->retries == 0) rtt_sample(st, now - w->first_sent); /* Karn: unambiguous samples only */
         if (h.flags & PN_FLAG_OVERFLOW) st->r->overflow[k] = 1;
         uint64_t first = (s->start + offset) * c->lanes;
-        const uint8_t *lanes = d->data + PN_HEADER_SIZE;
-        for (uint32_t i = 0; i < c->lanes; i++) {
-            uint32_t be;
-            memcpy(&be, lanes + 4 * (size_t)i, sizeof be);
-            int32_t v = (int32_t)to_be32(be);
-            /* A SUM lane at an int32 bound is a saturated sum: Tofino saturates without the
-             * flag (docs/tofino.md), so every target's is read as overflow. */
-            if (c->op == PN_OP_SUM && (v == INT32_MAX || v == INT32_MIN)) st->r->overflow[k] = 1;
-            uint64_t e = first + i;
-            if (e >= c->elements) continue;
-            if (c->kind == PN_IN_F32) ((float *)c->output)[e] = dequantize(v, s);
-            else ((int32_t *)c->output)[e] = v;
-        }
+        uint32_t n = first + c->lanes <= c->elements ? c->lanes : (uint32_t)(c->elements - first);
+        /* A SUM lane at an int32 bound is a saturated sum: Tofino saturates without the flag
+         * (docs/tofino.md), so every target's is read as overflow (padding lanes too). */
+        if (c->op == PN_OP_SUM && saturated_lanes(d->data + PN_HEADER_SIZE, c->lanes)) st->r->overflow[k] = 1;
+        if (c->kind == PN_IN_F32) dequantize_lanes(d->data + PN_HEADER_SIZE, n, s, (float *)c->output + first);
+        else read_lanes(d->data + PN_HEADER_SIZE, n, (int32_t *)c->output + first);
         send_first(st, s, offset + s->pool, now); /* self-clocking: this RESULT releases offset + pool */
         return 1;
     }
@@ -379,7 +435,7 @@ static int validate(const pn_stream_call *c, const pn_stream_report *r) {
         (c->op != PN_OP_SUM && c->op != PN_OP_MAX) || (c->kind != PN_IN_F32 && c->kind != PN_IN_I32) ||
         !c->aggregator || !c->pool || !c->next_psn || !c->start || !c->count || !c->srtt || !c->rttvar ||
         !c->rng || !(c->timeout > 0) || !(c->rto_min > 0) || !(c->max_rto >= c->rto_min) || c->drop < 0 ||
-        c->drop >= 1)
+        c->drop >= 1 || !(c->silence >= 0) || (c->silence > 0 && (!c->on_silence || !(c->silence_every > 0))))
         return PN_EINVAL;
     if (c->elements && (!c->input || !c->output)) return PN_EINVAL;
     if (c->kind == PN_IN_F32 && !c->scale) return PN_EINVAL;
@@ -444,6 +500,8 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     pn_datagram *got = malloc(capacity * sizeof *got);
     if (!got) rc = PN_ENOMEM;
     double next_deadline = now + rto(&st);
+    double last_answer = now; /* the latest RESULT that answered a packet (or the call's start) */
+    double silence_check = now + c->silence;
     while (rc == PN_OK && remaining) {
         double wait = next_deadline - now_s();
         if (wait > 0) {
@@ -467,11 +525,26 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
             r->packets_received++;
             r->bytes_received += got[i].length;
             if (c->drop > 0 && uniform(c->rng) < c->drop) continue; /* test impairment: lost on the way in */
-            if (process_datagram(&st, &got[i], now)) remaining--;
+            if (process_datagram(&st, &got[i], now)) {
+                remaining--;
+                last_answer = now;
+            }
         }
         if (remaining == 0) break;
         rc = check_timers(&st, now, &next_deadline);
         if (rc != PN_OK) break;
+        if (c->silence > 0) {
+            if (now - last_answer < c->silence) {
+                silence_check = last_answer + c->silence;
+            } else if (now >= silence_check) {
+                if (c->on_silence(c->silence_ctx)) {
+                    rc = PN_ESILENT;
+                    break;
+                }
+                silence_check = now_s() + c->silence_every;
+            }
+            if (silence_check < next_deadline) next_deadline = silence_check;
+        }
         rc = flush_sends(&st);
     }
     if (rc == PN_OK) {

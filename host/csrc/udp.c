@@ -96,6 +96,7 @@ int pn_udp_recv(pn_udp *u, pn_datagram *out, uint32_t max) {
     for (uint32_t i = 0; i < u->rx_dirty; i++) reset_rx_header(u, i);
     int n = recvmmsg(u->fd, u->rx_msgs, want, MSG_DONTWAIT, NULL);
     u->rx_dirty = n > 0 ? (uint32_t)n : 0;
+    u->rx_drained = n < (int)want;
     if (n < 0) {
         /* ECONNREFUSED: an ICMP error for an earlier datagram of ours, not news for this call */
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNREFUSED) return 0;

@@ -25,6 +25,7 @@ typedef struct {
     struct sockaddr_in *rx_names;
     uint8_t *rx_control;      /* batch x PN_UDP_CMSG_BYTES */
     uint32_t rx_dirty;        /* headers the last recvmmsg filled: to restore before the next */
+    int rx_drained;           /* the last recvmmsg found fewer messages than it had room for */
     /* send side */
     struct mmsghdr *tx_msgs;
     struct iovec *tx_iov;

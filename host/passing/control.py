@@ -7,12 +7,15 @@ turns that answer into a streaming group, so switch and PS runs use one code pat
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from . import rpc
 from .stream import PassingError
 
 PROTOCOL_VERSION = 2  # 2: the join answer carries the allocation's generation
+HEARTBEAT_SECONDS = 1.0  # a worker with failover says it is alive this often
+REPORT_TIMEOUT = 2.0  # a 'stuck' report not answered in this long: keep waiting, ask again
 
 
 class ControllerError(PassingError):
@@ -60,3 +63,42 @@ def report(controller: str, job: str, group: int, worker: int, stats: dict[str, 
     received, retransmissions, ``calls`` and ``call_seconds`` of its allreduces); it exports them
     as metrics (docs/control.md)."""
     return request(controller, "report", timeout=timeout, job=job, group=group, worker=worker, stats=stats)
+
+
+class Failover:
+    """One worker's line to the controller for moving its group mid-job (docs/control.md).
+
+    A thread says every ``heartbeat`` seconds that this worker is alive, so the controller
+    can tell a dead peer from a slow one; ``report`` is the stream's question once its
+    aggregator has been silent for ``after`` seconds. Neither needs the controller to be
+    up: a missed heartbeat or report only means the data path waits on."""
+
+    def __init__(self, controller: str, job: str, group: int, worker: int, aggregator: str = "any",
+                 after: float = 5.0, heartbeat: float = HEARTBEAT_SECONDS) -> None:
+        if not after > 0:
+            raise ValueError(f"failover_after must be > 0 seconds, got {after}")
+        self.controller, self.job, self.group, self.worker = controller, job, group, worker
+        self.aggregator, self.after, self.heartbeat = aggregator, after, heartbeat
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"passing-heartbeat-{job}-{group}-{worker}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            try:
+                request(self.controller, "alive", timeout=self.heartbeat, job=self.job, group=self.group,
+                        worker=self.worker, every=self.heartbeat)
+            except PassingError:
+                pass  # the controller is down or busy: it counts a worker dead only after 3 missed beats
+            self._stop.wait(self.heartbeat)
+
+    def report(self, generation: int, call: int) -> dict[str, Any]:
+        """This worker's aggregator went silent in ``call`` of allocation ``generation``. The answer's
+        ``state``: "wait" (peers have not reported yet), "move" (a join answer for the new
+        allocation, and ``redo``: the call every worker starts again from) or "failed"."""
+        return request(self.controller, "stuck", timeout=REPORT_TIMEOUT, job=self.job, group=self.group,
+                       worker=self.worker, generation=generation, call=call, aggregator=self.aggregator)
+
+    def close(self) -> None:
+        self._stop.set()

@@ -19,14 +19,17 @@ import os
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 ENGINES = ("auto", "native", "numpy")
 
 PN_OK = 0
-PN_EINVAL, PN_ENOMEM, PN_EEXIST, PN_ENOENT, PN_ERANGE, PN_EFULL, PN_ESYS, PN_ETIMEOUT = range(-1, -9, -1)
+PN_EINVAL, PN_ENOMEM, PN_EEXIST, PN_ENOENT, PN_ERANGE, PN_EFULL, PN_ESYS, PN_ETIMEOUT, PN_ESILENT = range(-1, -10, -1)
 ERRORS = {
     PN_EINVAL: "bad argument", PN_ENOMEM: "out of memory", PN_EEXIST: "already admitted",
     PN_ENOENT: "not admitted", PN_ERANGE: "slot range outside the engine or overlapping another job",
     PN_EFULL: "no room for another job", PN_ESYS: "system call failed", PN_ETIMEOUT: "timed out",
+    PN_ESILENT: "given up after silence",
 }
 COUNTERS = 10
 IN_F32, IN_I32 = 0, 1
@@ -48,6 +51,10 @@ _u32p, _u64p, _i64p, _dp = (ctypes.POINTER(t) for t in (ctypes.c_uint32, ctypes.
                                                          ctypes.c_double))
 
 
+# int on_silence(void *ctx): 0 keeps the call waiting, nonzero gives it up (PN_ESILENT)
+SILENCE_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
 class StreamCall(ctypes.Structure):
     _fields_ = [
         ("fd", ctypes.c_int), ("lanes", ctypes.c_uint32), ("job", ctypes.c_uint32),
@@ -57,6 +64,8 @@ class StreamCall(ctypes.Structure):
         ("kind", ctypes.c_int32), ("input", _p), ("output", _p), ("elements", ctypes.c_uint64), ("scale", _dp),
         ("rto_min", ctypes.c_double), ("max_rto", ctypes.c_double), ("timeout", ctypes.c_double),
         ("srtt", _dp), ("rttvar", _dp), ("gso", ctypes.c_int32), ("drop", ctypes.c_double), ("rng", _u64p),
+        ("silence", ctypes.c_double), ("silence_every", ctypes.c_double), ("on_silence", SILENCE_CALLBACK),
+        ("silence_ctx", _p),
     ]
 
 
@@ -88,6 +97,7 @@ _PROTOTYPES = {
     "pn_server_stop": (None, [_p]),
     "pn_server_get_stats": (None, [_p, ctypes.POINTER(ServerStats)]),
     "pn_stream_run": (ctypes.c_int, [ctypes.POINTER(StreamCall), ctypes.POINTER(StreamReport)]),
+    "pn_max_abs_bits": (ctypes.c_uint32, [_p, ctypes.c_size_t, ctypes.c_int]),
 }
 
 _lib: ctypes.CDLL | None = None
@@ -164,3 +174,10 @@ def check(code: int, what: str) -> None:
 def address(array) -> int:
     """The data pointer of a numpy array (for the ctypes calls)."""
     return array.__array_interface__["data"][0]
+
+
+def max_abs_bits(x: np.ndarray, finite_only: bool = False) -> int:
+    """passing.quantize.max_abs_bits in one pass of C (a contiguous float32 array)."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        raise ValueError("max_abs_bits: a contiguous float32 array")
+    return int(lib().pn_max_abs_bits(address(x), x.size, int(finite_only)))

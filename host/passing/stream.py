@@ -30,6 +30,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -49,11 +50,42 @@ class PassingOverflow(PassingError, OverflowError):
     """A sum left the int32 range (reported by the aggregator's OVERFLOW flag)."""
 
 
+class GroupFailed(AggregatorUnreachable):
+    """The controller could not move the group after its aggregator went silent: no aggregator
+    is left (``dead`` empty), or peers stopped (``dead`` names them). The group is unusable.
+
+    To carry on over another transport (the torch backend falls back to gloo), every worker
+    first redoes the calls in ``redo_inputs`` (its own inputs of the calls it completed that a
+    peer did not: the group agrees on them, docs/control.md) and then the interrupted call
+    with ``current_input`` (a copy taken at its start: an in-place output may be half
+    written)."""
+
+    def __init__(self, message: str, dead: list[int], redo_inputs: list[np.ndarray],
+                 current_input: np.ndarray | None) -> None:
+        super().__init__(message)
+        self.dead, self.redo_inputs, self.current_input = dead, redo_inputs, current_input
+
+
+class FailoverLine(Protocol):
+    """A worker's line to the controller for moves (passing.control.Failover is the real one)."""
+
+    after: float  # seconds without any RESULT before the group asks to move
+
+    def report(self, generation: int, call: int) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class _Silenced(Exception):
+    """Internal: the stream gave its call up because the controller decided (a move or a failure)."""
+
+
 OPS = ("sum", "avg")
 NONFINITE_SHIFT = 6  # bits per count in the non-finite class round: up to 32 workers, + 1
 REORDER_FRACTION = 0.25  # RACK's reordering allowance: a quarter of the round trip (RFC 8985)
 REORDER_MIN = 200e-6  # and at least this: RESULTs come in batches
 PROBE_MIN = 1e-3  # a tail loss probe waits at least this (RFC 8985's PTO: 2 x SRTT)
+SILENCE_EVERY = 0.5  # once silent for failover.after: how often to ask the controller again
 INT32_MAX, INT32_MIN = np.iinfo(np.int32).max, np.iinfo(np.int32).min
 
 
@@ -105,6 +137,7 @@ class Group:
         drop: float = 0.0,
         drop_seed: int | None = None,
         engine: str = "auto",
+        failover: FailoverLine | None = None,
     ) -> None:
         if not 0 <= job < 1 << 16:
             raise ValueError(f"job {job} outside 0..65535")
@@ -141,6 +174,15 @@ class Group:
         self._agg_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
         self._next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
         self._failed: str | None = None  # after a failed call the psn streams are out of step
+        # Failover (docs/control.md): silent for failover.after s, the group asks the controller to
+        # move it; every worker then redoes the interrupted call, and the one before it where a
+        # peer had not completed that, so the inputs of the last two calls are kept (copies).
+        self.failover = failover
+        self.calls = 0  # network calls completed: the index the group agrees on when it moves
+        self._attempt = 0  # the call now on the wire (below self.calls while redoing one)
+        self._kept: dict[int, np.ndarray] = {}
+        self._decision: dict[str, Any] | None = None
+        self.moves = 0
         if isinstance(bind, BatchSocket):
             if bind.dtype != wire.packet_dtype(lanes):
                 raise ValueError(f"the socket was made for other than {lanes} lanes")
@@ -175,6 +217,8 @@ class Group:
         return self.socket.address
 
     def close(self) -> None:
+        if self.failover is not None:
+            self.failover.close()
         self.socket.close()
 
     def __enter__(self) -> Group:
@@ -214,11 +258,70 @@ class Group:
         if flat.size == 0:
             return result
         try:
-            self._allreduce(flat, result.reshape(-1), op)
+            if self.failover is None:
+                self._allreduce(flat, result.reshape(-1), op)
+            else:
+                self._allreduce_with_failover(flat, result.reshape(-1), op)
         except (AggregatorUnreachable, OSError) as e:
             self._failed = str(e)
             raise
         return result
+
+    def _allreduce_with_failover(self, flat: np.ndarray, out: np.ndarray, op: str) -> None:
+        """One call that survives moves: on a move every worker redoes, on the new allocation, the
+        calls from the one the controller names (docs/control.md), then this one from its start."""
+        call = self.calls
+        kept = self._kept[call] = flat.copy()  # outlives an in-place output, and this call
+        self._kept.pop(call - 2, None)
+        source = kept if np.shares_memory(flat, out) else flat
+        redo: list[int] = []
+        while True:
+            try:
+                for k in redo:  # calls this worker completed but a peer did not: its share again
+                    self._attempt = k
+                    self._allreduce(self._kept[k], np.empty_like(self._kept[k]), "sum")
+                redo = []
+                self._attempt = call
+                self._allreduce(source, out, op)
+                break
+            except _Silenced:
+                decision, self._decision = self._decision, None
+                assert decision is not None
+                first = int(decision["redo"])
+                if decision["state"] != "move":
+                    raise GroupFailed(
+                        f"job {self.job} worker {self.worker}: {decision.get('error', 'the group could not move')}",
+                        [int(w) for w in decision.get("dead", [])],
+                        [self._kept[k] for k in range(first, call)], kept) from None
+                if not call - 1 <= first <= call or any(k not in self._kept for k in range(first, call)):
+                    raise PassingError(f"job {self.job} worker {self.worker}: the controller asks to redo call "
+                                       f"{first}, but this worker is at call {call}") from None
+                self._move_to(decision)
+                redo = list(range(first, call))
+        self.calls = call + 1
+
+    def _on_silence(self) -> bool:
+        """The stream heard nothing for failover.after s: ask the controller. True gives the call up
+        (the decision is in self._decision); a controller that does not answer means keep waiting."""
+        assert self.failover is not None
+        try:
+            decision = self.failover.report(self.generation, self._attempt)
+        except PassingError:
+            return False  # the controller is down: the data path goes on until `timeout`
+        if decision.get("state") == "wait":
+            return False
+        self._decision = decision
+        return True
+
+    def _move_to(self, answer: dict[str, Any]) -> None:
+        """The group's new allocation (the controller's move answer): same socket, same workers."""
+        if int(answer["lanes"]) != self.lanes:
+            raise PassingError(f"job {self.job}: moved to an aggregator of {answer['lanes']} lanes, not {self.lanes}")
+        self.job, self.generation = int(answer["job_id"]), int(answer["generation"])
+        self.aggregators = [Aggregator(a["host"], int(a["port"]), int(a["pool"])) for a in answer["aggregators"]]
+        self._agg_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
+        self._next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
+        self.moves += 1
 
     def _allreduce(self, flat: np.ndarray, out: np.ndarray, op: str) -> None:
         packets = -(-flat.size // self.lanes)
@@ -273,9 +376,10 @@ class Group:
         rows = np.zeros((len(counts), self.lanes), dtype=np.int32)
         for i, (start, count) in enumerate(zip(starts, counts)):
             block = flat[start * self.lanes : (start + count) * self.lanes]
-            bits = quantize.max_abs_bits(block)
+            bits = native.max_abs_bits(block) if self.native else quantize.max_abs_bits(block)
             if bits >= quantize.INF_BITS:  # only then a second look, at the finite values alone
-                rows[i, 0] = quantize.max_abs_bits(block[np.isfinite(block)])
+                rows[i, 0] = (native.max_abs_bits(block, finite_only=True) if self.native
+                              else quantize.max_abs_bits(block[np.isfinite(block)]))
                 rows[i, 1] = 1
             else:
                 rows[i, 0] = bits
@@ -354,6 +458,10 @@ class Group:
             rttvar=ctypes.pointer(rttvar), gso=int(self.socket.gso), drop=self.drop,
             rng=self._native_rng.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
         )
+        if self.failover is not None:
+            # ctypes keeps no reference: `keep` holds the callback until the call returns
+            keep["on_silence"] = native.SILENCE_CALLBACK(lambda _ctx: int(self._on_silence()))
+            call.silence, call.silence_every, call.on_silence = self.failover.after, SILENCE_EVERY, keep["on_silence"]
         for name, ctype in (("aggregator", ctypes.c_int64), ("pool", ctypes.c_uint32), ("next_psn", ctypes.c_uint32),
                             ("start", ctypes.c_uint64), ("count", ctypes.c_uint64), ("scale", ctypes.c_double)):
             setattr(call, name, keep[name].ctypes.data_as(ctypes.POINTER(ctype)))
@@ -370,6 +478,8 @@ class Group:
         stats.foreign_results += report.foreign_results
         if rc == native.PN_ETIMEOUT:
             raise self._unreachable(report.error_shard, report.error_psn, report.error_retries)
+        if rc == native.PN_ESILENT:
+            raise _Silenced()
         if rc == native.PN_ESYS:
             call_name = report.error_call.decode()
             raise OSError(report.error_errno, f"{call_name}: {os.strerror(report.error_errno)}")
@@ -441,6 +551,8 @@ class Group:
         last_activity = np.full(len(blocks), now)  # per shard: its latest transmission or answer
         probes = np.zeros(len(blocks), dtype=np.int64)  # per shard: tail loss probes since its last answer
         remaining = total
+        last_answer = now  # the latest RESULT that answered a packet (or the call's start)
+        silence_check = now + (self.failover.after if self.failover is not None else 0.0)
 
         def resend(positions: np.ndarray, early_count: int, now: float) -> None:
             """Retransmit inflight[positions]; their timers restart with their own back-off."""
@@ -477,6 +589,7 @@ class Group:
                     result_flags[rows] = got["hdr"]["flags"]
                     done[rows] = True
                     remaining -= rows.size
+                    last_answer = now
                     last_activity[shard[rows]] = now
                     probes[shard[rows]] = 0
                     for sh in np.unique(shard[rows]):  # RACK: the latest-sent packet known delivered
@@ -522,6 +635,13 @@ class Group:
                     probes[sh_i] += 1
             if probe_rows:
                 resend(np.array(probe_rows), len(probe_rows), now)
+            if self.failover is not None and remaining:  # failover: silent this long, ask the controller
+                if now - last_answer < self.failover.after:
+                    silence_check = last_answer + self.failover.after
+                elif now >= silence_check:
+                    if self._on_silence():
+                        raise _Silenced()
+                    silence_check = time.monotonic() + SILENCE_EVERY
             if inflight.size:  # wake for the earliest timer, RACK deadline or probe
                 live = np.unique(sh)
                 pto = max(2.0 * self._srtt, PROBE_MIN) * 2.0 ** np.minimum(probes, 6)  # after this round's probes
@@ -529,6 +649,8 @@ class Group:
                 rack_due = last_sent[inflight] + overdue[sh]
                 if later_answered.any():
                     next_due = min(next_due, float(rack_due[later_answered].min()))
+                if self.failover is not None:
+                    next_due = min(next_due, silence_check)
 
         self._next_psn = (self._next_psn + counts) & 0xFFFFFFFF
         out = [results[s : s + c] for s, c in zip(starts, counts)]

@@ -1,0 +1,311 @@
+"""Mid-job failover (docs/control.md "Failover"): a group whose aggregator goes silent moves,
+every worker consistently, to the next aggregator, and every result stays exact.
+
+Real parts throughout: the controller service, software aggregators (processes, or the real
+SoftwareAggregator class in a thread where a test must kill it at an exact packet), worker
+threads with real sockets, heartbeats and reports over ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from passing import Group, wire
+from passing.aggregator import SoftwareAggregator
+from passing.cli import free_udp_ports, start_aggregator
+from passing.control import Failover, join, request
+from passing.stream import GroupFailed
+from passing_controller.topology import Topology
+from tests.cluster import run_threads
+from tests.test_controller_ps_fallback import Running
+
+AFTER = 0.5  # failover_after of these tests: silence this long starts a move
+LANES = wire.DEFAULT_LANES
+
+
+def ps_topology(*ps: dict) -> Topology:
+    """No switch: the hosts are addresses, the PS list is given in the order given."""
+    return Topology.from_dict({"ps": [{"data": p["data"], "control": p["control"]} for p in ps]})
+
+
+def inputs(calls: int, workers: int, size: int) -> list[list[np.ndarray]]:
+    """Integer-valued floats: their auto-scaled sums are exact, so results compare with ==."""
+    rng = np.random.default_rng(7)
+    return [[rng.integers(-100, 100, size).astype(np.float32) for _ in range(calls)] for _ in range(workers)]
+
+
+def run_group(endpoint: str, job: str, data: list[list[np.ndarray]], on_call=None, engine: str = "auto",
+              in_place: bool = False) -> list:
+    """Every worker joins with failover and runs its calls; returns (results or the error, moves)."""
+    workers = len(data)
+    ports = free_udp_ports(workers)
+
+    def work(w: int) -> tuple:
+        answer = join(endpoint, job, w, workers, host="127.0.0.1", udp_port=ports[w], timeout=30)
+        line = Failover(endpoint, job, 0, w, after=AFTER, heartbeat=0.2)
+        results: list = []
+        with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=60, engine=engine,
+                               failover=line) as g:
+            for k, x in enumerate(data[w]):
+                if on_call is not None:
+                    on_call(w, k, g)
+                try:
+                    if in_place:
+                        y = x.copy()
+                        g.allreduce(y, out=y)
+                        results.append(y)
+                    else:
+                        results.append(g.allreduce(x))
+                except GroupFailed as e:
+                    results.append(e)
+                    break
+            return answer, results, g.moves
+
+    return run_threads(work, workers, timeout=120)
+
+
+def assert_exact(data: list[list[np.ndarray]], outcomes: list) -> None:
+    expected = [np.sum([d[k] for d in data], axis=0) for k in range(len(data[0]))]
+    for _, results, _ in outcomes:
+        assert len(results) == len(expected)
+        for k, r in enumerate(results):
+            assert not isinstance(r, Exception), r
+            assert np.array_equal(r, expected[k]), k
+
+
+@pytest.fixture
+def two_ps():
+    procs = [start_aggregator() for _ in range(2)]
+    yield procs
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(10)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["native", "numpy"])
+def test_killed_ps_mid_run_moves_the_group_and_every_result_is_exact(two_ps, tmp_path, engine):
+    (p0, r0), (p1, r1) = two_ps
+    running = Running(ps_topology(r0, r1), tmp_path / "ctl.sqlite")
+    try:
+        data = inputs(calls=30, workers=3, size=20_000)
+        first = {}
+
+        def kill_at_call_5(w: int, k: int, g: Group) -> None:
+            if w == 0 and k == 5:  # the PS that serves the group, SIGKILLed between two calls of worker 0
+                first["port"] = g.aggregators[0].port
+                proc = p0 if r0["data"].endswith(f":{first['port']}") else p1
+                os.kill(proc.pid, signal.SIGKILL)
+
+        outcomes = run_group(running.endpoint, "killed-ps", data, kill_at_call_5, engine=engine)
+        assert_exact(data, outcomes)
+        assert all(moves == 1 for _, _, moves in outcomes)
+        killed, other = (r0, r1) if r0["data"].endswith(f":{first['port']}") else (r1, r0)
+        status = running.ctl.status()
+        job = next(j for j in status["jobs"] if j["job"] == "killed-ps")
+        assert job["aggregator"] == other["data"]
+        down = [a for a in status["aggregators"] if a["state"] == "down"]
+        assert [a["aggregator"] for a in down] == [killed["control"]]
+        assert "did not answer 'ping'" in down[0]["reason"]
+    finally:
+        running.stop()
+
+
+class DyingAggregator(SoftwareAggregator):
+    """The real software aggregator (numpy engine), made to die at an exact packet: when it emits
+    the RESULT of psn ``at``, it sends it to the workers in ``deliver_to`` only, and stops
+    serving (its data and control sockets close: to the controller it is dead)."""
+
+    def __init__(self, at: int, deliver_to: set[int]) -> None:
+        super().__init__(listen=("127.0.0.1", 0), control="tcp://127.0.0.1:*", engine="numpy", offload=False)
+        self.at, self.deliver_to = at, deliver_to
+        self.dead = threading.Event()
+
+    def send(self, out) -> None:
+        if self.dead.is_set():
+            return
+        hdr = out.packets["hdr"]
+        last = np.flatnonzero(hdr["psn"] == self.at)
+        if last.size:
+            keep = [i for i in range(len(out)) if i not in set(last) or hdr["worker"][i] in self.deliver_to]
+            rows = np.array(keep, dtype=np.int64)
+            if rows.size:
+                self.socket.send_batch(out.packets, out.dest[rows], rows)
+            self.dead.set()
+            self.stop()
+            return
+        super().send(out)
+
+    def pump(self, max_batches: int = 64) -> int:
+        if self.dead.is_set():  # nothing reaches the engine once dead
+            self.socket.recv_packets()
+            return 0
+        return super().pump(max_batches)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case, deliver_to, redo_call", [
+    ("before the last RESULT of call 2", set(), 2),  # nobody completes call 2
+    ("during it: worker 0 gets it, worker 1 does not", {0}, 2),  # worker 0 is in call 3 already
+    ("just after it: both get it", {0, 1}, 3),  # both completed call 2, both stuck in call 3
+])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_group_agrees_on_the_call_to_redo_around_the_last_result(tmp_path, case, deliver_to, redo_call,
+                                                                     in_place):
+    size = 50 * LANES  # 50 packets: with auto scale, a call is one MAX packet and 50 SUM packets
+    last_psn_of_call_2 = 3 * 51 - 1
+    dying = DyingAggregator(at=last_psn_of_call_2, deliver_to=deliver_to)
+    thread = threading.Thread(target=dying.serve)
+    thread.start()
+    backup, backup_ready = start_aggregator()
+    try:
+        host, port = dying.address
+        first = {"data": f"{host}:{port}", "control": dying.control_endpoint}
+        # job id 1 is the first one handed out: it starts at PS 1 mod 2, the dying one
+        running = Running(ps_topology(backup_ready, first), tmp_path / "ctl.sqlite")
+        try:
+            data = inputs(calls=6, workers=2, size=size)
+            reports: list[tuple[int, int]] = []
+            real_report = Failover.report
+
+            def spy(self, generation: int, call: int) -> dict:
+                reports.append((self.worker, call))
+                return real_report(self, generation, call)
+
+            Failover.report = spy
+            try:
+                outcomes = run_group(running.endpoint, "race", data, in_place=in_place)
+            finally:
+                Failover.report = real_report
+            assert dying.dead.is_set(), case
+            assert_exact(data, outcomes)
+            assert all(moves == 1 for _, _, moves in outcomes)
+            assert min(call for _, call in reports) == redo_call, (case, reports)
+            if deliver_to == {0}:
+                assert {(0, 3), (1, 2)} <= set(reports)
+        finally:
+            running.stop()
+    finally:
+        dying.stop()
+        thread.join(10)
+        backup.terminate()
+        backup.wait(10)
+
+
+@pytest.mark.timeout(120)
+def test_with_no_aggregator_left_the_group_fails_with_the_reason(tmp_path):
+    proc, ready = start_aggregator()
+    try:
+        running = Running(ps_topology(ready), tmp_path / "ctl.sqlite")
+        try:
+            data = inputs(calls=10, workers=2, size=5000)
+
+            def kill(w: int, k: int, g: Group) -> None:
+                if w == 0 and k == 3:
+                    os.kill(proc.pid, signal.SIGKILL)
+
+            start = time.monotonic()
+            outcomes = run_group(running.endpoint, "alone", data, kill)
+            took = time.monotonic() - start
+            for _, results, _ in outcomes:
+                error = results[-1]
+                assert isinstance(error, GroupFailed) and error.dead == []
+                assert "no aggregator left" in str(error) and "ping" in str(error)
+                assert error.current_input is not None and len(results) in (4, 5)
+                expected = np.sum([d[3] for d in data], axis=0)
+                if len(results) == 5:  # completed call 3 before the kill reached it
+                    assert np.array_equal(results[3], expected) and len(error.redo_inputs) in (0, 1)
+            assert took < 30  # AFTER + the check, not the 60 s timeout
+            assert running.ctl.status()["jobs"] == []  # the allocation on the dead PS is gone
+        finally:
+            running.stop()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_worker_is_named_to_its_peers_and_its_slots_are_freed(tmp_path):
+    proc, ready = start_aggregator()
+    try:
+        running = Running(ps_topology(ready), tmp_path / "ctl.sqlite")
+        try:
+            data = inputs(calls=8, workers=3, size=5000)
+
+            class Died(Exception):
+                pass
+
+            def die(w: int, k: int, g: Group) -> None:
+                if w == 2 and k == 4:  # worker 2 stops: no more packets, no more heartbeats
+                    g.failover.close()
+                    raise Died()
+
+            start = time.monotonic()
+            outcomes = run_group(running.endpoint, "mortal", data, die)
+            took = time.monotonic() - start
+        finally:
+            status = running.ctl.status()
+            running.stop()
+        assert isinstance(outcomes[2], Died)
+        for _, results, _ in outcomes[:2]:
+            assert len(results) == 5 and isinstance(results[4], GroupFailed), results[-1]
+            assert results[4].dead == [2] and "worker 2 (no heartbeat)" in str(results[4])
+            assert "slots freed" in str(results[4])
+        assert status["jobs"] == [] and status["pending"] == []
+        assert took < 20  # AFTER + 3 missed heartbeats, not the 60 s timeout
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_peer_is_waited_for_not_declared_dead(two_ps, tmp_path):
+    """Silence while a live peer is late (a checkpoint, a slow batch) is no failure: the group
+    waits for it, and nothing moves."""
+    (_, r0), (_, r1) = two_ps
+    running = Running(ps_topology(r0, r1), tmp_path / "ctl.sqlite")
+    try:
+        data = inputs(calls=4, workers=2, size=5000)
+
+        def late(w: int, k: int, g: Group) -> None:
+            if w == 1 and k == 2:
+                time.sleep(4 * AFTER + 1.0)  # heartbeats go on meanwhile
+
+        outcomes = run_group(running.endpoint, "slow", data, late)
+        assert_exact(data, outcomes)
+        assert all(moves == 0 for _, _, moves in outcomes)
+    finally:
+        running.stop()
+
+
+@pytest.mark.timeout(60)
+def test_stuck_reports_are_checked(two_ps, tmp_path):
+    (_, r0), (_, r1) = two_ps
+    running = Running(ps_topology(r0, r1), tmp_path / "ctl.sqlite")
+    try:
+        ports = free_udp_ports(2)
+        answers = run_threads(lambda w: join(running.endpoint, "checked", w, 2, host="127.0.0.1",
+                                             udp_port=ports[w], timeout=30), 2)
+        generation = answers[0]["generation"]
+        for fields, error in [
+            ({"generation": generation + 1, "call": 0}, "no allocation of generation"),
+            ({"generation": generation, "call": -1}, "bad call index"),
+            ({"generation": generation, "call": 0, "aggregator": "fpga"}, "aggregator must be one of"),
+        ]:
+            with pytest.raises(Exception, match=error):
+                request(running.endpoint, "stuck", job="checked", group=0, worker=0, **fields)
+        request(running.endpoint, "alive", job="checked", group=0, worker=1, every=5.0)
+        reply = request(running.endpoint, "stuck", job="checked", group=0, worker=0, generation=generation, call=0)
+        assert reply["state"] == "wait" and reply["waiting_for"] == [1]  # worker 1 beats: it is only late
+        with pytest.raises(Exception, match="heartbeat interval"):
+            request(running.endpoint, "alive", job="checked", group=0, worker=1, every=0)
+    finally:
+        running.stop()
