@@ -243,12 +243,49 @@ def gradscaler(steps: int) -> dict:
     return out
 
 
+def reported_calls(pg, wait: float = 10.0) -> float:
+    """The calls this rank reported to the controller (PASSING_REPORT_INTERVAL), as its `metrics` shows them."""
+    from passing import control
+
+    m = pg._membership
+    deadline = time.monotonic() + wait
+    while True:
+        groups = control.request(m.controller, "metrics")["groups"]
+        mine = next(g for g in groups if (g["job"], g["group"]) == (m.job, m.group))
+        calls = mine["hosts"].get(str(m.worker), {}).get("calls", 0.0)
+        if calls or time.monotonic() > deadline:
+            return calls
+        time.sleep(0.05)
+
+
+def embedded_run() -> dict:
+    """One all_reduce, then destroy_process_group: reports where the controller was and, on rank 0,
+    whether the embedded controller and aggregator stopped with the group."""
+    import socket
+    import threading
+
+    pg = dist.distributed_c10d._get_default_group()
+    x = torch.full((5000,), float(dist.get_rank() + 1))
+    dist.all_reduce(x)
+    world = dist.get_world_size()
+    out = {"sum_ok": bool((x == world * (world + 1) / 2).all()), "mode": pg.mode, "reason": pg.reason,
+           "embedded_mode": pg.embedded_mode, "controller": pg.options.controller, "host": pg.options.host,
+           "rank": dist.get_rank(), "reported_calls": reported_calls(pg)}
+    dist.destroy_process_group()
+    host, port = pg.options.controller.rsplit("/", 1)[-1].rsplit(":", 1)
+    with socket.socket() as s:  # free again once the embedded controller has stopped
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        out["port_free"] = s.connect_ex((host, int(port))) != 0
+    out["threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("passing-embedded")]
+    return out
+
+
 SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lambda a: bytes_per_allreduce(int(a[0])),
              "fallback": lambda a: fallback(), "dead_peer": lambda a: dead_peer(int(a[0])),
              "ddp": lambda a: ddp(int(a[0])), "ddp_fault": lambda a: ddp_fault(int(a[0])),
              "post_local_sgd": lambda a: post_local_sgd(int(a[0])),
              "hook": lambda a: hook(int(a[0])), "nonfinite": lambda a: nonfinite(),
-             "gradscaler": lambda a: gradscaler(int(a[0]))}
+             "gradscaler": lambda a: gradscaler(int(a[0])), "embedded": lambda a: embedded_run()}
 
 
 def init_explicitly() -> None:
@@ -272,7 +309,7 @@ def main() -> None:
     try:
         result = SCENARIOS[scenario](args)
     finally:
-        if scenario != "dead_peer":
+        if scenario not in ("dead_peer", "embedded"):  # these end the group themselves
             dist.destroy_process_group()
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()

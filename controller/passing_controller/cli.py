@@ -10,7 +10,7 @@ from pathlib import Path
 
 import zmq
 
-from . import rpc
+from . import metrics, rpc, top
 from .p4runtime import Pipeline
 from .service import PROTOCOL_VERSION, Controller
 from .store import StoreError
@@ -26,8 +26,14 @@ def controller_main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen", default="tcp://0.0.0.0:9090", help="ZeroMQ endpoint for hosts")
     p.add_argument("--join-timeout", type=float, default=60.0)
     p.add_argument("--pool", type=int, default=256, help="slots per group unless a join asks otherwise")
+    p.add_argument("--metrics", metavar="ADDR:PORT", help="serve Prometheus metrics over HTTP here (docs/control.md)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    if args.metrics:
+        try:
+            metrics.parse_address(args.metrics)
+        except ValueError as e:
+            p.error(str(e))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if (args.p4info is None) != (args.device_config is None):
@@ -39,12 +45,32 @@ def controller_main(argv: list[str] | None = None) -> int:
     except (TopologyError, StoreError, OSError, zmq.ZMQError) as e:
         print(f"passing-controller: error: {e}", file=sys.stderr)
         return 2
+    server = None
+    if args.metrics:
+        try:
+            server = metrics.MetricsServer(args.metrics, lambda: metrics.controller_metrics(_snapshot(ctl)))
+        except OSError as e:
+            ctl.close()
+            print(f"passing-controller: error: {e}", file=sys.stderr)
+            return 2
     ctl.install_signal_handlers()
     status = ctl.status()
     print(json.dumps({"event": "ready", "endpoint": ctl.endpoint, "switch": status["switch"],
-                      "jobs": len(status["jobs"])}), flush=True)
-    ctl.serve()
+                      "jobs": len(status["jobs"]), "metrics": server.address if server else None}), flush=True)
+    try:
+        ctl.serve()
+    finally:
+        if server is not None:
+            server.close()
     return 0
+
+
+def _snapshot(ctl: Controller) -> dict:
+    """The service's `metrics` answer, asked for over its in-process endpoint (one thread owns its state)."""
+    reply = request(ctl.inproc, "metrics")
+    if not reply.get("ok"):
+        raise RuntimeError(f"metrics: {reply.get('error')}")
+    return reply
 
 
 def request(endpoint: str, cmd: str, timeout: float = 10.0, **fields) -> dict:
@@ -63,7 +89,18 @@ def ctl_main(argv: list[str] | None = None) -> int:
     lv = sub.add_parser("leave", help="remove a job group")
     lv.add_argument("job")
     lv.add_argument("--group", type=int, default=0)
+    tp = sub.add_parser("top", help="a live view of jobs, groups, modes, slots and rates (q quits)")
+    tp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    tp.add_argument("--once", action="store_true", help="print one frame as text and exit")
     args = p.parse_args(argv)
+    if args.cmd == "top":
+        if not args.interval > 0:
+            p.error("--interval must be positive")
+        try:
+            return top.once(args.controller) if args.once else top.run(args.controller, args.interval)
+        except (OSError, RuntimeError, zmq.ZMQError) as e:
+            print(f"passing-ctl: error: {e}", file=sys.stderr)
+            return 2
     try:
         if args.cmd in ("jobs", "slots"):
             reply = request(args.controller, "status")

@@ -24,5 +24,10 @@ def totals(switch: Switch) -> dict[str, int]:
 
 
 def for_job(switch: Switch, job: int) -> dict[str, int]:
+    return job_counters(read_all(switch), job)
+
+
+def job_counters(all_counters: dict[str, dict[int, int]], job: int) -> dict[str, int]:
+    """One job's counters out of ``read_all``'s answer."""
     index = job % MAX_JOBS
-    return {name: per_index.get(index, 0) for name, per_index in read_all(switch).items() if name != "malformed"}
+    return {name: per_index.get(index, 0) for name, per_index in all_counters.items() if name != "malformed"}

@@ -35,6 +35,9 @@ MAX_WORKERS = 32
 SWITCH_RETRY_SECONDS = 30.0  # a switch that was unavailable is tried again at a join after this long
 AGGREGATOR_RETRY_SECONDS = 30.0  # a PS that failed goes last in the order for this long
 AGGREGATOR_CHOICES = ("any", "ps")  # a join's "aggregator": the PS and PSRing baselines ask for "ps"
+FINISHED_RETENTION = 300.0  # s a finished group stays in `metrics`, so a scrape sees its final counters
+REPORT_FIELDS = ("packets_sent", "bytes_sent", "packets_received", "bytes_received", "retransmissions",
+                 "early_retransmissions", "calls", "call_seconds")  # what a worker reports (docs/control.md)
 DEAD_AFTER_BEATS = 3  # a worker whose heartbeats stopped this many intervals ago is presumed dead
 CHECK_TIMEOUT = 2.0  # seconds the liveness check of a silent aggregator may take
 DECISIONS_KEPT_SECONDS = 600.0  # a move's decision is answered to late reporters this long
@@ -71,6 +74,11 @@ class Controller:
         self._switch_retry_at = 0.0
         self.pending: dict[tuple[str, int], PendingGroup] = {}
         self.leaving: dict[int, set[int]] = {}  # job id -> workers that left (the group goes when all have)
+        # For `metrics` (memory only: counters restart with the controller, as Prometheus expects):
+        self.reports: dict[int, dict[int, dict[str, float]]] = {}  # job id -> worker -> its latest report
+        self.finished: list[dict[str, Any]] = []  # groups torn down lately, with their final counters
+        self.admitted = {"switch": 0, "ps": 0}  # groups allocated since start (joins and moves), by mode
+        self.joins_failed = 0  # groups no aggregator could take since start (joins and moves)
         # failover (docs/control.md): heartbeats, the reports of silent groups, and what was decided
         self.started = self.stalled_until = time.monotonic()  # heartbeats count from the later of these
         self.last_seen: dict[tuple[str, int, int], tuple[float, float]] = {}  # worker -> (when, interval)
@@ -85,6 +93,8 @@ class Controller:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(listen)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.inproc = f"inproc://passing-controller-{id(self)}"  # the metrics endpoint's way in, same thread
+        self.socket.bind(self.inproc)
         self._stop = threading.Event()
 
     # ---- the switch ----------------------------------------------------------------------
@@ -200,6 +210,10 @@ class Controller:
                 reply = self.status()
             elif cmd == "stats":
                 reply = self.stats(request.get("job_id"))
+            elif cmd == "report":
+                reply = self._report(request)
+            elif cmd == "metrics":
+                reply = self.metrics()
             else:
                 raise RequestError(f"unknown command {cmd!r}")
             self._reply(identity, {"ok": True, **reply})
@@ -238,9 +252,11 @@ class Controller:
         try:
             record, reason = self._allocate(name, group, pending)
         except (RequestError, SwitchError, StoreError, OSError) as e:
+            self.joins_failed += 1
             for ident, _ in pending.members.values():
                 self._reply(ident, {"ok": False, "error": f"job {name!r} group {group}: {e}"})
             return
+        self.admitted[record.mode] += 1
         for w, (ident, _) in pending.members.items():
             self._reply(ident, {"ok": True, **self._answer(record, reason), "worker": w})
 
@@ -363,6 +379,8 @@ class Controller:
                     worker = int(req["worker"])
                     if not 0 <= worker < len(r.workers):
                         raise RequestError(f"job {name!r} group {group} has no worker {worker}")
+                    if req.get("stats") is not None:
+                        self.reports.setdefault(r.job_id, {})[worker] = _report_stats(req["stats"])
                     left = self.leaving.setdefault(r.job_id, set())
                     left.add(worker)
                     if len(left) < len(r.workers):
@@ -376,6 +394,8 @@ class Controller:
         """Free a group's allocation: its entries or its PS job where the aggregator still answers
         (``reachable=False``: it is known dead, so nobody waits for it), its slots in any case."""
         self.leaving.pop(r.job_id, None)
+        final = self._group_metrics(r, self._final_counters(r) if reachable else {}, running=False)
+        self.reports.pop(r.job_id, None)
         if r.mode == "switch":
             if self.switch is not None and reachable:
                 a = self._allocation(r)
@@ -394,6 +414,7 @@ class Controller:
                     log.warning("PS %s did not remove job id %d: %s", r.aggregator["control"], r.job_id, e)
             self.ps_allocators[r.aggregator["control"]].release(r.base)
         self.store.remove(r.job_id)
+        self.finished.append({**final, "ended": time.time()})  # for `metrics`, a while
 
     # ---- failover: heartbeats, silent groups, moves (docs/control.md) ------------------------
 
@@ -489,10 +510,12 @@ class Controller:
             new, reason = self._allocate(r.job_name, r.group, pending,
                                          exclude=frozenset([name]) if down is not None else frozenset())
         except (RequestError, SwitchError, StoreError, OSError) as e:
+            self.joins_failed += 1
             log.warning("job %s group %d: silent aggregator (%s) and none to move to: %s", r.job_name, r.group,
                         why, e)
             return {"state": "failed", "redo": redo, "dead": [],
                     "error": f"job {r.job_name!r} group {r.group}: {why}; no aggregator left: {e}"}
+        self.admitted[new.mode] += 1
         log.info("job %s group %d moved from %s (%s) to %s, redoing call %d", r.job_name, r.group, name, why,
                  new.aggregator["data"], redo)
         return {"state": "move", "redo": redo, **self._answer(new, reason=f"moved: {why}; now {reason}")}
@@ -504,6 +527,17 @@ class Controller:
                 "job_id": record.job_id, "generation": record.generation, "workers": len(record.workers),
                 "pool": record.pool, "lanes": self.topo.lanes,
                 "aggregators": [{"host": host, "port": int(port), "pool": record.pool}]}
+
+    def _report(self, req: dict) -> dict:
+        """A worker's counters so far (cumulative); the latest one counts."""
+        name, group, worker = str(req["job"]), int(req.get("group", 0)), int(req["worker"])
+        for r in self.store.all():
+            if r.job_name == name and r.group == group:
+                if not 0 <= worker < len(r.workers):
+                    raise RequestError(f"job {name!r} group {group} has no worker {worker}")
+                self.reports.setdefault(r.job_id, {})[worker] = _report_stats(req["stats"])
+                return {}
+        raise RequestError(f"job {name!r} group {group} is not running")
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -557,6 +591,70 @@ class Controller:
             elif r.mode == "ps":
                 out[str(r.job_id)] = ps_request(r.aggregator["control"], "stats", job=r.job_id)["jobs"][str(r.job_id)]
         return out
+
+
+    def metrics(self) -> dict[str, Any]:
+        """Everything the Prometheus endpoint and `passing-ctl top` show (docs/control.md, metrics):
+        the aggregators with their slots, every running group (and those finished in the last
+        FINISHED_RETENTION s) with its aggregator's counters and its workers' reports."""
+        now = time.time()
+        self.finished = [g for g in self.finished if now - g["ended"] < FINISHED_RETENTION]
+        records = self.store.all()
+        switch_read: dict[str, dict[int, int]] | None = None
+        if self.switch is not None and any(r.mode == "switch" for r in records):
+            try:
+                switch_read = counters.read_all(self.switch)
+            except SwitchError as e:
+                log.warning("metrics: reading the switch's counters: %s", e)
+        ps_jobs: dict[str, dict[str, dict[str, int]]] = {}
+        for control in {r.aggregator["control"] for r in records if r.mode == "ps"}:
+            try:
+                ps_jobs[control] = ps_request(control, "stats")["jobs"]
+            except (OSError, RequestError) as e:  # a PS that does not answer shows no counters, the rest do
+                log.warning("metrics: PS %s: %s", control, e)
+        groups = []
+        for r in records:
+            if r.mode == "switch":
+                job_counters = counters.job_counters(switch_read, r.job_id) if switch_read is not None else {}
+            else:
+                job_counters = ps_jobs.get(r.aggregator["control"], {}).get(str(r.job_id), {})
+            groups.append(self._group_metrics(r, job_counters, running=True))
+        slots = []
+        for entry in self.aggregators():
+            name = entry["aggregator"]
+            allocator = self.allocator if name == "switch" else self.ps_allocators[name]
+            slots.append({**entry, "kind": "switch" if name == "switch" else "ps", "slots": allocator.slots,
+                          "free_slots": allocator.free()})
+        out: dict[str, Any] = {
+            "time": now, "aggregators": slots, "groups": groups + self.finished,
+            "pending": len(self.pending), "admitted": dict(self.admitted), "joins_failed": self.joins_failed,
+        }
+        if switch_read is not None:
+            out["switch_totals"] = {name: sum(per.values()) for name, per in switch_read.items()}
+        return out
+
+    def _group_metrics(self, r: Record, job_counters: dict[str, int], running: bool) -> dict[str, Any]:
+        return {"job": r.job_name, "group": r.group, "job_id": r.job_id, "generation": r.generation,
+                "mode": r.mode, "aggregator": r.aggregator.get("control", "switch"), "pool": r.pool,
+                "workers": len(r.workers), "running": running, "counters": job_counters,
+                "hosts": {str(w): stats for w, stats in sorted(self.reports.get(r.job_id, {}).items())}}
+
+    def _final_counters(self, r: Record) -> dict[str, int]:
+        """The group's aggregator counters as it ends (for `metrics`); {} when they cannot be read."""
+        try:
+            if r.mode == "switch":
+                return counters.for_job(self.switch, r.job_id) if self.switch is not None else {}
+            # a live PS answers in milliseconds; a dead one must not hold the teardown for long
+            return ps_request(r.aggregator["control"], "stats", timeout=1.0, job=r.job_id)["jobs"][str(r.job_id)]
+        except (OSError, RequestError, SwitchError, KeyError) as e:
+            log.info("final counters of job id %d: %s", r.job_id, e)
+            return {}
+
+
+def _report_stats(stats: Any) -> dict[str, float]:
+    if not isinstance(stats, dict):
+        raise RequestError("stats must be an object of counters")
+    return {k: float(stats[k]) for k in REPORT_FIELDS if k in stats}
 
 
 def ps_request(endpoint: str, cmd: str, timeout: float = 5.0, **fields: Any) -> dict:

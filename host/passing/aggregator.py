@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +213,9 @@ class SoftwareAggregator:
                 raise OSError(f"cannot bind control socket {control}: {e}") from None
             self.control_endpoint = self.control.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
+        # The numpy engine is driven by the serving thread; a metrics scrape reads it from another.
+        self._lock = threading.RLock()
+        self._serving_thread: threading.Thread | None = None  # for its CPU time
 
     @property
     def address(self) -> tuple[str, int]:
@@ -238,6 +242,7 @@ class SoftwareAggregator:
     # ---- serving ---------------------------------------------------------------------
 
     def serve(self) -> None:
+        self._serving_thread = threading.current_thread()
         if self.native is not None:
             self._serve_native()
             return
@@ -281,10 +286,11 @@ class SoftwareAggregator:
             if len(lengths) == 0:
                 break
             taken += len(lengths)
-            if self.ingress.active:
-                keep = self.ingress.apply(len(lengths))
-                view, lengths, sources = view[keep], lengths[keep], sources[keep]
-            self.send(self.engine.process(view, sources, lengths))
+            with self._lock:
+                if self.ingress.active:
+                    keep = self.ingress.apply(len(lengths))
+                    view, lengths, sources = view[keep], lengths[keep], sources[keep]
+                self.send(self.engine.process(view, sources, lengths))
         return taken
 
     def send(self, out: Emission) -> None:
@@ -297,10 +303,29 @@ class SoftwareAggregator:
     # ---- control -----------------------------------------------------------------------
 
     def stats(self, job: int | None = None) -> dict[str, Any]:
+        with self._lock:
+            return self._stats(job)
+
+    def metrics(self) -> dict[str, Any]:
+        """What `--metrics` exports: the counters of ``stats``, the admitted jobs and their slots,
+        and the CPU time of the data-path and control threads."""
+        with self._lock:
+            out = self._stats(None)
+            out["admitted"] = [job_to_json(s) for s in self.engine.jobs()]
+        out["slots"] = self.engine.slots
+        if self.native is not None:
+            threads = {"control": self._serving_thread, "data": self.native.thread}
+        else:
+            threads = {"data": self._serving_thread}  # one thread does both
+        out["cpu_seconds"] = {name: thread_cpu_seconds(t) for name, t in threads.items()
+                              if t is not None and t.is_alive()}
+        return out
+
+    def _stats(self, job: int | None) -> dict[str, Any]:
         jobs = [job] if job is not None else [s.job for s in self.engine.jobs()]
         reply: dict[str, Any] = {
             "totals": self.engine.counters(),
-            "jobs": {str(j): self.engine.counters(j) for j in jobs},
+            "jobs": {str(j): job_counters(self.engine.counters(j)) for j in jobs},
         }
         if self.native is None:
             reply["injected"] = {
@@ -322,6 +347,10 @@ class SoftwareAggregator:
 
     def handle(self, request: Any) -> dict[str, Any]:
         """One control request -> its reply. Never raises: errors become replies."""
+        with self._lock:
+            return self._handle(request)
+
+    def _handle(self, request: Any) -> dict[str, Any]:
         try:
             if not isinstance(request, dict):
                 raise ConfigError("a request must be a JSON object")
@@ -357,6 +386,22 @@ class SoftwareAggregator:
         else:
             reply = self.handle(request)
         self.control.send(json.dumps(reply).encode())
+
+
+# Every DATA packet of an admitted job ends in exactly one of these (overflow is part of aggregated).
+OUTCOMES = ("rejected", "aggregated", "duplicate", "duplicate_answered", "stale")
+
+
+def job_counters(counters: dict[str, int]) -> dict[str, int]:
+    """A job's counters with its ``received`` filled in: the engines count arrivals in their totals
+    only (a packet's job is known after it is parsed), so a job's arrivals are its outcomes."""
+    return {**counters, "received": sum(counters[k] for k in OUTCOMES)}
+
+
+def thread_cpu_seconds(thread: threading.Thread) -> float:
+    """CPU time of a running thread of this process (call it only while the thread is alive:
+    the clock of an ended thread is undefined)."""
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 class ControlClient:

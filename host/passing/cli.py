@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import control, native, quantize, wire
+from . import control, metrics, native, quantize, wire
 from .aggregation import ConfigError
 from .aggregator import ControlClient, Impairment, SoftwareAggregator, job_from_json, load_config
 from .stream import Group, PassingError
@@ -46,6 +46,7 @@ def aggregator_main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-offload", action="store_true", help="no UDP GSO/GRO: one syscall datagram per packet")
     s.add_argument("--engine", choices=native.ENGINES, default="auto",
                    help="native: the data path in C; numpy: in Python; auto: native where it loads (default)")
+    s.add_argument("--metrics", metavar="ADDR:PORT", help="serve Prometheus metrics over HTTP here (port 0: any)")
     s.add_argument("-v", "--verbose", action="store_true")
     for name, helptext in (("stats", "print counters"), ("jobs", "list admitted jobs"),
                            ("add-job", "admit a job"), ("remove-job", "remove a job")):
@@ -59,6 +60,11 @@ def aggregator_main(argv: list[str] | None = None) -> int:
         if name == "remove-job":
             c.add_argument("job", type=int)
     args = p.parse_args(argv)
+    if args.cmd == "serve" and args.metrics:
+        try:
+            metrics.parse_address(args.metrics)
+        except ValueError as e:
+            p.error(str(e))
     try:
         if args.cmd == "serve":
             return _serve(args)
@@ -95,12 +101,23 @@ def _serve(args: argparse.Namespace) -> int:
         offload=not args.no_offload,
         engine=args.engine,
     )
+    exporter = None
+    if args.metrics:
+        try:
+            exporter = metrics.MetricsServer(args.metrics, lambda: metrics.aggregator_metrics(server.metrics()))
+        except OSError:
+            server.close()
+            raise
     server.install_signal_handlers()
     host, port = server.address
     print(json.dumps({"event": "ready", "data": f"{host}:{port}", "control": server.control_endpoint,
-                      "lanes": server.engine.lanes, "slots": server.engine.slots, "engine": server.engine_name}),
-          flush=True)
-    server.serve()
+                      "lanes": server.engine.lanes, "slots": server.engine.slots, "engine": server.engine_name,
+                      "metrics": exporter.address if exporter else None}), flush=True)
+    try:
+        server.serve()
+    finally:
+        if exporter is not None:
+            exporter.close()
     print(json.dumps({"event": "stopped", **server.stats()}), flush=True)
     return 0
 

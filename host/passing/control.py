@@ -47,13 +47,23 @@ def join(controller: str, job: str, worker: int, workers: int, host: str, udp_po
 
 
 def leave(controller: str, job: str, group: int = 0, worker: int | None = None,
-          timeout: float = 10.0) -> dict[str, Any]:
+          timeout: float = 10.0, stats: dict[str, float] | None = None) -> dict[str, Any]:
     """With ``worker``: this worker is done; the group goes when all its workers are.
-    Without: end the group now."""
+    Without: end the group now. ``stats``: the worker's final report (see ``report``)."""
     fields: dict[str, Any] = {"job": job, "group": group}
     if worker is not None:
         fields["worker"] = worker
+    if stats is not None:
+        fields["stats"] = stats
     return request(controller, "leave", timeout=timeout, **fields)
+
+
+def report(controller: str, job: str, group: int, worker: int, stats: dict[str, float],
+           timeout: float = 5.0) -> dict[str, Any]:
+    """Tell the controller this worker's counters so far (cumulative: packets and bytes sent and
+    received, retransmissions, ``calls`` and ``call_seconds`` of its allreduces); it exports them
+    as metrics (docs/control.md)."""
+    return request(controller, "report", timeout=timeout, job=job, group=group, worker=worker, stats=stats)
 
 
 class Failover:

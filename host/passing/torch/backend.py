@@ -8,6 +8,7 @@ order on one thread per group, so async_op=True overlaps them with the caller.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -26,30 +27,61 @@ from torch.distributed import PrefixStore, ProcessGroup, ReduceOp
 from .. import control, wire
 from ..stream import Group, GroupFailed, PassingError
 from ..transport import BatchSocket
+from . import embedded
 from .hierarchy import Layout, two_stage_allreduce
-from .options import SCHEMES, OptionError, Options
+from .options import SCHEMES, OptionError, Options, route_source
 
 log = logging.getLogger("passing.torch")
 
 
 class Membership:
-    """This rank's place in a controller group; leaves it once, at shutdown or exit."""
+    """This rank's place in a controller group: reports its counters to the controller every
+    ``report_interval`` s (0: only with its leave) and leaves it once, at shutdown or exit."""
 
-    def __init__(self, controller: str, job: str, group: int, worker: int, stream: Group) -> None:
+    def __init__(self, controller: str, job: str, group: int, worker: int, stream: Group,
+                 report_interval: float = 0.0, embedded: bool = False) -> None:
         self.controller, self.job, self.group, self.worker, self.stream = controller, job, group, worker, stream
+        self.embedded = embedded  # the controller lives in rank 0: its end is no surprise
+        self.calls, self.call_seconds = 0, 0.0  # this rank's allreduces through PASSING
         self._closed = threading.Lock()
         self.closed = False
+        self._stop = threading.Event()
+        self._reporter: threading.Thread | None = None
+        if report_interval > 0:
+            self._reporter = threading.Thread(target=self._report_every, args=(report_interval,), daemon=True,
+                                              name=f"passing-report-{job}-{group}")
+            self._reporter.start()
+
+    def record_call(self, seconds: float) -> None:
+        self.calls += 1
+        self.call_seconds += seconds
+
+    def stats(self) -> dict[str, float]:
+        """What the controller exports for this worker (docs/control.md, report)."""
+        return {**self.stream.stats.as_dict(), "calls": self.calls, "call_seconds": self.call_seconds}
+
+    def _report_every(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                control.report(self.controller, self.job, self.group, self.worker, self.stats())
+            except PassingError as e:  # metrics are best effort: training goes on
+                log.debug("passing: report to %s: %s", self.controller, e)
 
     def close(self) -> None:
         with self._closed:
             if self.closed:
                 return
             self.closed = True
+        self._stop.set()
+        if self._reporter is not None:
+            self._reporter.join(10)
+        stats = self.stats()
         self.stream.close()
         try:
-            control.leave(self.controller, self.job, self.group, self.worker, timeout=5.0)
+            control.leave(self.controller, self.job, self.group, self.worker, timeout=5.0, stats=stats)
         except PassingError as e:
-            log.warning("passing: leaving job %s group %d: %s", self.job, self.group, e)
+            (log.info if self.embedded else log.warning)("passing: leaving job %s group %d: %s", self.job,
+                                                         self.group, e)
 
 
 class FailoverStage:
@@ -154,14 +186,29 @@ class ProcessGroupPassing(ProcessGroup):
         self.reason = f"scheme {options.scheme}: every all_reduce is gloo's"
         self.local: dict[str, C10dBackend] = {}  # device type -> in-host group of this server's ranks
         self.stream: Group | None = None
+        self.embedded_mode = False  # no controller configured: rank 0's embedded one serves the group
+        self.embedded: embedded.Embedded | None = None  # rank 0's services in embedded mode
         if self.scheme.aggregator is None:
             return
+        try:
+            self._connect(store, rank, timeout, name)
+        except BaseException:
+            if self.embedded is not None:
+                self.embedded.close(linger=0)
+            raise
+
+    # ---- set-up ------------------------------------------------------------------------
+
+    def _connect(self, store: dist.Store, rank: int, timeout: timedelta, name: str) -> None:
+        """Join this rank's aggregation group through the controller (rank 0's embedded one if none is set)."""
+        if self.options.controller is None:
+            self._start_embedded(store, rank)
         in_host = self.scheme.in_host and self.layout.ranks_per_server > 1
         if in_host:
             self.local = self._local_groups(store, timeout)
             group, worker, workers = self.layout.local_rank, self.layout.server, self.layout.servers
         else:
-            group, worker, workers = 0, rank, size
+            group, worker, workers = 0, rank, self.size()
         if workers > wire.MAX_WORKERS:
             raise OptionError(f"{workers} workers in one aggregation group; PASSING takes at most {wire.MAX_WORKERS}"
                               + ("" if in_host else " (the in-host schemes need one per server)"))
@@ -169,13 +216,38 @@ class ProcessGroupPassing(ProcessGroup):
         self.stream, answer = self._join(job, group, worker, workers)
         self.network = FailoverStage(self.stream, store, f"passing/fallback/{name}/{group}/", timeout)
         self.mode, self.reason = answer["mode"], answer["reason"]
-        self._membership = Membership(str(options.controller), job, group, worker, self.stream)
-        weakref.finalize(self, self._membership.close)  # also at interpreter exit
+        if self.embedded_mode:
+            self.reason = f"embedded controller in rank 0, no controller configured: {self.reason}"
+        self._membership = Membership(str(self.options.controller), job, group, worker, self.stream,
+                                      float(self.options.report_interval), embedded=self.embedded_mode)
+        weakref.finalize(self, _close, self._membership, self.embedded)  # also at interpreter exit
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"passing-pg{name}")
         log.info("passing: rank %d: job %s group %d worker %d of %d on %s (%s)", rank, job, group, worker, workers,
                  self.mode, self.reason)
 
-    # ---- set-up ------------------------------------------------------------------------
+    def _start_embedded(self, store: dist.Store, rank: int) -> None:
+        """Rank 0 starts the embedded controller and aggregator and publishes the endpoint in the
+        group's store; every rank then uses it as its controller."""
+        global _embedded_logged
+        if rank == 0:
+            try:
+                address = str(self.options.host) if self.options.host else embedded.rank0_address(store)
+                self.embedded = embedded.Embedded(address, float(self.options.join_timeout))
+            except BaseException as e:  # the other ranks wait for the key: give them the error
+                embedded.publish(store, {"error": f"{type(e).__name__}: {e}"})
+                raise
+            embedded.publish(store, {"controller": self.embedded.endpoint})
+        endpoint = embedded.endpoint(store)
+        host = self.options.host or route_source(endpoint)
+        self.options = dataclasses.replace(self.options, controller=endpoint, host=host)
+        self.embedded_mode = True
+        if rank == 0 and not _embedded_logged:
+            _embedded_logged = True
+            log.warning("passing: no controller configured (PASSING_CONTROLLER unset, no pg_options.controller): "
+                        "rank 0 runs an embedded controller and software aggregator at %s, and the groups "
+                        "aggregate there (PS mode); set PASSING_CONTROLLER to use a switch", endpoint)
+        else:
+            log.info("passing: embedded controller of rank 0 at %s", endpoint)
 
     def _local_groups(self, store: dist.Store, timeout: timedelta) -> dict[str, C10dBackend]:
         n, j = self.layout.ranks_per_server, self.layout.local_rank
@@ -237,6 +309,7 @@ class ProcessGroupPassing(ProcessGroup):
         return work
 
     def _run(self, tensor: torch.Tensor, op: str, work: PassingWork) -> None:
+        start = time.monotonic()
         try:
             if tensor.numel():
                 local = self.local.get(tensor.device.type) if self.local else None
@@ -254,6 +327,7 @@ class ProcessGroupPassing(ProcessGroup):
         except BaseException as e:  # handed to whoever waits on the work
             work.fail(e)
             return
+        self._membership.record_call(time.monotonic() - start)
         work.future.set_result([tensor])
 
     def _unsupported(self, tensors: list[torch.Tensor], opts: Any) -> str:
@@ -279,14 +353,22 @@ class ProcessGroupPassing(ProcessGroup):
     def shutdown(self) -> None:
         if self.stream is not None:
             self._executor.shutdown(wait=True)
-            self._membership.close()
+            _close(self._membership, self.embedded)
         super().shutdown()
 
     def _get_backend_name(self) -> str:
         return "passing"
 
 
+def _close(membership: Membership, embedded_services: embedded.Embedded | None) -> None:
+    """Leave the group; rank 0 then stops its embedded controller once the others have left too."""
+    membership.close()
+    if embedded_services is not None:
+        embedded_services.close()
+
+
 _inherited_options: Options | None = None  # the default group's, for subgroups made without pg_options
+_embedded_logged = False  # the embedded mode is announced once per process
 
 
 def create(backend_options: Any, pg_options: Any) -> ProcessGroupPassing:

@@ -39,7 +39,7 @@ class OptionError(ValueError):
 class Options:
     """Every field left at None is taken from its PASSING_* variable, else the default."""
 
-    controller: str | None = None  # PASSING_CONTROLLER: the controller's ZeroMQ endpoint
+    controller: str | None = None  # PASSING_CONTROLLER: the controller's ZeroMQ endpoint; unset: embedded in rank 0
     scheme: str | None = None  # PASSING_SCHEME: passing | psring | switchml | ps | ring
     scale: str | float | None = None  # PASSING_SCALE: "auto" or a fixed scale such as 1e8
     on_overflow: str | None = None  # PASSING_ON_OVERFLOW: raise | auto (redo an overflowing call in auto)
@@ -53,10 +53,11 @@ class Options:
     engine: str | None = None  # PASSING_ENGINE: host streaming engine, auto | native | numpy
     failover_after: float | None = None  # PASSING_FAILOVER_AFTER: silent this long, move the group (0: never;
     # default: 5 s, or half the timeout when that is shorter)
+    report_interval: float | None = None  # PASSING_REPORT_INTERVAL: s between reports to the controller (0: at leave)
 
-    DEFAULTS = {"controller": "tcp://127.0.0.1:9090", "scheme": "passing", "scale": "auto", "on_overflow": "raise",
+    DEFAULTS = {"controller": None, "scheme": "passing", "scale": "auto", "on_overflow": "raise",
                 "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 0.02, "host": None, "server": None,
-                "job": None, "engine": "auto", "failover_after": None}
+                "job": None, "engine": "auto", "failover_after": None, "report_interval": 10.0}
 
     def resolve(self, environ: dict[str, str] | None = None) -> Options:
         """A copy with every field filled in, checked."""
@@ -73,8 +74,8 @@ class Options:
         if values["server"] is None:
             # torchrun's node rank names the server; without torchrun, the machine does.
             values["server"] = env.get("GROUP_RANK") or socket.gethostname()
-        if values["host"] is None and values["scheme"] != "ring":
-            values["host"] = route_source(values["controller"])
+        if values["host"] is None and values["scheme"] != "ring" and values["controller"] is not None:
+            values["host"] = route_source(values["controller"])  # embedded: once rank 0 says where it is
         out = Options(**values)
         out._check()
         return out
@@ -84,7 +85,7 @@ class Options:
         try:
             if name == "pool":
                 return int(raw)
-            if name in ("timeout", "join_timeout", "rto", "failover_after"):
+            if name in ("timeout", "join_timeout", "rto", "failover_after", "report_interval"):
                 return float(raw)
             if name == "scale":
                 return raw if raw == "auto" else float(raw)
@@ -109,6 +110,8 @@ class Options:
         if not 0 <= self.failover_after < self.timeout:
             raise OptionError(f"failover_after must be 0 (off) or below timeout ({self.timeout:g} s); "
                               f"got {self.failover_after}")
+        if not self.report_interval >= 0:
+            raise OptionError(f"report_interval must be 0 or more; got {self.report_interval}")
 
 
 def route_source(endpoint: str) -> str:

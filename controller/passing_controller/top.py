@@ -1,0 +1,135 @@
+"""`passing-ctl top`: a terminal view of the controller, refreshed every second.
+
+It asks the controller for its `metrics` answer (docs/control.md) and shows the
+aggregators with their slots, then one row per job group: mode, slots, workers, and rates
+from the difference of two answers (packets the aggregator took, rounds completed, the
+workers' retransmissions, allreduce calls and their mean time). curses from the standard
+library: it runs in any terminal, over ssh too. `--once` prints one frame as text.
+"""
+
+from __future__ import annotations
+
+import curses
+import sys
+import time
+from typing import Any
+
+from . import rpc
+from .service import PROTOCOL_VERSION
+
+HEADER = (f"{'JOB':<24} {'GROUP':>5} {'ID':>4} {'MODE':<6} {'SLOTS':>6} {'WORKERS':>7} {'PKT/S':>10} "
+          f"{'ROUNDS/S':>9} {'RETX/S':>8} {'CALLS/S':>8} {'MS/CALL':>8}  STATE")
+
+
+def fetch(controller: str, timeout: float = 5.0) -> dict[str, Any]:
+    reply = rpc.call(controller, {"version": PROTOCOL_VERSION, "cmd": "metrics"}, timeout)
+    if not reply.get("ok"):
+        raise RuntimeError(f"controller refused metrics: {reply.get('error')}")
+    return reply
+
+
+def _key(g: dict[str, Any]) -> tuple:
+    return g["job"], g["group"], g["job_id"], g["generation"]
+
+
+def _host_sum(g: dict[str, Any], field: str) -> float:
+    return sum(h.get(field, 0.0) for h in g["hosts"].values())
+
+
+def _rate(now: float, before: float | None, seconds: float) -> str:
+    return "-" if before is None or seconds <= 0 else f"{max(0.0, now - before) / seconds:.1f}"
+
+
+def render(snapshot: dict[str, Any], previous: dict[str, Any] | None, controller: str) -> list[str]:
+    """The frame's lines: a header, the aggregators, the totals, then a row per group."""
+    lines = [f"PASSING top  {controller}  {time.strftime('%H:%M:%S', time.localtime(snapshot['time']))}"
+             "  (q quits)"]
+    aggregators = [f"{a['kind']} {a['aggregator'] if a['kind'] == 'ps' else ''}".strip() +
+                   f" {a['state']} {a['slots'] - a['free_slots']}/{a['slots']} slots used"
+                   for a in snapshot["aggregators"]]
+    lines.append("aggregators: " + (" | ".join(aggregators) or "none"))
+    running = [g for g in snapshot["groups"] if g["running"]]
+    by_mode = {m: [g for g in running if g["mode"] == m] for m in ("switch", "ps")}
+    admitted = sum(snapshot["admitted"].values())
+    lines.append(f"jobs: {len({g['job'] for g in by_mode['switch']})} on the switch, "
+                 f"{len({g['job'] for g in by_mode['ps']})} on a PS   groups: {len(by_mode['switch'])} switch, "
+                 f"{len(by_mode['ps'])} ps, {snapshot['pending']} waiting   admitted {admitted}, "
+                 f"refused {snapshot['joins_failed']}")
+    lines += ["", HEADER]
+    seconds = snapshot["time"] - previous["time"] if previous else 0.0
+    before = {_key(g): g for g in previous["groups"]} if previous else {}
+    for g in sorted(snapshot["groups"], key=lambda g: (not g["running"], g["job"], g["group"])):
+        old = before.get(_key(g))
+        values = {"received": g["counters"].get("received", 0), "completed": g["counters"].get("completed", 0),
+                  "retransmissions": _host_sum(g, "retransmissions"), "calls": _host_sum(g, "calls"),
+                  "call_seconds": _host_sum(g, "call_seconds")}
+        was = None if old is None else {
+            "received": old["counters"].get("received", 0), "completed": old["counters"].get("completed", 0),
+            "retransmissions": _host_sum(old, "retransmissions"), "calls": _host_sum(old, "calls"),
+            "call_seconds": _host_sum(old, "call_seconds")}
+        rate = {k: _rate(v, None if was is None else was[k], seconds) for k, v in values.items()}
+        calls = values["calls"] - was["calls"] if was else 0.0
+        ms_per_call = f"{1000 * (values['call_seconds'] - was['call_seconds']) / calls:.1f}" if calls > 0 else "-"
+        lines.append(
+            f"{g['job'][:24]:<24} {g['group']:>5} {g['job_id']:>4} {g['mode']:<6} {g['pool']:>6} {g['workers']:>7} "
+            f"{rate['received']:>10} {rate['completed']:>9} {rate['retransmissions']:>8} {rate['calls']:>8} "
+            f"{ms_per_call:>8}  {'running' if g['running'] else 'ended'}")
+    if not snapshot["groups"]:
+        lines.append("(no job groups)")
+    return lines
+
+
+def once(controller: str) -> int:
+    print("\n".join(render(fetch(controller), None, controller)))
+    return 0
+
+
+def run(controller: str, interval: float = 1.0) -> int:
+    """The live view until q (or Ctrl-C)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise RuntimeError("top needs a terminal; --once prints one frame as text")
+    try:
+        curses.wrapper(_loop, controller, interval)
+    except KeyboardInterrupt:
+        pass
+    except curses.error as e:
+        raise RuntimeError(f"top needs a terminal ({e}); --once prints one frame as text") from None
+    return 0
+
+
+def _loop(screen: curses.window, controller: str, interval: float) -> None:
+    try:
+        curses.curs_set(0)
+    except curses.error:  # a terminal that cannot hide the cursor
+        pass
+    screen.timeout(100)  # getch waits at most this long: keys are seen between refreshes
+    previous: dict[str, Any] | None = None
+    lines: list[str] = [f"PASSING top  {controller}  (waiting for the controller)"]
+    next_refresh = 0.0
+    while True:
+        if time.monotonic() >= next_refresh:
+            next_refresh = time.monotonic() + interval
+            try:
+                snapshot = fetch(controller, timeout=min(5.0, max(interval, 1.0)))
+                lines = render(snapshot, previous, controller)
+                previous = snapshot
+            except (OSError, RuntimeError) as e:  # TimeoutError is an OSError: keep trying
+                lines = [f"PASSING top  {controller}  {time.strftime('%H:%M:%S')}  (q quits)",
+                         f"controller not answering: {e}"]
+            _draw(screen, lines)
+        key = screen.getch()
+        if key in (ord("q"), ord("Q")):
+            return
+        if key == curses.KEY_RESIZE:
+            _draw(screen, lines)
+
+
+def _draw(screen: curses.window, lines: list[str]) -> None:
+    height, width = screen.getmaxyx()
+    screen.erase()
+    for y, line in enumerate(lines[:height]):
+        try:
+            screen.addnstr(y, 0, line, width - 1)
+        except curses.error:  # the bottom-right cell: curses cannot move past it
+            pass
+    screen.refresh()

@@ -1,0 +1,89 @@
+"""Prometheus metrics of the software aggregator: `passing-aggregator serve --metrics ADDR:PORT`.
+
+A scrape reads the aggregator's counters (``SoftwareAggregator.metrics``) from the HTTP
+server's thread. Packet rates are the counters' rates in Prometheus
+(``rate(passing_aggregator_udp_received_packets_total[1m])``). (The controller package has
+its own twin of the server part: the two distributions share protocols, not code.)
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from .aggregation import COUNTERS
+
+# What each counter of the state machine (docs/protocol.md) counts.
+UNITS = {name: "rounds" if name == "completed" else "packets" for name in COUNTERS}
+TRANSPORT = {"packets_received": ("passing_aggregator_udp_received_packets", "UDP datagrams received"),
+             "packets_sent": ("passing_aggregator_udp_sent_packets", "UDP datagrams sent (RESULTs)"),
+             "bytes_received": ("passing_aggregator_udp_received_bytes", "bytes of the datagrams received"),
+             "bytes_sent": ("passing_aggregator_udp_sent_bytes", "bytes of the datagrams sent")}
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """'ADDR:PORT' (':PORT': every address; port 0: any free one) -> (addr, port), or ValueError."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--metrics wants ADDR:PORT, e.g. 0.0.0.0:9101; got {text!r}")
+    return host or "0.0.0.0", int(port)
+
+
+class MetricsServer:
+    """An HTTP server answering GET /metrics from ``collect``, in a thread of its own."""
+
+    def __init__(self, address: str, collect: Callable[[], Iterator[Metric]]) -> None:
+        host, port = parse_address(address)
+        registry = CollectorRegistry()
+        registry.register(_Collector(collect))
+        ProcessCollector(registry=registry)  # process_cpu_seconds_total, resident memory, open fds
+        try:
+            self.httpd, self.thread = start_http_server(port, host, registry=registry)
+        except (OSError, socket.gaierror) as e:
+            raise OSError(f"cannot serve metrics on {address}: {e}") from None
+        self.address = "{}:{}".format(*self.httpd.server_address[:2])
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Collector:
+    def __init__(self, collect: Callable[[], Iterator[Metric]]) -> None:
+        self.collect = collect
+
+
+def aggregator_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:
+    """The metric families of one ``SoftwareAggregator.metrics()`` answer."""
+    for name, value in snapshot["totals"].items():
+        yield CounterMetricFamily(f"passing_aggregator_{name}_{UNITS[name]}", f"the '{name}' counter of the "
+                                  "aggregation engine, all jobs (docs/protocol.md)", value=value)
+    generations = {str(j["job"]): str(j["generation"]) for j in snapshot["admitted"]}
+    per_job = {name: CounterMetricFamily(f"passing_aggregator_job_{name}_{UNITS[name]}", f"the '{name}' counter "
+                                         "of one admitted job", labels=("job", "generation"))
+               for name in COUNTERS if name != "malformed"}
+    for job, counters in snapshot["jobs"].items():
+        for name, value in counters.items():
+            if name in per_job:
+                per_job[name].add_metric((job, generations.get(job, "")), value)
+    yield from per_job.values()
+    used = sum(j["pool"] for j in snapshot["admitted"])
+    yield GaugeMetricFamily("passing_aggregator_jobs", "jobs admitted", value=len(snapshot["admitted"]))
+    yield GaugeMetricFamily("passing_aggregator_slots_used", "slots of admitted jobs", value=used)
+    yield GaugeMetricFamily("passing_aggregator_slots_free", "slots free for new jobs", value=snapshot["slots"] - used)
+    for key, (name, text) in TRANSPORT.items():
+        yield CounterMetricFamily(name, text, value=snapshot["transport"][key])
+    if "server" in snapshot:  # the native data path
+        yield CounterMetricFamily("passing_aggregator_send_errors", "sends the kernel refused",
+                                  value=snapshot["server"]["send_errors"])
+        yield CounterMetricFamily("passing_aggregator_batches", "receive batches the data path processed",
+                                  value=snapshot["server"]["batches"])
+    cpu = CounterMetricFamily("passing_aggregator_cpu_seconds", "CPU time of the aggregator's threads: 'data' "
+                              "runs the data path, 'control' answers the control channel", labels=("thread",))
+    for thread, seconds in snapshot["cpu_seconds"].items():
+        cpu.add_metric((thread,), seconds)
+    yield cpu

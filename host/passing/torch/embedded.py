@@ -1,0 +1,139 @@
+"""The embedded controller: what backend "passing" runs when no controller is configured.
+
+A process group's rank 0 starts a PS-only controller (the real one, ``passing_controller``)
+and a software aggregator in threads of its own process, bound to the address the other
+ranks reach it at, and publishes the controller's endpoint in the group's store. Every
+rank then joins through it as through an external controller, so the in-host stage and the
+schemes work unchanged; the groups aggregate on the software aggregator (PS mode).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import control
+from ..aggregator import SoftwareAggregator
+from ..stream import PassingError
+from .options import OptionError
+
+log = logging.getLogger("passing.torch")
+
+STORE_KEY = "passing/embedded"  # in the group's store: {"controller": endpoint} or {"error": text}
+LINGER = 30.0  # s rank 0 waits at shutdown for the other workers to leave (their last RESULTs need the PS)
+
+
+def store_host(store: dist.Store) -> str | None:
+    """The host of the TCPStore under ``store`` (torchrun's MASTER_ADDR), if it is one."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store.host if isinstance(store, dist.TCPStore) else None
+
+
+def _source_toward(host: str) -> str | None:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # no packet is sent: connect() only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def rank0_address(store: dist.Store) -> str:
+    """Where the other ranks reach rank 0: the source address of rank 0's route to the store's
+    host (rank 0 is on that host, or faces it on the cluster's network). A store on loopback
+    means one machine; a host name that resolves to loopback here (Debian's 127.0.1.1 for the
+    machine's own name) gives way to the address of the default route."""
+    host = store_host(store)
+    if host is None:
+        return "127.0.0.1"  # no TCP store (file:// init): one machine unless PASSING_HOST says otherwise
+    source = _source_toward(host)
+    if source is not None and not ipaddress.ip_address(source).is_loopback:
+        return source
+    if host == "localhost" or _is_loopback_literal(host):
+        return "127.0.0.1"
+    return _source_toward("192.0.2.1") or "127.0.0.1"  # TEST-NET-1: routed by the default route, never sent to
+
+
+def _is_loopback_literal(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Embedded:
+    """A PS-only controller and a software aggregator serving from threads of this process."""
+
+    def __init__(self, address: str, join_timeout: float) -> None:
+        try:
+            from passing_controller.service import Controller
+            from passing_controller.topology import Topology
+        except ImportError as e:
+            raise OptionError(f"no controller configured (PASSING_CONTROLLER unset, no pg_options.controller) and "
+                              f"the embedded one needs the passing-controller package ({e}): install it beside "
+                              f"passing (pip install -e controller), or set PASSING_CONTROLLER") from None
+        self.address = address
+        try:
+            self.aggregator = SoftwareAggregator(listen=(address, 0), control="tcp://127.0.0.1:*")
+        except OSError as e:
+            raise OptionError(f"embedded aggregator: cannot listen on {address} ({e}); set PASSING_HOST "
+                              f"to an address of this host") from None
+        data = "{}:{}".format(*self.aggregator.address)
+        try:
+            topology = Topology.from_dict({"ps": [{"data": data, "control": self.aggregator.control_endpoint}]})
+            self.controller = Controller(topology, None, ":memory:", f"tcp://{address}:*", join_timeout=join_timeout)
+        except BaseException:
+            self.aggregator.close()
+            raise
+        self.endpoint = self.controller.endpoint
+        self.threads = [threading.Thread(target=self.aggregator.serve, name="passing-embedded-aggregator",
+                                         daemon=True),
+                        threading.Thread(target=self.controller.serve, name="passing-embedded-controller",
+                                         daemon=True)]
+        for t in self.threads:
+            t.start()
+        self._closed = False
+
+    def idle(self) -> bool:
+        """No group is running or waiting for workers (every worker has left)."""
+        try:
+            status = control.request(self.endpoint, "status", timeout=5.0)
+        except PassingError:
+            return True
+        return not status["jobs"] and not status["pending"]
+
+    def close(self, linger: float = LINGER) -> None:
+        """Stop both once every worker has left (at most ``linger`` s from now)."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + linger
+        while not self.idle():
+            if time.monotonic() > deadline:
+                log.info("passing: embedded controller stops with workers still in after %g s", linger)
+                break
+            time.sleep(0.05)
+        self.controller.stop()
+        self.aggregator.stop()
+        for t in self.threads:
+            t.join(10)
+
+
+def publish(store: dist.Store, info: dict[str, Any]) -> None:
+    store.set(STORE_KEY, json.dumps(info))
+
+
+def endpoint(store: dist.Store) -> str:
+    """The embedded controller's endpoint, as rank 0 published it (waits for it)."""
+    info = json.loads(store.get(STORE_KEY))
+    if "error" in info:
+        raise OptionError(f"rank 0 could not start the embedded controller: {info['error']}")
+    return str(info["controller"])
