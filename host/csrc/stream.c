@@ -499,7 +499,9 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     uint32_t capacity = pn_udp_capacity(&st.udp);
     pn_datagram *got = malloc(capacity * sizeof *got);
     if (!got) rc = PN_ENOMEM;
-    double next_deadline = now + rto(&st);
+    /* the first wake-up: the earliest of the timers and the tail loss probe (a call of one
+     * packet, such as the MAX round, has nothing else to tell a loss) */
+    double next_deadline = now + fmin(rto(&st), probe_timeout(&st));
     double last_answer = now; /* the latest RESULT that answered a packet (or the call's start) */
     double silence_check = now + c->silence;
     while (rc == PN_OK && remaining) {

@@ -547,7 +547,9 @@ class Group:
         xmit[inflight] = np.arange(1, inflight.size + 1)
         transmissions = inflight.size
         deadline = np.full(inflight.size, now + self._rto())
-        next_due = float(deadline.min())
+        # the first wake-up: the earliest timer or the tail loss probe (a call of one packet, such as
+        # the MAX round, has nothing else to tell a loss)
+        next_due = min(float(deadline.min()), now + max(2.0 * self._srtt, PROBE_MIN))
         last_activity = np.full(len(blocks), now)  # per shard: its latest transmission or answer
         probes = np.zeros(len(blocks), dtype=np.int64)  # per shard: tail loss probes since its last answer
         remaining = total
