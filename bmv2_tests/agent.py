@@ -2,6 +2,7 @@
 
 Requests:  {"op": "bind", "key": K, "port": P}
            {"op": "send", "key": K, "to": "ip:port", "payload": HEX}
+           {"op": "send_many", "key": K, "to": "ip:port", "payloads": [HEX, ...]}
            {"op": "drain"}            -> {"received": [[K, HEX, "ip:port"], ...]}
 Every request is answered with one line ({"ok": true, ...} or {"ok": false, "error": ...}).
 It uses plain sockets on purpose: the packets under test are built by the test.
@@ -30,6 +31,11 @@ def main() -> None:
             elif op == "send":
                 host, port = req["to"].rsplit(":", 1)
                 sockets[req["key"]].sendto(bytes.fromhex(req["payload"]), (host, int(port)))
+            elif op == "send_many":  # a burst: payloads in order, as fast as the socket takes them
+                host, port = req["to"].rsplit(":", 1)
+                for payload in req["payloads"]:
+                    sockets[req["key"]].sendto(bytes.fromhex(payload), (host, int(port)))
+                reply["sent"] = len(req["payloads"])
             elif op == "drain":
                 got = []
                 for key, s in sockets.items():

@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from passing import wire
 from passing.cli import float_error_bound, worker_inputs
 from tests.cluster import LocalCluster
 
-from .network import REPO
+from .network import AGGREGATION_IP, REPO
 
 HOSTS = 4
 EXTRA = (("ps", "10.0.0.100", False), ("ctl", "10.0.0.253", True))
@@ -209,3 +210,63 @@ def test_exhausted_slots_fall_back_to_the_ps(network, controller, tmp_path):
     for report, _ in finish(big, tmp_path, "big"):
         assert report["mode"] == "switch"
     controller.ctl("leave", "big")
+
+
+def hostile_packets(rng: np.random.Generator, count: int, template: np.ndarray, pool: int) -> list[str]:
+    """Full-size datagrams (hex): random bytes, and the running job's DATA with one field wrong."""
+    out = []
+    for i in range(count):
+        if i % 2:
+            out.append(rng.bytes(template.nbytes).hex())
+            continue
+        p = template.copy()
+        hdr, kind = p["hdr"], (i // 2) % 6
+        if kind == 0:
+            hdr["job"] = int(hdr["job"][0]) + 1 + int(rng.integers(0, 500))  # no such job
+        elif kind == 1:
+            hdr["generation"] = (int(hdr["generation"][0]) + 1 + int(rng.integers(0, 1000))) % wire.GENERATIONS
+        elif kind == 2:
+            hdr["worker"] = 1  # worker 1 (admitted on h2's port) posing from h1's
+        elif kind == 3:
+            hdr["slot"] = pool + int(rng.integers(0, 100))  # outside the job's slots
+        elif kind == 4:
+            hdr["version"] = int(rng.choice([0, 1, 3, 255]))
+        else:
+            hdr["type"] = wire.RESULT
+        out.append(p.tobytes().hex())
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_hostile_datagrams_leave_a_running_job_exact_and_are_counted(network, controller, tmp_path):
+    """docs/reliability.md: thousands of random and mutated datagrams at the switch, from a stranger
+    and from a running job's own ingress port, while that job runs."""
+    size = 20_000
+    before = controller.ctl("stats")["switch_totals"]
+    procs = run_workers(network, tmp_path, "hostile", ["h1", "h2"], size, extra=["--iterations", "8"], wait=False)
+    deadline = time.monotonic() + 60
+    while not (jobs := [j for j in controller.ctl("jobs")["jobs"] if j["job"] == "hostile"]):
+        assert time.monotonic() < deadline, "the job did not join"
+        time.sleep(0.2)
+    job = jobs[0]
+    template = wire.encode(type=wire.DATA, job=job["job_id"], worker=0, psn=np.array([3]), pool=job["pool"],
+                           payload=np.full(wire.DEFAULT_LANES, 10**6, np.int64), generation=job["generation"])
+    rng = np.random.default_rng(5)
+    sent = 0
+    for host in ("h4", "h1"):  # h4: a stranger; h1: worker 0's ingress port, another UDP port
+        agent = network.agent(host)
+        agent.call(op="bind", key="hostile", port=31000)
+        for _ in range(40):  # paced: BMv2's queues drop a burst's excess before its parser counts it
+            sent += agent.call(op="send_many", key="hostile", to=f"{AGGREGATION_IP}:9877",
+                               payloads=hostile_packets(rng, 50, template, job["pool"]))["sent"]
+            time.sleep(0.03)
+    assert all(p.poll() is None for p in procs), "the job ended before the attack did"
+    total, bound = expected(2, size)
+    for _, r in finish(procs, tmp_path, "hostile"):
+        assert np.max(np.abs(r - total)) <= bound
+    after = controller.ctl("stats")["switch_totals"]
+    counted = sum(after[k] - before[k] for k in ("malformed", "rejected"))
+    assert sent == 4000 and counted == sent, (sent, {k: after[k] - before[k] for k in after})
+    print(f"hostile on BMv2: {sent} datagrams, {after['malformed'] - before['malformed']} malformed, "
+          f"{after['rejected'] - before['rejected']} rejected; the job's results within the bound")
+    controller.ctl("leave", "hostile")

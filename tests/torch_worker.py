@@ -273,9 +273,13 @@ def embedded_run() -> dict:
            "rank": dist.get_rank(), "reported_calls": reported_calls(pg)}
     dist.destroy_process_group()
     host, port = pg.options.controller.rsplit("/", 1)[-1].rsplit(":", 1)
-    with socket.socket() as s:  # free again once the embedded controller has stopped
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        out["port_free"] = s.connect_ex((host, int(port))) != 0
+    deadline = time.monotonic() + 2.0  # ZeroMQ closes a listening socket in its I/O thread, a moment later
+    while True:
+        with socket.socket() as s:  # free again once the embedded controller has stopped
+            out["port_free"] = s.connect_ex((host, int(port))) != 0
+        if out["port_free"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     out["threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("passing-embedded")]
     return out
 

@@ -272,6 +272,7 @@ class ProcessGroupPassing(ProcessGroup):
     def _join(self, job: str, group: int, worker: int, workers: int) -> tuple[Group, dict[str, Any]]:
         o = self.options
         sock = BatchSocket((str(o.host), 0))
+        line: control.Failover | None = None
         try:
             answer = control.join(str(o.controller), job, worker, workers, host=str(o.host),
                                   udp_port=sock.address[1], group=group, pool=o.pool,
@@ -287,6 +288,8 @@ class ProcessGroupPassing(ProcessGroup):
                                        failover=line)
         except BaseException:
             sock.close()
+            if line is not None:
+                line.close()  # its heartbeats would keep a group that never formed looking alive
             raise
         return stream, answer
 
