@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
 pytest.importorskip("sklearn", reason="scikit-learn is not installed (pip install -e 'host[test]')")
 
+from cluster import netns  # noqa: E402
 from cluster.local import LocalServices, collect, launch_ranks, start_controller  # noqa: E402
 from passing.control import request  # noqa: E402
 from tests.test_torch_backend import WORKER  # noqa: E402
@@ -99,3 +102,47 @@ def test_controller_killed_and_restarted_mid_training_changes_nothing(tmp_path):
     check_training(reports)
     assert all(r["passing"]["started"] < killed_at < r["passing"]["ended"] for r in reports), "not mid-training"
     assert all(r["moves"] == 0 and not r["on_gloo"] for r in reports)
+
+
+@pytest.mark.timeout(600)
+def test_ps_killed_mid_training_across_network_namespaces(tmp_path):
+    """The first row of docs/reliability.md as deployed: 2 servers x 2 ranks, two PS hosts and the
+    controller's host, each a network namespace around one bridge; PS 0 SIGKILLed mid-training."""
+    why = netns.available()
+    if why:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    names = ["server0", "server1", "ps0", "ps1", "ctl"]
+    marker = tmp_path / "training"
+    with netns.EmulatedNetwork(names) as net:
+        ip = {n: net.hosts[n].ip for n in names}
+        ps = []
+        for n in ("ps0", "ps1"):
+            argv = [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", f"{ip[n]}:9877",
+                    "--control", f"tcp://{ip[n]}:9878"]
+            proc = net.popen(n, argv, stdout=subprocess.PIPE, text=True)
+            assert proc.stdout.readline(), f"the aggregator in {n} did not start"
+            ps.append(proc)
+        controller = f"tcp://{ip['ctl']}:9090"
+        topology = {"ps": [{"data": f"{ip[n]}:9877", "control": f"tcp://{ip[n]}:9878"} for n in ("ps0", "ps1")]}
+        start_controller(topology, tmp_path, controller, popen=lambda argv, **kw: net.popen("ctl", argv, **kw))
+        servers = ["server0", "server1"]
+        procs = launch_ranks([*WORKER, "ddp_fault", str(EPOCHS)], 2, 2,
+                             {"PASSING_CONTROLLER": controller, "PASSING_TIMEOUT": "60", "PASSING_FAILOVER_AFTER": "1",
+                              "PASSING_TEST_MARKER": str(marker)},
+                             popen_for_server=lambda s: lambda argv, env, **kw: net.popen(servers[s], argv, env=env,
+                                                                                          **kw),
+                             env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},
+                             master_host=ip["server0"])
+        while not marker.exists():
+            assert all(p.poll() is None for p in procs), "a rank died before the kill"
+            time.sleep(0.1)
+        time.sleep(1.5)
+        ps[0].kill()  # `ip netns exec` execs the aggregator: this is its SIGKILL
+        killed_at = time.time()
+        outcomes = collect(procs, 600)
+    for rank, (rc, report, stderr) in enumerate(outcomes):
+        assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
+    reports = [report for _, report, _ in outcomes]
+    check_training(reports)
+    assert all(r["passing"]["started"] < killed_at < r["passing"]["ended"] for r in reports), "not mid-training"
+    assert any(r["moves"] >= 1 for r in reports) and not any(r["on_gloo"] for r in reports)
