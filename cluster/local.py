@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +121,10 @@ def collect(procs: Sequence[subprocess.Popen], timeout: float) -> list[tuple[int
         try:
             stdout, stderr = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            for q in procs:  # where each one hangs, if it dumps its stacks on SIGUSR1 (tests/torch_worker.py)
+                if q.poll() is None:
+                    q.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
             for q in procs:
                 q.kill()
             stdout, stderr = p.communicate()

@@ -304,6 +304,10 @@ def init_explicitly() -> None:
 
 
 def main() -> None:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # cluster.local.collect asks before it kills
     scenario, args = sys.argv[1], sys.argv[2:]
     if "--explicit" in args:
         args.remove("--explicit")

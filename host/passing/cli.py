@@ -206,7 +206,7 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     if args.out:
         np.save(args.out, out)
     report = {"worker": args.worker, "mode": mode, "engine": group.engine, "elements": args.size, "seconds": elapsed,
-              "gbit_per_s": args.size * 4 * 8 / elapsed / 1e9, "ok": True, **stats}
+              "gbit_per_s": args.size * 4 * 8 / elapsed / 1e9, "ok": True, "moves": group.moves, **stats}
     if not args.no_check:
         inputs = [worker_inputs(args.seed, w, args.size, args.dtype) for w in range(args.workers)]
         expected = np.sum(inputs, axis=0, dtype=np.float64) / (args.workers if args.op == "avg" else 1)
