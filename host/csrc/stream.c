@@ -149,7 +149,7 @@ static uint32_t float_bits(float f) {
  * flow to keep it from vectorizing. Returns 0 when a value is not finite or falls outside
  * int32 (converted as 0 here, never out of range): the caller then redoes the packet with
  * quantize(), which saturates and flags. */
-LANE_LOOP static int quantize_f32_fast(const float *restrict x, uint32_t n, float scale, uint8_t *restrict lanes) {
+LANE_LOOP static int quantize_f32_fast(const float *restrict x, uint32_t n, float scale, uint8_t *restrict packet) {
     uint32_t bad = 0;
     for (uint32_t i = 0; i < n; i++) {
         float v = x[i] * scale;
@@ -162,8 +162,7 @@ LANE_LOOP static int quantize_f32_fast(const float *restrict x, uint32_t n, floa
         float r;
         memcpy(&r, &bits, sizeof r);
         bad |= ~fits;
-        uint32_t be = __builtin_bswap32((uint32_t)(int32_t)r);
-        memcpy(lanes + 4 * (size_t)i, &be, sizeof be);
+        pn_lane_set(packet, i, (int32_t)r);
     }
     return bad == 0;
 }
@@ -185,34 +184,27 @@ LANE_LOOP uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only) {
     return most > 0x7F800000u ? 0x7FC00000u : most;
 }
 
-static uint32_t to_be32(uint32_t v) { return __builtin_bswap32(v); }
-
-static int32_t lane_at(const uint8_t *lanes, uint32_t i) {
-    uint32_t be;
-    memcpy(&be, lanes + 4 * (size_t)i, sizeof be);
-    return (int32_t)to_be32(be);
-}
-
-LANE_LOOP static int saturated_lanes(const uint8_t *lanes, uint32_t n) {
+LANE_LOOP static int saturated_lanes(const uint8_t *packet, uint32_t n) {
     int saturated = 0;
     for (uint32_t i = 0; i < n; i++) {
-        int32_t v = lane_at(lanes, i);
+        int32_t v = pn_lane_get(packet, i);
         saturated |= (v == INT32_MAX) | (v == INT32_MIN);
     }
     return saturated;
 }
 
 /* Lanes to floats: one rounding either way (passing/quantize.py's dequantize). */
-LANE_LOOP static void dequantize_lanes(const uint8_t *restrict lanes, uint32_t n, const shard_state *s, float *restrict out) {
+LANE_LOOP static void dequantize_lanes(const uint8_t *restrict packet, uint32_t n, const shard_state *s,
+                                       float *restrict out) {
     if (s->scale_f32) {
-        for (uint32_t i = 0; i < n; i++) out[i] = (float)lane_at(lanes, i) * s->inverse_f;
+        for (uint32_t i = 0; i < n; i++) out[i] = (float)pn_lane_get(packet, i) * s->inverse_f;
     } else {
-        for (uint32_t i = 0; i < n; i++) out[i] = (float)((double)lane_at(lanes, i) / s->scale);
+        for (uint32_t i = 0; i < n; i++) out[i] = (float)((double)pn_lane_get(packet, i) / s->scale);
     }
 }
 
-LANE_LOOP static void read_lanes(const uint8_t *restrict lanes, uint32_t n, int32_t *restrict out) {
-    for (uint32_t i = 0; i < n; i++) out[i] = lane_at(lanes, i);
+LANE_LOOP static void read_lanes(const uint8_t *restrict packet, uint32_t n, int32_t *restrict out) {
+    for (uint32_t i = 0; i < n; i++) out[i] = pn_lane_get(packet, i);
 }
 
 /* Build packet `offset` of shard s into its window slot. */
@@ -221,20 +213,18 @@ static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) 
     uint8_t *p = s->packets + (size_t)(offset % s->pool) * st->packet_size;
     uint64_t row = s->start + offset;
     uint64_t first = row * c->lanes;
-    uint8_t *lanes = p + PN_HEADER_SIZE;
     uint32_t full = first + c->lanes <= c->elements ? c->lanes : (uint32_t)(c->elements - first);
     int saturated = 0;
     if (c->kind != PN_IN_F32 || !s->scale_f32 ||
-        !quantize_f32_fast((const float *)c->input + first, full, s->scale_f, lanes)) {
+        !quantize_f32_fast((const float *)c->input + first, full, s->scale_f, p)) {
         for (uint32_t i = 0; i < full; i++) {
             int32_t q;
             if (c->kind == PN_IN_F32) saturated |= quantize(((const float *)c->input)[first + i], s, &q);
             else q = ((const int32_t *)c->input)[first + i];
-            uint32_t be = to_be32((uint32_t)q);
-            memcpy(lanes + 4 * (size_t)i, &be, sizeof be);
+            pn_lane_set(p, i, q);
         }
     }
-    memset(lanes + 4 * (size_t)full, 0, 4 * (size_t)(c->lanes - full)); /* the padding of the last packet */
+    memset(p + PN_HEADER_SIZE + 4 * (size_t)full, 0, 4 * (size_t)(c->lanes - full)); /* the last packet's padding */
     uint32_t psn = s->base_psn + (uint32_t)offset;
     pn_header h = {
         .version = PN_VERSION, .type = PN_DATA, .op = (uint8_t)c->op,
@@ -364,9 +354,9 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
         uint32_t n = first + c->lanes <= c->elements ? c->lanes : (uint32_t)(c->elements - first);
         /* A SUM lane at an int32 bound is a saturated sum: Tofino saturates without the flag
          * (docs/tofino.md), so every target's is read as overflow (padding lanes too). */
-        if (c->op == PN_OP_SUM && saturated_lanes(d->data + PN_HEADER_SIZE, c->lanes)) st->r->overflow[k] = 1;
-        if (c->kind == PN_IN_F32) dequantize_lanes(d->data + PN_HEADER_SIZE, n, s, (float *)c->output + first);
-        else read_lanes(d->data + PN_HEADER_SIZE, n, (int32_t *)c->output + first);
+        if (c->op == PN_OP_SUM && saturated_lanes(d->data, c->lanes)) st->r->overflow[k] = 1;
+        if (c->kind == PN_IN_F32) dequantize_lanes(d->data, n, s, (float *)c->output + first);
+        else read_lanes(d->data, n, (int32_t *)c->output + first);
         send_first(st, s, offset + s->pool, now); /* self-clocking: this RESULT releases offset + pool */
         return 1;
     }

@@ -47,11 +47,3 @@ void pn_header_write(uint8_t *p, const pn_header *h) {
 }
 
 size_t pn_packet_size(uint32_t lanes) { return PN_HEADER_SIZE + 4 * (size_t)lanes; }
-
-int32_t pn_lane_get(const uint8_t *packet, uint32_t i) {
-    return (int32_t)get32(packet + PN_HEADER_SIZE + 4 * (size_t)i);
-}
-
-void pn_lane_set(uint8_t *packet, uint32_t i, int32_t v) {
-    put32(packet + PN_HEADER_SIZE + 4 * (size_t)i, (uint32_t)v);
-}
