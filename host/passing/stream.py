@@ -549,7 +549,7 @@ class Group:
         deadline = np.full(inflight.size, now + self._rto())
         # the first wake-up: the earliest timer or the tail loss probe (a call of one packet, such as
         # the MAX round, has nothing else to tell a loss)
-        next_due = min(float(deadline.min()), now + max(2.0 * self._srtt, PROBE_MIN))
+        next_due = min(float(deadline.min()), now + self._probe_timeout())
         last_activity = np.full(len(blocks), now)  # per shard: its latest transmission or answer
         probes = np.zeros(len(blocks), dtype=np.int64)  # per shard: tail loss probes since its last answer
         remaining = total
@@ -628,7 +628,7 @@ class Group:
             # tail loss probe: a shard silent for two round trips resends its latest-sent packet, whose
             # answer lets RACK judge the ones before it; a peer that is only slow makes a shard silent
             # too, so each unanswered probe doubles the wait
-            pto = max(2.0 * self._srtt, PROBE_MIN) * 2.0 ** np.minimum(probes, 6)
+            pto = self._probe_timeout() * 2.0 ** np.minimum(probes, 6)
             probe_rows = []
             for sh_i in np.unique(sh):
                 if now >= last_activity[sh_i] + pto[sh_i]:
@@ -646,7 +646,7 @@ class Group:
                     silence_check = time.monotonic() + SILENCE_EVERY
             if inflight.size:  # wake for the earliest timer, RACK deadline or probe
                 live = np.unique(sh)
-                pto = max(2.0 * self._srtt, PROBE_MIN) * 2.0 ** np.minimum(probes, 6)  # after this round's probes
+                pto = self._probe_timeout() * 2.0 ** np.minimum(probes, 6)  # after this round's probes
                 next_due = min(float(deadline.min()), float(np.min(last_activity[live] + pto[live])))
                 rack_due = last_sent[inflight] + overdue[sh]
                 if later_answered.any():
@@ -689,6 +689,10 @@ class Group:
         """RFC 6298 smoothing; the sample is the slowest clean RESULT of a receive batch."""
         self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
         self._srtt = 0.875 * self._srtt + 0.125 * rtt
+
+    def _probe_timeout(self) -> float:
+        """How long a shard may stay silent (nothing sent, nothing answered) before a probe."""
+        return max(2.0 * self._srtt, PROBE_MIN)
 
     def _rto(self) -> float:
         return min(max(self._srtt + 4.0 * self._rttvar, self.rto_min), self.max_rto)
