@@ -20,7 +20,12 @@ def read_all(switch: Switch) -> dict[str, dict[int, int]]:
 
 
 def totals(switch: Switch) -> dict[str, int]:
-    return {name: sum(per_index.values()) for name, per_index in read_all(switch).items()}
+    return totals_of(read_all(switch))
+
+
+def totals_of(all_counters: dict[str, dict[int, int]]) -> dict[str, int]:
+    """Every counter summed over its indices, out of ``read_all``'s answer."""
+    return {name: sum(per_index.values()) for name, per_index in all_counters.items()}
 
 
 def for_job(switch: Switch, job: int) -> dict[str, int]:

@@ -229,7 +229,7 @@ class Controller:
         self.topo.host(str(req["host"]))  # a clear error for an unknown host, now
         if not 0 < int(req["udp_port"]) < 65536:
             raise RequestError(f"bad udp_port {req['udp_port']}")
-        if any(r.job_name == name and r.group == group for r in self.store.all()):
+        if self._record(name, group) is not None:
             raise RequestError(f"job {name!r} group {group} is running; leave it first")
         aggregator = str(req.get("aggregator", "any"))
         if aggregator not in AGGREGATOR_CHOICES:
@@ -373,22 +373,34 @@ class Controller:
         worker has left, so nobody loses the slots while a slower peer still needs RESULTs.
         A leave without `worker` (the operator's) tears the group down at once."""
         name, group = str(req["job"]), int(req.get("group", 0))
-        for r in self.store.all():
-            if r.job_name == name and r.group == group:
-                if req.get("worker") is not None:
-                    worker = int(req["worker"])
-                    if not 0 <= worker < len(r.workers):
-                        raise RequestError(f"job {name!r} group {group} has no worker {worker}")
-                    if req.get("stats") is not None:
-                        self.reports.setdefault(r.job_id, {})[worker] = _report_stats(req["stats"])
-                    left = self.leaving.setdefault(r.job_id, set())
-                    left.add(worker)
-                    if len(left) < len(r.workers):
-                        return {"left": {"job": name, "group": group, "job_id": r.job_id, "worker": worker},
-                                "remaining": sorted(set(range(len(r.workers))) - left)}
-                self._teardown(r)
-                return {"left": {"job": name, "group": group, "job_id": r.job_id}, "remaining": []}
-        raise RequestError(f"job {name!r} group {group} is not running")
+        r = self._running(name, group)
+        if req.get("worker") is not None:
+            worker = self._worker_of(r, int(req["worker"]))
+            if req.get("stats") is not None:
+                self.reports.setdefault(r.job_id, {})[worker] = _report_stats(req["stats"])
+            left = self.leaving.setdefault(r.job_id, set())
+            left.add(worker)
+            if len(left) < len(r.workers):
+                return {"left": {"job": name, "group": group, "job_id": r.job_id, "worker": worker},
+                        "remaining": sorted(set(range(len(r.workers))) - left)}
+        self._teardown(r)
+        return {"left": {"job": name, "group": group, "job_id": r.job_id}, "remaining": []}
+
+    def _record(self, name: str, group: int) -> Record | None:
+        """The allocation of job ``name``'s group ``group``, if it runs."""
+        return next((r for r in self.store.all() if r.job_name == name and r.group == group), None)
+
+    def _running(self, name: str, group: int) -> Record:
+        r = self._record(name, group)
+        if r is None:
+            raise RequestError(f"job {name!r} group {group} is not running")
+        return r
+
+    @staticmethod
+    def _worker_of(r: Record, worker: int) -> int:
+        if not 0 <= worker < len(r.workers):
+            raise RequestError(f"job {r.job_name!r} group {r.group} has no worker {worker}")
+        return worker
 
     def _teardown(self, r: Record, reachable: bool = True) -> None:
         """Free a group's allocation: its entries or its PS job where the aggregator still answers
@@ -450,11 +462,10 @@ class Controller:
                 del self.decided[k]
         if key in self.decided:
             return {**self.decided[key][1], "worker": worker}
-        r = next((r for r in self.store.all() if r.job_name == name and r.group == group), None)
+        r = self._record(name, group)
         if r is None or r.generation != generation:
             raise RequestError(f"job {name!r} group {group} has no allocation of generation {generation}")
-        if not 0 <= worker < len(r.workers):
-            raise RequestError(f"job {name!r} group {group} has no worker {worker}")
+        self._worker_of(r, worker)
         reports = self.stuck.setdefault(key, {})
         reports[worker] = call
         missing = [w for w in range(len(r.workers)) if w not in reports]
@@ -531,13 +542,9 @@ class Controller:
     def _report(self, req: dict) -> dict:
         """A worker's counters so far (cumulative); the latest one counts."""
         name, group, worker = str(req["job"]), int(req.get("group", 0)), int(req["worker"])
-        for r in self.store.all():
-            if r.job_name == name and r.group == group:
-                if not 0 <= worker < len(r.workers):
-                    raise RequestError(f"job {name!r} group {group} has no worker {worker}")
-                self.reports.setdefault(r.job_id, {})[worker] = _report_stats(req["stats"])
-                return {}
-        raise RequestError(f"job {name!r} group {group} is not running")
+        r = self._running(name, group)
+        self.reports.setdefault(r.job_id, {})[self._worker_of(r, worker)] = _report_stats(req["stats"])
+        return {}
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -592,7 +599,6 @@ class Controller:
                 out[str(r.job_id)] = ps_request(r.aggregator["control"], "stats", job=r.job_id)["jobs"][str(r.job_id)]
         return out
 
-
     def metrics(self) -> dict[str, Any]:
         """Everything the Prometheus endpoint and `passing-ctl top` show (docs/control.md, metrics):
         the aggregators with their slots, every running group (and those finished in the last
@@ -630,7 +636,7 @@ class Controller:
             "pending": len(self.pending), "admitted": dict(self.admitted), "joins_failed": self.joins_failed,
         }
         if switch_read is not None:
-            out["switch_totals"] = {name: sum(per.values()) for name, per in switch_read.items()}
+            out["switch_totals"] = counters.totals_of(switch_read)
         return out
 
     def _group_metrics(self, r: Record, job_counters: dict[str, int], running: bool) -> dict[str, Any]:
