@@ -84,6 +84,14 @@ class Membership:
                                                          self.group, e)
 
 
+def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta, address: str) -> C10dBackend:
+    """A gloo process group of ``size`` ranks that meet in ``store``, this one at ``address``."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
 class FailoverStage:
     """The network stage of one process group: its PASSING Group, and gloo among the same
     workers once the controller has no aggregator left for it (docs/control.md "Failover").
@@ -104,11 +112,8 @@ class FailoverStage:
                 if e.dead:  # a peer is gone: no transport can finish the call
                     raise
                 log.warning("passing: %s; this process group carries on over gloo", e)
-                options = dist.ProcessGroupGloo._Options()
-                options._timeout = self.timeout
-                options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.stream.socket.address[0])]
-                self.gloo = dist.ProcessGroupGloo(PrefixStore(self.prefix, self.store), self.stream.worker,
-                                                  self.stream.workers, options)
+                self.gloo = gloo_group(PrefixStore(self.prefix, self.store), self.stream.worker,
+                                       self.stream.workers, self.timeout, self.stream.socket.address[0])
                 for kept in e.redo_inputs:  # calls a peer did not complete: this worker's share again
                     self._sum(torch.from_numpy(kept.copy()))
                 if e.current_input is not None:
@@ -252,11 +257,8 @@ class ProcessGroupPassing(ProcessGroup):
     def _local_groups(self, store: dist.Store, timeout: timedelta) -> dict[str, C10dBackend]:
         n, j = self.layout.ranks_per_server, self.layout.local_rank
         prefix = f"passing/local/{self.layout.server}/"
-        gloo_options = dist.ProcessGroupGloo._Options()
-        gloo_options._timeout = timeout
-        gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # same machine
-        groups: dict[str, C10dBackend] = {
-            "cpu": dist.ProcessGroupGloo(PrefixStore(prefix + "gloo/", store), j, n, gloo_options)}
+        groups: dict[str, C10dBackend] = {  # the same machine: over loopback
+            "cpu": gloo_group(PrefixStore(prefix + "gloo/", store), j, n, timeout, "127.0.0.1")}
         if torch.cuda.is_available() and dist.is_nccl_available():
             groups["cuda"] = dist.ProcessGroupNCCL(PrefixStore(prefix + "nccl/", store), j, n)
         return groups
