@@ -79,14 +79,25 @@ def assert_exact(data: list[list[np.ndarray]], outcomes: list) -> None:
             assert np.array_equal(r, expected[k]), k
 
 
-@pytest.fixture
-def two_ps():
-    procs = [start_aggregator() for _ in range(2)]
+def ps_processes(count: int):
+    """``count`` software aggregator processes, (process, ready line) each; stopped afterwards
+    unless a test killed them."""
+    procs = [start_aggregator() for _ in range(count)]
     yield procs
     for proc, _ in procs:
         if proc.poll() is None:
             proc.terminate()
             proc.wait(10)
+
+
+@pytest.fixture
+def one_ps():
+    yield from ps_processes(1)
+
+
+@pytest.fixture
+def two_ps():
+    yield from ps_processes(2)
 
 
 @pytest.mark.timeout(120)
@@ -203,72 +214,63 @@ def test_the_group_agrees_on_the_call_to_redo_around_the_last_result(tmp_path, c
 
 
 @pytest.mark.timeout(120)
-def test_with_no_aggregator_left_the_group_fails_with_the_reason(tmp_path):
-    proc, ready = start_aggregator()
+def test_with_no_aggregator_left_the_group_fails_with_the_reason(one_ps, tmp_path):
+    [(proc, ready)] = one_ps
+    running = Running(ps_topology(ready), tmp_path / "ctl.sqlite")
     try:
-        running = Running(ps_topology(ready), tmp_path / "ctl.sqlite")
-        try:
-            data = inputs(calls=10, workers=2, size=5000)
+        data = inputs(calls=10, workers=2, size=5000)
 
-            def kill(w: int, k: int, g: Group) -> None:
-                if w == 0 and k == 3:
-                    os.kill(proc.pid, signal.SIGKILL)
+        def kill(w: int, k: int, g: Group) -> None:
+            if w == 0 and k == 3:
+                os.kill(proc.pid, signal.SIGKILL)
 
-            start = time.monotonic()
-            outcomes = run_group(running.endpoint, "alone", data, kill)
-            took = time.monotonic() - start
-            for _, results, _ in outcomes:
-                error = results[-1]
-                assert isinstance(error, GroupFailed) and error.dead == []
-                assert "no aggregator left" in str(error) and "ping" in str(error)
-                assert error.current_input is not None and len(results) in (4, 5)
-                expected = np.sum([d[3] for d in data], axis=0)
-                if len(results) == 5:  # completed call 3 before the kill reached it
-                    assert np.array_equal(results[3], expected) and len(error.redo_inputs) in (0, 1)
-            assert took < 30  # AFTER + the check, not the 60 s timeout
-            print(f"no aggregator left: GroupFailed after {took:.1f} s of a 10-call run")
-            assert running.ctl.status()["jobs"] == []  # the allocation on the dead PS is gone
-        finally:
-            running.stop()
+        start = time.monotonic()
+        outcomes = run_group(running.endpoint, "alone", data, kill)
+        took = time.monotonic() - start
+        for _, results, _ in outcomes:
+            error = results[-1]
+            assert isinstance(error, GroupFailed) and error.dead == []
+            assert "no aggregator left" in str(error) and "ping" in str(error)
+            assert error.current_input is not None and len(results) in (4, 5)
+            expected = np.sum([d[3] for d in data], axis=0)
+            if len(results) == 5:  # completed call 3 before the kill reached it
+                assert np.array_equal(results[3], expected) and len(error.redo_inputs) in (0, 1)
+        assert took < 30  # AFTER + the check, not the 60 s timeout
+        print(f"no aggregator left: GroupFailed after {took:.1f} s of a 10-call run")
+        assert running.ctl.status()["jobs"] == []  # the allocation on the dead PS is gone
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.wait(10)
+        running.stop()
 
 
 @pytest.mark.timeout(120)
-def test_a_dead_worker_is_named_to_its_peers_and_its_slots_are_freed(tmp_path):
-    proc, ready = start_aggregator()
+def test_a_dead_worker_is_named_to_its_peers_and_its_slots_are_freed(one_ps, tmp_path):
+    [(_, ready)] = one_ps
+    running = Running(ps_topology(ready), tmp_path / "ctl.sqlite")
     try:
-        running = Running(ps_topology(ready), tmp_path / "ctl.sqlite")
-        try:
-            data = inputs(calls=8, workers=3, size=5000)
+        data = inputs(calls=8, workers=3, size=5000)
 
-            class Died(Exception):
-                pass
+        class Died(Exception):
+            pass
 
-            def die(w: int, k: int, g: Group) -> None:
-                if w == 2 and k == 4:  # worker 2 stops: no more packets, no more heartbeats
-                    g.failover.close()
-                    raise Died()
+        def die(w: int, k: int, g: Group) -> None:
+            if w == 2 and k == 4:  # worker 2 stops: no more packets, no more heartbeats
+                g.failover.close()
+                raise Died()
 
-            start = time.monotonic()
-            outcomes = run_group(running.endpoint, "mortal", data, die)
-            took = time.monotonic() - start
-        finally:
-            status = running.ctl.status()
-            running.stop()
-        assert isinstance(outcomes[2], Died)
-        for _, results, _ in outcomes[:2]:
-            assert len(results) == 5 and isinstance(results[4], GroupFailed), results[-1]
-            assert results[4].dead == [2] and "worker 2 (no heartbeat)" in str(results[4])
-            assert "slots freed" in str(results[4])
-        assert status["jobs"] == [] and status["pending"] == []
-        assert took < 20  # AFTER + 3 missed heartbeats, not the 60 s timeout
-        print(f"dead worker: its peers' error after {took:.1f} s (failover_after {AFTER} s, heartbeat 0.2 s)")
+        start = time.monotonic()
+        outcomes = run_group(running.endpoint, "mortal", data, die)
+        took = time.monotonic() - start
     finally:
-        proc.terminate()
-        proc.wait(10)
+        status = running.ctl.status()
+        running.stop()
+    assert isinstance(outcomes[2], Died)
+    for _, results, _ in outcomes[:2]:
+        assert len(results) == 5 and isinstance(results[4], GroupFailed), results[-1]
+        assert results[4].dead == [2] and "worker 2 (no heartbeat)" in str(results[4])
+        assert "slots freed" in str(results[4])
+    assert status["jobs"] == [] and status["pending"] == []
+    assert took < 20  # AFTER + 3 missed heartbeats, not the 60 s timeout
+    print(f"dead worker: its peers' error after {took:.1f} s (failover_after {AFTER} s, heartbeat 0.2 s)")
 
 
 @pytest.mark.timeout(60)
