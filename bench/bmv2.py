@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bmv2_tests.network import AGGREGATION_IP, Bmv2Network, compile_p4, missing_requirements  # noqa: E402
+from cluster.local import ensure_keys  # noqa: E402
 from passing import wire  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -139,4 +140,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    ensure_keys()
     sys.exit(main())

@@ -562,6 +562,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from cluster.local import ensure_keys
+
+    ensure_keys()
     if len(sys.argv) > 1 and sys.argv[1] == "--blast-receiver":
         blast_receiver(int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4])), idle=1.0)
     elif len(sys.argv) > 1 and sys.argv[1] == "--gloo-worker":

@@ -63,7 +63,7 @@ sys.path.insert(0, str(BENCH))
 import cost_model  # noqa: E402
 
 from cluster import netns  # noqa: E402
-from cluster.local import launch_ranks, start_controller  # noqa: E402
+from cluster.local import ensure_keys, launch_ranks, start_controller  # noqa: E402
 from passing.aggregator import ControlClient  # noqa: E402
 
 RESULTS = BENCH / "results"
@@ -674,4 +674,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    ensure_keys()
     sys.exit(main())

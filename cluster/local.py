@@ -20,6 +20,25 @@ BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
 
 
+def ensure_keys() -> Path:
+    """The control plane's keys for a demo or benchmark run (docs/security.md): $PASSING_KEYS
+    when it names a directory, else a key directory of this run's own, removed at exit. Every
+    service and worker this process starts finds it through $PASSING_KEYS, and the workers that
+    join through a controller share one job secret ($PASSING_JOB_SECRET)."""
+    import atexit
+    import shutil
+
+    from passing_controller.keys import keygen
+
+    if not os.environ.get("PASSING_KEYS"):
+        directory = Path(tempfile.mkdtemp(prefix="passing-keys-"))
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        keygen(directory / "keys")
+        os.environ["PASSING_KEYS"] = str(directory / "keys")
+    os.environ.setdefault("PASSING_JOB_SECRET", os.urandom(16).hex())
+    return Path(os.environ["PASSING_KEYS"])
+
+
 def free_tcp_port(host: str = "127.0.0.1") -> int:
     import socket
 

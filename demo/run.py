@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from bmv2_tests.network import Bmv2Network, compile_p4, missing_requirements  # noqa: E402
 from cluster import netns  # noqa: E402
-from cluster.local import LocalServices, launch_ranks, start_controller  # noqa: E402
+from cluster.local import LocalServices, ensure_keys, launch_ranks, start_controller  # noqa: E402
 
 SERVERS, RANKS = 2, 2
 TRAIN = [sys.executable, str(REPO / "demo" / "train.py")]
@@ -159,4 +159,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    ensure_keys()
     sys.exit(main())

@@ -15,10 +15,10 @@ import pytest
 from passing import Group
 from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports, start_aggregator
-from passing.control import ControllerError, join, leave, request
-from passing_controller.service import Controller
+from passing.control import ControllerError, join, leave
 from passing_controller.topology import Topology, TopologyError
 from tests.cluster import run_threads
+from tests.keys import ask, controller, operator_keys
 
 
 def closed_port() -> int:
@@ -46,8 +46,7 @@ def topology(ps_ready: dict) -> Topology:
 
 class Running:
     def __init__(self, topo: Topology, store, join_timeout: float = 10.0) -> None:
-        self.ctl = Controller(topo, None, store, "tcp://127.0.0.1:*", join_timeout=join_timeout, default_pool=16,
-                              switch_timeout=0.5)
+        self.ctl = controller(topo, store, join_timeout=join_timeout, default_pool=16, switch_timeout=0.5)
         self.endpoint = self.ctl.endpoint
         self.thread = threading.Thread(target=self.ctl.serve)
         self.thread.start()
@@ -78,14 +77,17 @@ def test_unreachable_switch_falls_back_to_the_ps_and_says_so(ps, tmp_path):
         for answer, result in results:
             assert answer["mode"] == "ps" and "switch unreachable" in answer["reason"]
             assert np.array_equal(result, np.arange(1000, dtype=np.float32) * 6)
-        status = request(running.endpoint, "status")
+        status = ask(running.endpoint, "status")
         assert status["switch"].startswith("unavailable") and status["jobs"][0]["mode"] == "ps"
         assert "1" in ControlClient(ps["control"]).request("stats")["jobs"]  # admitted on the PS
-        assert leave(running.endpoint, "resnet", worker=0)["remaining"] == [1, 2]
-        assert leave(running.endpoint, "resnet", worker=2)["remaining"] == [1]
-        assert len(request(running.endpoint, "status")["jobs"]) == 1  # a worker is still in
-        assert leave(running.endpoint, "resnet", worker=1)["remaining"] == []
-        assert request(running.endpoint, "status")["jobs"] == []
+        token = {answer["worker"]: answer["token"] for answer, _ in results}
+        assert leave(running.endpoint, "resnet", 0, 0, token[0])["remaining"] == [1, 2]
+        assert leave(running.endpoint, "resnet", 0, 2, token[2])["remaining"] == [1]
+        assert len(ask(running.endpoint, "status")["jobs"]) == 1  # a worker is still in
+        with pytest.raises(ControllerError, match="no worker 1 with this token"):  # a token is its worker's
+            leave(running.endpoint, "resnet", 0, 1, token[0])
+        assert leave(running.endpoint, "resnet", 0, 1, token[1])["remaining"] == []
+        assert ask(running.endpoint, "status")["jobs"] == []
         assert ControlClient(ps["control"]).request("jobs")["jobs"] == []  # and removed there
     finally:
         running.stop()
@@ -102,7 +104,7 @@ def test_allocations_survive_a_controller_restart(ps, tmp_path):
         running.stop()
     running = Running(topology(ps), store)
     try:
-        jobs = request(running.endpoint, "status")["jobs"]
+        jobs = ask(running.endpoint, "status")["jobs"]
         assert [(j["job"], j["mode"]) for j in jobs] == [("vgg", "ps")]
         with pytest.raises(ControllerError, match="is running"):
             join(running.endpoint, "vgg", 0, 2, host="127.0.0.1", udp_port=30000, timeout=5)
@@ -116,14 +118,16 @@ def test_join_errors_are_clear(ps, tmp_path):
     try:
         with pytest.raises(ControllerError, match="no host"):
             join(running.endpoint, "j", 0, 2, host="10.9.9.9", udp_port=30000, timeout=5)
-        with pytest.raises(ControllerError, match="need 0 <= worker"):
+        with pytest.raises(ControllerError, match="worker 3 outside 0..1"):
             join(running.endpoint, "j", 3, 2, host="127.0.0.1", udp_port=30000, timeout=5)
         with pytest.raises(ControllerError, match=r"workers \[1\] did not join"):
             join(running.endpoint, "j", 0, 2, host="127.0.0.1", udp_port=30000, timeout=5)
         with pytest.raises(ControllerError, match="protocol version"):
             _bad_version(running.endpoint)
         with pytest.raises(ControllerError, match="not running"):
-            leave(running.endpoint, "nothing")
+            leave(running.endpoint, "nothing", 0, 0, "00" * 16)
+        with pytest.raises(ControllerError, match="not running"):
+            ask(running.endpoint, "leave", job="nothing")
     finally:
         running.stop()
 
@@ -134,6 +138,7 @@ def _bad_version(endpoint: str) -> None:
     import zmq
 
     sock = zmq.Context.instance().socket(zmq.REQ)
+    operator_keys().apply(sock)
     sock.connect(endpoint)
     sock.send(json.dumps({"version": 7, "cmd": "status"}).encode())
     assert sock.poll(5000)
@@ -153,7 +158,7 @@ def test_a_topology_without_switch_serves_any_address_from_the_ps(ps, tmp_path):
             for answer, result in results:
                 assert answer["mode"] == "ps" and reason in answer["reason"]
                 assert np.array_equal(result, np.full(300, 3, dtype=np.float32))
-        status = request(running.endpoint, "status")
+        status = ask(running.endpoint, "status")
         assert status["switch"] == "unavailable: no switch in the topology (PS only)" and status["slots"] == 0
         with pytest.raises(ControllerError, match="bad IPv4"):
             join(running.endpoint, "j", 0, 1, host="not-an-address", udp_port=30000, timeout=5)
@@ -234,7 +239,7 @@ def test_a_failing_ps_is_skipped_for_the_next_one(ps, full_ps, tmp_path, kind, s
                 assert bad["control"] in answer["reason"]  # the answer says what was tried
                 if switch:
                     assert answer["reason"].startswith("switch unreachable")
-        status = request(running.endpoint, "status")
+        status = ask(running.endpoint, "status")
         states = {a["aggregator"]: a for a in status["aggregators"]}
         assert states[bad["control"]]["state"] == "down" and states[bad["control"]]["reason"]
         assert states[ps["control"]]["state"] == "up"
@@ -259,7 +264,7 @@ def test_with_no_aggregator_left_the_error_names_every_one_tried(full_ps, tmp_pa
         assert "no aggregator can take the group" in message and "switch unreachable" in message
         for control in (down["control"], hanging.control, full_ps["control"]):
             assert control in message
-        assert request(running.endpoint, "status")["jobs"] == []  # nothing half-allocated
+        assert ask(running.endpoint, "status")["jobs"] == []  # nothing half-allocated
     finally:
         running.stop()
         hanging.close()

@@ -80,14 +80,16 @@ def test_top_shows_jobs_modes_slots_and_rates(tmp_path):
 
     def work(w: int) -> int:
         answer = join(endpoint, "watched", w, 2, host="127.0.0.1", udp_port=ports[w], pool=8, timeout=30)
+        token = answer["token"]
         calls = 0
         with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=10) as g:
             while not stop.is_set() or calls == 0:
                 g.allreduce(np.ones(64 * 64, dtype=np.float32))
                 calls += 1
-                report(endpoint, "watched", 0, w, {**g.stats.as_dict(), "calls": calls, "call_seconds": calls * 0.001})
+                report(endpoint, "watched", 0, w, token,
+                       {**g.stats.as_dict(), "calls": calls, "call_seconds": calls * 0.001})
                 time.sleep(0.02)
-        leave(endpoint, "watched", 0, w)
+        leave(endpoint, "watched", 0, w, token)
         return calls
 
     workers = threading.Thread(target=lambda: results.extend(run_threads(work, 2)))

@@ -48,7 +48,7 @@ def run_group(endpoint: str, job: str, data: list[list[np.ndarray]], on_call=Non
 
     def work(w: int) -> tuple:
         answer = join(endpoint, job, w, workers, host="127.0.0.1", udp_port=ports[w], timeout=30)
-        line = Failover(endpoint, job, 0, w, after=AFTER, heartbeat=0.2)
+        line = Failover(endpoint, job, 0, w, answer["token"], after=AFTER, heartbeat=0.2)
         results: list = []
         with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=60, engine=engine,
                                failover=line) as g:
@@ -302,17 +302,23 @@ def test_stuck_reports_are_checked(two_ps, tmp_path):
         answers = run_threads(lambda w: join(running.endpoint, "checked", w, 2, host="127.0.0.1",
                                              udp_port=ports[w], timeout=30), 2)
         generation = answers[0]["generation"]
+        token = {a["worker"]: a["token"] for a in answers}
         for fields, error in [
             ({"generation": generation + 1, "call": 0}, "no allocation of generation"),
-            ({"generation": generation, "call": -1}, "bad call index"),
+            ({"generation": generation, "call": -1}, "call -1 outside"),
             ({"generation": generation, "call": 0, "aggregator": "fpga"}, "aggregator must be one of"),
+            ({"generation": generation, "call": 0, "token": token[1]}, "no worker 0 with this token"),
         ]:
             with pytest.raises(Exception, match=error):
-                request(running.endpoint, "stuck", job="checked", group=0, worker=0, **fields)
-        request(running.endpoint, "alive", job="checked", group=0, worker=1, every=5.0)
-        reply = request(running.endpoint, "stuck", job="checked", group=0, worker=0, generation=generation, call=0)
+                request(running.endpoint, "stuck", **{"job": "checked", "group": 0, "worker": 0, "token": token[0],
+                                                      **fields})
+        request(running.endpoint, "alive", job="checked", group=0, worker=1, token=token[1], every=5.0)
+        reply = request(running.endpoint, "stuck", job="checked", group=0, worker=0, token=token[0],
+                        generation=generation, call=0)
         assert reply["state"] == "wait" and reply["waiting_for"] == [1]  # worker 1 beats: it is only late
-        with pytest.raises(Exception, match="heartbeat interval"):
-            request(running.endpoint, "alive", job="checked", group=0, worker=1, every=0)
+        with pytest.raises(Exception, match="every 0 outside"):
+            request(running.endpoint, "alive", job="checked", group=0, worker=1, token=token[1], every=0)
+        with pytest.raises(Exception, match="not running"):  # no state for a group that does not run
+            request(running.endpoint, "alive", job="made-up", group=0, worker=1, token=token[1], every=1)
     finally:
         running.stop()

@@ -149,6 +149,7 @@ def test_control_channel_rejects_bad_requests():
         with pytest.raises(ConfigError, match="not admitted"):
             client.request("remove_job", job=5)
         sock = zmq.Context.instance().socket(zmq.REQ)
+        client.keys.apply(sock)
         sock.connect(ready["control"])
         sock.send(b"\xff not json")
         assert sock.poll(5000)

@@ -49,6 +49,7 @@ def known_run(tmp_path_factory):
         ports = free_udp_ports(WORKERS)
         data = [np.arange(PACKETS * LANES, dtype=np.int32) * (w + 1) for w in range(WORKERS)]
         groups: dict[int, Group] = {}
+        tokens: dict[int, str] = {}
 
         def work(w: int) -> dict:
             answer = join(endpoint, "known", w, WORKERS, host="127.0.0.1", udp_port=ports[w], pool=4, timeout=30)
@@ -56,7 +57,8 @@ def known_run(tmp_path_factory):
             for _ in range(CALLS):
                 assert np.array_equal(g.allreduce(data[w]), data[0] * 3)
             stats = {**g.stats.as_dict(), "calls": CALLS, "call_seconds": 0.25 * (w + 1)}
-            report(endpoint, "known", 0, w, stats)
+            report(endpoint, "known", 0, w, answer["token"], stats)
+            tokens[w] = answer["token"]
             return stats
 
         sent = run_threads(work, WORKERS)
@@ -64,7 +66,7 @@ def known_run(tmp_path_factory):
         out = {"agg": agg, "sent": sent, "ctl": scrape(ctl["metrics"]), "aggregator": scrape(agg["metrics"])}
         for w, g in groups.items():
             g.close()
-            leave(endpoint, "known", 0, w, stats={**sent[w], "calls": CALLS + 1})
+            leave(endpoint, "known", 0, w, tokens[w], stats={**sent[w], "calls": CALLS + 1})
         out.update(ctl_after=scrape(ctl["metrics"]), aggregator_after=scrape(agg["metrics"]))
         return out
     finally:
@@ -154,18 +156,18 @@ def test_bad_metrics_address_and_port_in_use_are_clear_errors(tmp_path):
 
 
 def test_a_report_for_a_group_that_is_not_running_is_refused(tmp_path):
-    from passing.control import ControllerError, request
-    from passing_controller.service import Controller
+    from passing.control import ControllerError
     from passing_controller.topology import Topology
+    from tests.keys import ask, controller
 
     topo = Topology.from_dict({"ps": [{"data": "127.0.0.1:9", "control": f"tcp://127.0.0.1:{free_tcp_port()}"}]})
-    ctl = Controller(topo, None, tmp_path / "s.sqlite", "tcp://127.0.0.1:*")
+    ctl = controller(topo, tmp_path / "s.sqlite")
     thread = threading.Thread(target=ctl.serve)
     thread.start()
     try:
         with pytest.raises(ControllerError, match="job 'nobody' group 0 is not running"):
-            report(ctl.endpoint, "nobody", 0, 0, {"calls": 1})
-        answer = request(ctl.endpoint, "metrics")
+            report(ctl.endpoint, "nobody", 0, 0, "00" * 16, {"calls": 1})
+        answer = ask(ctl.endpoint, "metrics")
         assert answer["groups"] == [] and answer["pending"] == 0 and answer["joins_failed"] == 0
     finally:
         ctl.stop()

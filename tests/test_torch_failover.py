@@ -20,7 +20,7 @@ pytest.importorskip("sklearn", reason="scikit-learn is not installed (pip instal
 
 from cluster import netns  # noqa: E402
 from cluster.local import LocalServices, collect, launch_ranks, start_controller  # noqa: E402
-from passing.control import request  # noqa: E402
+from tests.keys import ask  # noqa: E402
 from tests.test_torch_backend import WORKER  # noqa: E402
 
 EPOCHS = 8
@@ -56,7 +56,7 @@ def train_through_a_kill(ps: int, tmp_path: Path, victim: str = "ps") -> tuple[l
                 os.kill(services.procs[0].pid, signal.SIGKILL)
             else:
                 restart_controller(services)
-                jobs = request(services.controller, "status")["jobs"]
+                jobs = ask(services.controller, "status")["jobs"]
                 assert len(jobs) == 2, jobs  # reconciled from its store: both groups still there
             outcomes = collect(procs, 600)
         finally:

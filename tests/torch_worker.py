@@ -243,17 +243,18 @@ def gradscaler(steps: int) -> dict:
     return out
 
 
-def reported_calls(pg, wait: float = 10.0) -> float:
-    """The calls this rank reported to the controller (PASSING_REPORT_INTERVAL), as its `metrics` shows them."""
-    from passing import control
-
-    m = pg._membership
+def reported_calls(pg, wait: float = 10.0) -> float | None:
+    """On rank 0, whose embedded controller holds the metrics: the fewest calls any worker of any
+    group has reported (PASSING_REPORT_INTERVAL); None on the other ranks (a worker's key may not
+    ask for metrics)."""
+    if pg.embedded is None:
+        return None
     deadline = time.monotonic() + wait
     while True:
-        groups = control.request(m.controller, "metrics")["groups"]
-        mine = next(g for g in groups if (g["job"], g["group"]) == (m.job, m.group))
-        calls = mine["hosts"].get(str(m.worker), {}).get("calls", 0.0)
-        if calls or time.monotonic() > deadline:
+        groups = [g for g in pg.embedded.controller.metrics()["groups"] if g["running"]]
+        calls = min((h.get("calls", 0.0) for g in groups for h in g["hosts"].values()), default=0.0)
+        if (groups and all(len(g["hosts"]) == g["workers"] for g in groups) and calls) \
+                or time.monotonic() > deadline:
             return calls
         time.sleep(0.05)
 

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import zmq
 
-from . import metrics, rpc, top
+from . import keys, metrics, rpc, top
 from .p4runtime import Pipeline
 from .service import PROTOCOL_VERSION, Controller
 from .store import StoreError
 from .topology import Topology, TopologyError
+
+KEYS_HELP = "key directory (passing-ctl keygen; default $PASSING_KEYS, else ~/.config/passing/keys)"
 
 
 def controller_main(argv: list[str] | None = None) -> int:
@@ -23,7 +25,9 @@ def controller_main(argv: list[str] | None = None) -> int:
     p.add_argument("--p4info", type=Path, help="P4Info text file (build/v1model/passing.p4info.txtpb)")
     p.add_argument("--device-config", type=Path, help="BMv2 JSON (build/v1model/passing.json) or target binary")
     p.add_argument("--store", default="passing-controller.sqlite", help="SQLite file of allocations")
-    p.add_argument("--listen", default="tcp://0.0.0.0:9090", help="ZeroMQ endpoint for hosts")
+    p.add_argument("--listen", default="tcp://127.0.0.1:9090",
+                   help="ZeroMQ endpoint for hosts (default loopback: give the management address to serve a cluster)")
+    p.add_argument("--keys", type=Path, help=KEYS_HELP)
     p.add_argument("--join-timeout", type=float, default=60.0)
     p.add_argument("--pool", type=int, default=256, help="slots per group unless a join asks otherwise")
     p.add_argument("--metrics", metavar="ADDR:PORT", help="serve Prometheus metrics over HTTP here (docs/control.md)")
@@ -39,16 +43,21 @@ def controller_main(argv: list[str] | None = None) -> int:
     if (args.p4info is None) != (args.device_config is None):
         p.error("--p4info and --device-config go together")
     try:
+        directory = args.keys or keys.default_dir()
+        server_keys = keys.ServerKeys.controller(directory)
+        aggregator_key = keys.load_public(directory / "aggregator.key") if (directory / "aggregator.key").exists() \
+            else None
         topo = Topology.load(args.topology)
         pipeline = Pipeline(args.p4info, args.device_config) if args.p4info else None
-        ctl = Controller(topo, pipeline, args.store, args.listen, args.join_timeout, args.pool)
-    except (TopologyError, StoreError, OSError, zmq.ZMQError) as e:
+        ctl = Controller(topo, pipeline, args.store, args.listen, server_keys, aggregator_key, args.join_timeout,
+                         args.pool)
+    except (TopologyError, StoreError, keys.KeysError, OSError, ValueError, zmq.ZMQError) as e:
         print(f"passing-controller: error: {e}", file=sys.stderr)
         return 2
     server = None
     if args.metrics:
         try:
-            server = metrics.MetricsServer(args.metrics, lambda: metrics.controller_metrics(_snapshot(ctl)))
+            server = metrics.MetricsServer(args.metrics, lambda: metrics.controller_metrics(ctl.metrics()))
         except OSError as e:
             ctl.close()
             print(f"passing-controller: error: {e}", file=sys.stderr)
@@ -65,22 +74,17 @@ def controller_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _snapshot(ctl: Controller) -> dict:
-    """The service's `metrics` answer, asked for over its in-process endpoint (one thread owns its state)."""
-    reply = request(ctl.inproc, "metrics")
-    if not reply.get("ok"):
-        raise RuntimeError(f"metrics: {reply.get('error')}")
-    return reply
-
-
-def request(endpoint: str, cmd: str, timeout: float = 10.0, **fields) -> dict:
-    return rpc.call(endpoint, {"version": PROTOCOL_VERSION, "cmd": cmd, **fields}, timeout)
+def request(endpoint: str, cmd: str, client: keys.ClientKeys, timeout: float = 10.0, **fields) -> dict:
+    return rpc.call(endpoint, {"version": PROTOCOL_VERSION, "cmd": cmd, **fields}, timeout, client)
 
 
 def ctl_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="passing-ctl", description="ask the PASSING controller")
     p.add_argument("--controller", default="tcp://127.0.0.1:9090")
+    p.add_argument("--keys", type=Path, help=KEYS_HELP + "; passing-ctl uses operator.key_secret")
     sub = p.add_subparsers(dest="cmd", required=True)
+    kg = sub.add_parser("keygen", help="create the key directory: controller, aggregator, operator, worker keys")
+    kg.add_argument("--force", action="store_true", help="replace the keys that are there")
     sub.add_parser("status", help="everything: the switch, each aggregator up or down and why, slots, jobs")
     sub.add_parser("jobs", help="running job groups and pending joins")
     sub.add_parser("slots", help="free slots and ranges")
@@ -93,27 +97,41 @@ def ctl_main(argv: list[str] | None = None) -> int:
     tp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     tp.add_argument("--once", action="store_true", help="print one frame as text and exit")
     args = p.parse_args(argv)
+    directory = args.keys or keys.default_dir()
+    if args.cmd == "keygen":
+        try:
+            made = keys.keygen(directory, force=args.force)
+        except (keys.KeysError, OSError) as e:
+            print(f"passing-ctl: error: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps({"keys": str(directory), "files": [str(m) for m in made]}, indent=2))
+        return 0
+    try:
+        client = keys.ClientKeys.load(directory, "operator")
+    except keys.KeysError as e:
+        print(f"passing-ctl: error: {e}", file=sys.stderr)
+        return 2
     if args.cmd == "top":
         if not args.interval > 0:
             p.error("--interval must be positive")
         try:
-            return top.once(args.controller) if args.once else top.run(args.controller, args.interval)
+            return top.once(args.controller, client) if args.once else top.run(args.controller, client, args.interval)
         except (OSError, RuntimeError, zmq.ZMQError) as e:
             print(f"passing-ctl: error: {e}", file=sys.stderr)
             return 2
     try:
         if args.cmd in ("jobs", "slots"):
-            reply = request(args.controller, "status")
+            reply = request(args.controller, "status", client)
             if reply.get("ok"):
-                keys = ("switch", "jobs", "pending") if args.cmd == "jobs" else ("switch", "slots", "free_slots",
-                                                                                  "free_ranges")
-                reply = {"ok": True, **{k: reply[k] for k in keys}}
+                shown = ("switch", "jobs", "pending") if args.cmd == "jobs" else ("switch", "slots", "free_slots",
+                                                                                   "free_ranges")
+                reply = {"ok": True, **{k: reply[k] for k in shown}}
         elif args.cmd == "status":
-            reply = request(args.controller, "status")
+            reply = request(args.controller, "status", client)
         elif args.cmd == "stats":
-            reply = request(args.controller, "stats", **({"job_id": args.job_id} if args.job_id else {}))
+            reply = request(args.controller, "stats", client, **({"job_id": args.job_id} if args.job_id else {}))
         else:
-            reply = request(args.controller, "leave", job=args.job, group=args.group)
+            reply = request(args.controller, "leave", client, job=args.job, group=args.group)
     except (OSError, zmq.ZMQError) as e:
         print(f"passing-ctl: error: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 2  # 2: job ids and generations (protocol 2); 1 had a per-allocation epoch
+SCHEMA_VERSION = 3  # 3: workers carry their token digests (protocol 3); 2: job ids and generations
 GENERATIONS = 1 << 16  # the wire's generation field is 16 bits wide
 
 SCHEMA = """
@@ -24,7 +24,7 @@ CREATE TABLE IF NOT EXISTS allocation (
     generation INTEGER NOT NULL,    -- which allocation of this job id (on the wire)
     base     INTEGER NOT NULL,
     pool     INTEGER NOT NULL,
-    workers  TEXT NOT NULL,         -- JSON: [{"index", "host", "udp_port"}]
+    workers  TEXT NOT NULL,         -- JSON: [{"index", "host", "udp_port", "token": sha256 of it}]
     aggregator TEXT NOT NULL,       -- JSON: where the workers send
     UNIQUE (job_name, grp)
 );
@@ -83,16 +83,18 @@ class Store:
         self.db.execute("UPDATE counter SET value = ? WHERE name = ?", (value + 1, counter))
         return value
 
-    def claim_job_id(self, max_id: int) -> tuple[int, int]:
+    def claim_job_id(self, max_id: int, busy: set[int] | frozenset[int] = frozenset()) -> tuple[int, int]:
         """(job id, generation) for a new allocation: an id never used yet while there is one,
-        else the free id whose last use is oldest, its generation one past its last."""
+        else the free id whose last use is oldest, its generation one past its last. ``busy``:
+        ids not in the allocation table that are not free either (being placed or torn down)."""
         fresh = self.next("fresh_job_id")
         used = self.next("use")
         if fresh <= max_id:
             self.db.execute("INSERT INTO job_id VALUES (?, 0, ?)", (fresh, used))
             return fresh, 0
-        row = self.db.execute("SELECT id, generation FROM job_id WHERE id NOT IN (SELECT job_id FROM allocation) "
-                              "ORDER BY used LIMIT 1").fetchone()
+        rows = self.db.execute("SELECT id, generation FROM job_id WHERE id NOT IN (SELECT job_id FROM allocation) "
+                               "ORDER BY used")
+        row = next((r for r in rows if r[0] not in busy), None)
         if row is None:
             raise StoreError(f"all {max_id} job ids are in use")
         job_id, generation = row[0], (row[1] + 1) % GENERATIONS

@@ -15,14 +15,15 @@ import time
 from typing import Any
 
 from . import rpc
+from .keys import ClientKeys
 from .service import PROTOCOL_VERSION
 
 HEADER = (f"{'JOB':<24} {'GROUP':>5} {'ID':>4} {'MODE':<6} {'SLOTS':>6} {'WORKERS':>7} {'PKT/S':>10} "
           f"{'ROUNDS/S':>9} {'RETX/S':>8} {'CALLS/S':>8} {'MS/CALL':>8}  STATE")
 
 
-def fetch(controller: str, timeout: float = 5.0) -> dict[str, Any]:
-    reply = rpc.call(controller, {"version": PROTOCOL_VERSION, "cmd": "metrics"}, timeout)
+def fetch(controller: str, keys: ClientKeys, timeout: float = 5.0) -> dict[str, Any]:
+    reply = rpc.call(controller, {"version": PROTOCOL_VERSION, "cmd": "metrics"}, timeout, keys)
     if not reply.get("ok"):
         raise RuntimeError(f"controller refused metrics: {reply.get('error')}")
     return reply
@@ -79,17 +80,17 @@ def render(snapshot: dict[str, Any], previous: dict[str, Any] | None, controller
     return lines
 
 
-def once(controller: str) -> int:
-    print("\n".join(render(fetch(controller), None, controller)))
+def once(controller: str, keys: ClientKeys) -> int:
+    print("\n".join(render(fetch(controller, keys), None, controller)))
     return 0
 
 
-def run(controller: str, interval: float = 1.0) -> int:
+def run(controller: str, keys: ClientKeys, interval: float = 1.0) -> int:
     """The live view until q (or Ctrl-C)."""
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise RuntimeError("top needs a terminal; --once prints one frame as text")
     try:
-        curses.wrapper(_loop, controller, interval)
+        curses.wrapper(_loop, controller, keys, interval)
     except KeyboardInterrupt:
         pass
     except curses.error as e:
@@ -97,7 +98,7 @@ def run(controller: str, interval: float = 1.0) -> int:
     return 0
 
 
-def _loop(screen: curses.window, controller: str, interval: float) -> None:
+def _loop(screen: curses.window, controller: str, keys: ClientKeys, interval: float) -> None:
     try:
         curses.curs_set(0)
     except curses.error:  # a terminal that cannot hide the cursor
@@ -110,7 +111,7 @@ def _loop(screen: curses.window, controller: str, interval: float) -> None:
         if time.monotonic() >= next_refresh:
             next_refresh = time.monotonic() + interval
             try:
-                snapshot = fetch(controller, timeout=min(5.0, max(interval, 1.0)))
+                snapshot = fetch(controller, keys, timeout=min(5.0, max(interval, 1.0)))
                 lines = render(snapshot, previous, controller)
                 previous = snapshot
             except (OSError, RuntimeError) as e:  # TimeoutError is an OSError: keep trying

@@ -7,12 +7,13 @@ JSON::
                  "aggregation_mac": "02:00:00:00:00:fe", "aggregation_ip": "10.0.0.254",
                  "slots": 1024, "lanes": 64},
       "hosts": [{"name": "h1", "mac": "02:00:00:00:00:01", "ip": "10.0.0.1", "port": 1}, ...],
-      "ps": [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878"}]
+      "ps": [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878", "public_key": "Z85..."}]
     }
 
 Without "switch" the controller serves software aggregators (PS) only; "hosts" may then
 be left out, and a join may name its host by any IPv4 address. Nothing about ports or
-addresses is hard-coded anywhere else.
+addresses is hard-coded anywhere else. A PS's ``public_key`` (its CURVE key, Z85) is needed
+only when it is not the key directory's ``aggregator.key`` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def ip_to_int(ip: str) -> int:
         raise TopologyError(f"bad IPv4 address {ip!r}") from None
 
 
+def _public_key(value: Any) -> bytes | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) != 40:
+        raise TopologyError(f"a PS public_key must be a 40-character Z85 CURVE key, got {value!r}")
+    return value.encode()
+
+
 @dataclass(frozen=True)
 class Host:
     name: str
@@ -57,6 +66,7 @@ class Host:
 class PsEndpoint:
     data: str  # host:port of the software aggregator's UDP socket
     control: str  # its ZeroMQ control endpoint
+    public_key: bytes | None = None  # its CURVE public key (Z85); None: the key directory's aggregator.key
 
 
 @dataclass
@@ -90,7 +100,8 @@ class Topology:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Topology:
         try:
-            ps = [PsEndpoint(str(p["data"]), str(p["control"])) for p in raw.get("ps", [])]
+            ps = [PsEndpoint(str(p["data"]), str(p["control"]), _public_key(p.get("public_key")))
+                  for p in raw.get("ps", [])]
             if "switch" not in raw:
                 if not ps:
                     raise TopologyError("topology: neither a switch nor a PS to aggregate on")

@@ -33,11 +33,12 @@ import zmq
 
 from . import native, rpc, wire
 from .aggregation import ConfigError, Emission, JobSpec, NativeAggregationEngine, make_engine
+from .keys import ClientKeys, ServerKeys, serve_curve
 from .transport import BatchSocket, TransportStats, pack_address, parse_endpoint, unpack_address
 
 log = logging.getLogger("passing.aggregator")
 
-CONTROL_VERSION = 2  # 2: a job object carries its generation (1: an epoch)
+CONTROL_VERSION = 3  # 3: CURVE, the controller's key only; 2: a job object carries its generation
 DEFAULT_SLOTS = 4096
 
 
@@ -134,19 +135,23 @@ class NativeDataPath:
 
 def job_from_json(obj: dict[str, Any]) -> JobSpec:
     """{"job": 1, "base": 0, "pool": 256, "workers": ["10.0.0.1:20000", ...], "generation": 7?}"""
+    if not isinstance(obj, dict):
+        raise ConfigError("a job entry must be a JSON object")
     try:
         workers = obj["workers"]
-        if not isinstance(workers, list) or not workers:
-            raise ConfigError("'workers' must be a non-empty list of 'ip:port'")
-        sources = [pack_address(*parse_endpoint(str(w), wire.UDP_PORT)) for w in workers]
+        if not isinstance(workers, list) or not 1 <= len(workers) <= wire.MAX_WORKERS \
+                or not all(isinstance(w, str) for w in workers):
+            raise ConfigError(f"'workers' must be a list of 1..{wire.MAX_WORKERS} 'ip:port' strings")
+        sources = [pack_address(*parse_endpoint(w, wire.UDP_PORT)) for w in workers]
         return JobSpec(
-            job=int(obj["job"]), base=int(obj.get("base", 0)), pool=int(obj["pool"]),
-            sources=sources, generation=None if obj.get("generation") is None else int(obj["generation"]),
+            job=rpc.integer(obj, "job", 0, (1 << 16) - 1), base=rpc.integer(obj, "base", 0, 1 << 31, default=0),
+            pool=rpc.integer(obj, "pool", 1, 1 << 31), sources=sources,
+            generation=rpc.integer(obj, "generation", 0, wire.GENERATIONS - 1, default=None),
         )
     except KeyError as e:
         raise ConfigError(f"job entry lacks {e}") from None
     except (TypeError, ValueError, OSError) as e:
-        raise ConfigError(f"bad job entry {obj!r}: {e}") from None
+        raise ConfigError(f"bad job entry: {e}") from None
 
 
 def job_to_json(spec: JobSpec) -> dict[str, Any]:
@@ -184,7 +189,12 @@ class SoftwareAggregator:
         egress: Impairment | None = None,
         offload: bool = True,
         engine: str = "auto",
+        keys: ServerKeys | None = None,
     ) -> None:
+        """``keys``: the control socket's CURVE key pair and the controller's public key, the only
+        client it admits (default: the key directory's, docs/security.md)."""
+        if control and keys is None:
+            keys = ServerKeys.aggregator()  # before anything is bound: a clear error, nothing to undo
         self.engine = make_engine(slots, lanes, engine=engine)
         for spec in jobs or []:
             self.engine.add_job(spec)
@@ -200,13 +210,18 @@ class SoftwareAggregator:
             except (OSError, RuntimeError):
                 self.socket.close()
                 raise
-        self._zmq = zmq.Context.instance()
+        self._zmq = zmq.Context()  # its own: its ZAP handler admits the controller only
+        self._auth = None
         self.control: zmq.Socket | None = None
         self.control_endpoint: str | None = None
+        self.control_refused = 0  # control messages refused (malformed, invalid): counted, answered
         if control:
+            assert keys is not None
             self.control = self._zmq.socket(zmq.REP)
             self.control.setsockopt(zmq.LINGER, 0)
+            self.control.setsockopt(zmq.MAXMSGSIZE, rpc.MAX_MESSAGE_BYTES)  # a bigger one drops its sender
             try:
+                self._auth = serve_curve(self._zmq, self.control, keys)
                 self.control.bind(control)
             except zmq.ZMQError as e:
                 self.close()
@@ -238,6 +253,11 @@ class SoftwareAggregator:
         self.socket.close()
         if self.control is not None:
             self.control.close()
+            self.control = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self._zmq.term()
 
     # ---- serving ---------------------------------------------------------------------
 
@@ -348,44 +368,58 @@ class SoftwareAggregator:
     def handle(self, request: Any) -> dict[str, Any]:
         """One control request -> its reply. Never raises: errors become replies."""
         with self._lock:
-            return self._handle(request)
+            try:
+                return self._handle(request)
+            except (ConfigError, rpc.MessageError, KeyError, TypeError, ValueError) as e:
+                self.control_refused += 1
+                return {"ok": False, "error": str(e)}
+            except Exception as e:  # a bug must not end a shared service: the sender learns, the log says
+                self.control_refused += 1
+                log.exception("control request failed")
+                return {"ok": False, "error": f"internal error: {type(e).__name__}: {e}"}
 
     def _handle(self, request: Any) -> dict[str, Any]:
-        try:
-            if not isinstance(request, dict):
-                raise ConfigError("a request must be a JSON object")
-            if request.get("version") != CONTROL_VERSION:
-                raise ConfigError(f"unsupported control version {request.get('version')!r} (want {CONTROL_VERSION})")
-            cmd = request.get("cmd")
-            if cmd == "ping":
-                return {"ok": True, "lanes": self.engine.lanes, "slots": self.engine.slots, "engine": self.engine_name}
-            if cmd == "stats":
-                job = request.get("job")
-                return {"ok": True, **self.stats(None if job is None else int(job))}
-            if cmd == "jobs":
-                return {"ok": True, "jobs": [job_to_json(s) for s in self.engine.jobs()]}
-            if cmd == "add_job":
-                spec = self.engine.add_job(job_from_json(request.get("job") or {}))
-                log.info("admitted job %d generation %d: slots %d..%d, %d workers", spec.job, spec.generation,
-                         spec.base, spec.base + spec.pool - 1, spec.workers)
-                return {"ok": True, "job": job_to_json(spec)}
-            if cmd == "remove_job":
-                spec = self.engine.remove_job(int(request["job"]))
-                log.info("removed job %d", spec.job)
-                return {"ok": True, "job": job_to_json(spec)}
-            raise ConfigError(f"unknown command {cmd!r}")
-        except (ConfigError, KeyError, TypeError, ValueError) as e:
-            return {"ok": False, "error": str(e)}
+        if not isinstance(request, dict):
+            raise ConfigError("a request must be a JSON object")
+        if request.get("version") != CONTROL_VERSION:
+            raise ConfigError(f"unsupported control version {str(request.get('version'))[:20]!r} "
+                              f"(want {CONTROL_VERSION})")
+        cmd = request.get("cmd")
+        if cmd == "ping":
+            return {"ok": True, "lanes": self.engine.lanes, "slots": self.engine.slots, "engine": self.engine_name}
+        if cmd == "stats":
+            job = rpc.integer(request, "job", 0, (1 << 16) - 1, default=None)
+            if job is not None and job not in {s.job for s in self.engine.jobs()}:
+                raise ConfigError(f"no job {job} here")
+            return {"ok": True, **self.stats(job)}
+        if cmd == "jobs":
+            return {"ok": True, "jobs": [job_to_json(s) for s in self.engine.jobs()]}
+        if cmd == "add_job":
+            spec = self.engine.add_job(job_from_json(request.get("job")))
+            log.info("admitted job %d generation %d: slots %d..%d, %d workers", spec.job, spec.generation,
+                     spec.base, spec.base + spec.pool - 1, spec.workers)
+            return {"ok": True, "job": job_to_json(spec)}
+        if cmd == "remove_job":
+            spec = self.engine.remove_job(rpc.integer(request, "job", 0, (1 << 16) - 1))
+            log.info("removed job %d", spec.job)
+            return {"ok": True, "job": job_to_json(spec)}
+        raise ConfigError(f"unknown command {str(cmd)[:40]!r}")
 
     def _answer_control(self) -> None:
-        raw = self.control.recv()
-        try:
-            request = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            reply = {"ok": False, "error": f"request is not JSON: {e}"}
+        """One request, one reply, always (a REP socket that does not answer is stuck for good)."""
+        frames = self.control.recv_multipart()
+        if len(frames) != 1:
+            self.control_refused += 1
+            reply = {"ok": False, "error": f"a request is one frame, not {len(frames)}"}
         else:
-            reply = self.handle(request)
-        self.control.send(json.dumps(reply).encode())
+            try:
+                request = rpc.parse(frames[0])
+            except rpc.MessageError as e:
+                self.control_refused += 1
+                reply = {"ok": False, "error": str(e)}
+            else:
+                reply = self.handle(request)
+        self.control.send(rpc.encode(reply))
 
 
 # Every DATA packet of an admitted job ends in exactly one of these (overflow is part of aggregated).
@@ -405,13 +439,15 @@ def thread_cpu_seconds(thread: threading.Thread) -> float:
 
 
 class ControlClient:
-    """Talks to an aggregator's control socket (used by the CLI, tests and the controller)."""
+    """Talks to an aggregator's control socket (used by the CLI, tests and benchmarks) with the
+    controller's key: the only one an aggregator admits (default: the key directory's)."""
 
-    def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
+    def __init__(self, endpoint: str, timeout: float = 5.0, keys: ClientKeys | None = None) -> None:
         self.endpoint, self.timeout = endpoint, timeout
+        self.keys = keys or ClientKeys.load(role="controller", server="aggregator")
 
     def request(self, cmd: str, **fields: Any) -> dict[str, Any]:
-        reply = rpc.call(self.endpoint, {"version": CONTROL_VERSION, "cmd": cmd, **fields}, self.timeout)
+        reply = rpc.call(self.endpoint, {"version": CONTROL_VERSION, "cmd": cmd, **fields}, self.timeout, self.keys)
         if not reply.get("ok"):
             raise ConfigError(f"aggregator refused {cmd}: {reply.get('error')}")
         return reply

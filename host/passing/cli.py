@@ -23,17 +23,21 @@ import numpy as np
 from . import control, metrics, native, quantize, wire
 from .aggregation import ConfigError
 from .aggregator import ControlClient, Impairment, SoftwareAggregator, job_from_json, load_config
+from .keys import ClientKeys, ServerKeys
 from .stream import Group, PassingError
 from .transport import parse_endpoint
 
 # ---- passing-aggregator ---------------------------------------------------------------
+
+KEYS_HELP = "key directory (passing-ctl keygen; default $PASSING_KEYS, else ~/.config/passing/keys)"
 
 
 def aggregator_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="passing-aggregator", description="PASSING software aggregator (PS fallback)")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run the aggregator until SIGINT/SIGTERM")
-    s.add_argument("--listen", default=f"0.0.0.0:{wire.UDP_PORT}", help="UDP address (port 0: any free port)")
+    s.add_argument("--listen", default=f"127.0.0.1:{wire.UDP_PORT}",
+                   help="UDP address (port 0: any free port; default loopback: give the data network's address)")
     s.add_argument("--control", default="tcp://127.0.0.1:9878", help="ZeroMQ control endpoint ('none' to disable)")
     s.add_argument("--config", help="JSON file: {lanes, slots, jobs: [{job, base, pool, workers}]}")
     s.add_argument("--slots", type=int, help=f"slots of state (default {4096})")
@@ -47,11 +51,13 @@ def aggregator_main(argv: list[str] | None = None) -> int:
     s.add_argument("--engine", choices=native.ENGINES, default="auto",
                    help="native: the data path in C; numpy: in Python; auto: native where it loads (default)")
     s.add_argument("--metrics", metavar="ADDR:PORT", help="serve Prometheus metrics over HTTP here (port 0: any)")
+    s.add_argument("--keys", type=Path, help=KEYS_HELP + "; serve uses aggregator.key_secret and admits controller.key")
     s.add_argument("-v", "--verbose", action="store_true")
     for name, helptext in (("stats", "print counters"), ("jobs", "list admitted jobs"),
                            ("add-job", "admit a job"), ("remove-job", "remove a job")):
         c = sub.add_parser(name, help=helptext)
         c.add_argument("--control", default="tcp://127.0.0.1:9878")
+        c.add_argument("--keys", type=Path, help=KEYS_HELP + "; the controller's key (controller.key_secret) is used")
         if name == "stats":
             c.add_argument("--job", type=int)
         if name == "add-job":
@@ -68,7 +74,7 @@ def aggregator_main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "serve":
             return _serve(args)
-        client = ControlClient(args.control)
+        client = ControlClient(args.control, keys=ClientKeys.load(args.keys, role="controller", server="aggregator"))
         if args.cmd == "stats":
             reply = client.request("stats", **({"job": args.job} if args.job is not None else {}))
         elif args.cmd == "jobs":
@@ -100,6 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
         egress=Impairment(args.drop_egress, args.duplicate, args.reorder, rng),
         offload=not args.no_offload,
         engine=args.engine,
+        keys=None if args.control == "none" else ServerKeys.aggregator(args.keys),
     )
     exporter = None
     if args.metrics:
@@ -142,7 +149,9 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", type=int, required=True)
     p.add_argument("--workers", type=int, required=True)
     p.add_argument("--aggregator", action="append", help="host:port (repeat for shards), without --controller")
-    p.add_argument("--controller", help="join through this controller (tcp://host:port) instead of --aggregator")
+    p.add_argument("--controller", help="join through this controller (tcp://host:port) instead of --aggregator; "
+                   "the job's secret comes from $PASSING_JOB_SECRET, the worker key from the key directory "
+                   "(docs/security.md)")
     p.add_argument("--job-name", default="passing-allreduce", help="job name to join with --controller")
     p.add_argument("--group", type=int, default=0, help="group index to join with --controller")
     p.add_argument("--leave", action="store_true",
@@ -180,8 +189,8 @@ def allreduce_main(argv: list[str] | None = None) -> int:
             host, port = parse_endpoint(args.bind, 0)
             answer = control.join(args.controller, args.job_name, args.worker, args.workers, host, port,
                                   group=args.group, pool=args.pool, timeout=args.timeout)
-            mode = answer["mode"]
-            line = (control.Failover(args.controller, args.job_name, args.group, args.worker,
+            mode, token = answer["mode"], str(answer["token"])
+            line = (control.Failover(args.controller, args.job_name, args.group, args.worker, token,
                                      after=args.failover_after) if args.failover_after > 0 else None)
             group = Group.from_answer(answer, bind=args.bind, failover=line, **options)
         else:
@@ -199,7 +208,7 @@ def allreduce_main(argv: list[str] | None = None) -> int:
             elapsed = (time.perf_counter() - start) / args.iterations
             stats = g.stats.as_dict()
         if args.controller and args.leave:
-            control.leave(args.controller, args.job_name, args.group, worker=args.worker)
+            control.leave(args.controller, args.job_name, args.group, args.worker, token)
     except (PassingError, OSError, ValueError) as e:
         print(f"passing-allreduce: worker {args.worker}: error: {e}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ order on one thread per group, so async_op=True overlaps them with the caller.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -25,6 +26,7 @@ from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import PrefixStore, ProcessGroup, ReduceOp
 
 from .. import control, wire
+from ..keys import ClientKeys
 from ..stream import Group, GroupFailed, PassingError
 from ..transport import BatchSocket
 from . import embedded
@@ -38,9 +40,10 @@ class Membership:
     """This rank's place in a controller group: reports its counters to the controller every
     ``report_interval`` s (0: only with its leave) and leaves it once, at shutdown or exit."""
 
-    def __init__(self, controller: str, job: str, group: int, worker: int, stream: Group,
-                 report_interval: float = 0.0, embedded: bool = False) -> None:
+    def __init__(self, controller: str, job: str, group: int, worker: int, token: str, keys: ClientKeys,
+                 stream: Group, report_interval: float = 0.0, embedded: bool = False) -> None:
         self.controller, self.job, self.group, self.worker, self.stream = controller, job, group, worker, stream
+        self.token, self.keys = token, keys
         self.embedded = embedded  # the controller lives in rank 0: its end is no surprise
         self.calls, self.call_seconds = 0, 0.0  # this rank's allreduces through PASSING
         self._closed = threading.Lock()
@@ -63,7 +66,8 @@ class Membership:
     def _report_every(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
-                control.report(self.controller, self.job, self.group, self.worker, self.stats())
+                control.report(self.controller, self.job, self.group, self.worker, self.token, self.stats(),
+                               keys=self.keys)
             except PassingError as e:  # metrics are best effort: training goes on
                 log.debug("passing: report to %s: %s", self.controller, e)
 
@@ -78,7 +82,8 @@ class Membership:
         stats = self.stats()
         self.stream.close()
         try:
-            control.leave(self.controller, self.job, self.group, self.worker, timeout=5.0, stats=stats)
+            control.leave(self.controller, self.job, self.group, self.worker, self.token, timeout=5.0, stats=stats,
+                          keys=self.keys)
         except PassingError as e:
             (log.info if self.embedded else log.warning)("passing: leaving job %s group %d: %s", self.job,
                                                          self.group, e)
@@ -193,6 +198,7 @@ class ProcessGroupPassing(ProcessGroup):
         self.stream: Group | None = None
         self.embedded_mode = False  # no controller configured: rank 0's embedded one serves the group
         self.embedded: embedded.Embedded | None = None  # rank 0's services in embedded mode
+        self.keys: ClientKeys | None = None  # this rank's key toward the controller
         if self.scheme.aggregator is None:
             return
         try:
@@ -208,6 +214,8 @@ class ProcessGroupPassing(ProcessGroup):
         """Join this rank's aggregation group through the controller (rank 0's embedded one if none is set)."""
         if self.options.controller is None:
             self._start_embedded(store, rank)
+        else:
+            self.keys = control.worker_keys(None)
         in_host = self.scheme.in_host and self.layout.ranks_per_server > 1
         if in_host:
             self.local = self._local_groups(store, timeout)
@@ -217,14 +225,16 @@ class ProcessGroupPassing(ProcessGroup):
         if workers > wire.MAX_WORKERS:
             raise OptionError(f"{workers} workers in one aggregation group; PASSING takes at most {wire.MAX_WORKERS}"
                               + ("" if in_host else " (the in-host schemes need one per server)"))
-        job = self._job_name(store, name)
-        self.stream, answer = self._join(job, group, worker, workers)
+        job, secret = self._job_name(store, name)
+        self.stream, answer = self._join(job, secret, group, worker, workers)
         self.network = FailoverStage(self.stream, store, f"passing/fallback/{name}/{group}/", timeout)
         self.mode, self.reason = answer["mode"], answer["reason"]
         if self.embedded_mode:
             self.reason = f"embedded controller in rank 0, no controller configured: {self.reason}"
-        self._membership = Membership(str(self.options.controller), job, group, worker, self.stream,
-                                      float(self.options.report_interval), embedded=self.embedded_mode)
+        assert self.keys is not None
+        self._membership = Membership(str(self.options.controller), job, group, worker, str(answer["token"]),
+                                      self.keys, self.stream, float(self.options.report_interval),
+                                      embedded=self.embedded_mode)
         weakref.finalize(self, _close, self._membership, self.embedded)  # also at interpreter exit
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"passing-pg{name}")
         log.info("passing: rank %d: job %s group %d worker %d of %d on %s (%s)", rank, job, group, worker, workers,
@@ -241,8 +251,8 @@ class ProcessGroupPassing(ProcessGroup):
             except BaseException as e:  # the other ranks wait for the key: give them the error
                 embedded.publish(store, {"error": f"{type(e).__name__}: {e}"})
                 raise
-            embedded.publish(store, {"controller": self.embedded.endpoint})
-        endpoint = embedded.endpoint(store)
+            embedded.publish(store, self.embedded.announcement())
+        endpoint, self.keys = embedded.endpoint(store)
         host = self.options.host or route_source(endpoint)
         self.options = dataclasses.replace(self.options, controller=endpoint, host=host)
         self.embedded_mode = True
@@ -263,28 +273,31 @@ class ProcessGroupPassing(ProcessGroup):
             groups["cuda"] = dist.ProcessGroupNCCL(PrefixStore(prefix + "nccl/", store), j, n)
         return groups
 
-    def _job_name(self, store: dist.Store, name: str) -> str:
-        """The same name on every rank of this process group, and a new one per run."""
-        if self.options.job:
-            return f"{self.options.job}/pg{name}"
+    def _job_name(self, store: dist.Store, name: str) -> tuple[str, str]:
+        """The same job name and secret on every rank of this process group, and new ones per run.
+        The secret goes through the c10d store, which the ranks already trust with each other."""
         if self.rank() == 0:
-            store.set("passing/job", f"torch-{uuid.uuid4().hex[:12]}/pg{name}")
-        return store.get("passing/job").decode()
+            job = f"{self.options.job}/pg{name}" if self.options.job else f"torch-{uuid.uuid4().hex[:12]}/pg{name}"
+            store.set(f"passing/job/{name}", json.dumps({"name": job, "secret": control.new_job_secret()}))
+        job = json.loads(store.get(f"passing/job/{name}"))
+        return str(job["name"]), str(job["secret"])
 
-    def _join(self, job: str, group: int, worker: int, workers: int) -> tuple[Group, dict[str, Any]]:
+    def _join(self, job: str, secret: str, group: int, worker: int, workers: int) -> tuple[Group, dict[str, Any]]:
         o = self.options
         sock = BatchSocket((str(o.host), 0))
         line: control.Failover | None = None
         try:
             answer = control.join(str(o.controller), job, worker, workers, host=str(o.host),
-                                  udp_port=sock.address[1], group=group, pool=o.pool,
-                                  aggregator=str(self.scheme.aggregator), timeout=float(o.join_timeout))
+                                  udp_port=sock.address[1], secret=secret, group=group, pool=o.pool,
+                                  aggregator=str(self.scheme.aggregator), timeout=float(o.join_timeout),
+                                  keys=self.keys)
             if int(answer["lanes"]) != wire.DEFAULT_LANES:  # same port, sized for the aggregator's packets
                 port = sock.address[1]
                 sock.close()
                 sock = BatchSocket((str(o.host), port), lanes=int(answer["lanes"]))
-            line = (control.Failover(str(o.controller), job, group, worker, aggregator=str(self.scheme.aggregator),
-                                     after=float(o.failover_after)) if o.failover_after else None)
+            line = (control.Failover(str(o.controller), job, group, worker, str(answer["token"]),
+                                     aggregator=str(self.scheme.aggregator), after=float(o.failover_after),
+                                     keys=self.keys) if o.failover_after else None)
             stream = Group.from_answer(answer, bind=sock, scale=o.scale, on_overflow=str(o.on_overflow),
                                        rto=float(o.rto), timeout=float(o.timeout), engine=str(o.engine),
                                        failover=line)

@@ -5,6 +5,10 @@ and a software aggregator in threads of its own process, bound to the address th
 ranks reach it at, and publishes the controller's endpoint in the group's store. Every
 rank then joins through it as through an external controller, so the in-host stage and the
 schemes work unchanged; the groups aggregate on the software aggregator (PS mode).
+
+It makes its own CURVE keys, in memory only (docs/security.md): the controller's, the
+aggregator's (which admits the controller's only) and one worker key that the ranks get
+through the group's store, the one channel they already trust with each other.
 """
 
 from __future__ import annotations
@@ -19,14 +23,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import control
 from ..aggregator import SoftwareAggregator
-from ..stream import PassingError
+from ..keys import ClientKeys, Ephemeral
 from .options import OptionError
 
 log = logging.getLogger("passing.torch")
 
-STORE_KEY = "passing/embedded"  # in the group's store: {"controller": endpoint} or {"error": text}
+STORE_KEY = "passing/embedded"  # in the group's store: ``announcement()`` or {"error": text}
 LINGER = 30.0  # s rank 0 waits at shutdown for the other workers to leave (their last RESULTs need the PS)
 
 
@@ -74,6 +77,7 @@ class Embedded:
 
     def __init__(self, address: str, join_timeout: float) -> None:
         try:
+            from passing_controller.keys import ServerKeys
             from passing_controller.service import Controller
             from passing_controller.topology import Topology
         except ImportError as e:
@@ -81,15 +85,21 @@ class Embedded:
                               f"the embedded one needs the passing-controller package ({e}): install it beside "
                               f"passing (pip install -e controller), or set PASSING_CONTROLLER") from None
         self.address = address
+        self.keys = Ephemeral()
         try:
-            self.aggregator = SoftwareAggregator(listen=(address, 0), control="tcp://127.0.0.1:*")
+            self.aggregator = SoftwareAggregator(listen=(address, 0), control="tcp://127.0.0.1:*",
+                                                 keys=self.keys.aggregator())
         except OSError as e:
             raise OptionError(f"embedded aggregator: cannot listen on {address} ({e}); set PASSING_HOST "
                               f"to an address of this host") from None
         data = "{}:{}".format(*self.aggregator.address)
         try:
-            topology = Topology.from_dict({"ps": [{"data": data, "control": self.aggregator.control_endpoint}]})
-            self.controller = Controller(topology, None, ":memory:", f"tcp://{address}:*", join_timeout=join_timeout)
+            topology = Topology.from_dict({"ps": [{"data": data, "control": self.aggregator.control_endpoint,
+                                                   "public_key": self.keys.public("aggregator").decode()}]})
+            public, secret = self.keys.pairs["controller"]
+            controller_keys = ServerKeys(public, secret, {self.keys.public("worker"): "worker"})
+            self.controller = Controller(topology, None, ":memory:", f"tcp://{address}:*", controller_keys,
+                                         join_timeout=join_timeout)
         except BaseException:
             self.aggregator.close()
             raise
@@ -102,13 +112,15 @@ class Embedded:
             t.start()
         self._closed = False
 
+    def announcement(self) -> dict[str, str]:
+        """What the other ranks need (through the group's store): where, and the keys to get in."""
+        worker_public, worker_secret = self.keys.pairs["worker"]
+        return {"controller": self.endpoint, "controller_key": self.keys.public("controller").decode(),
+                "worker_public": worker_public.decode(), "worker_secret": worker_secret.decode()}
+
     def idle(self) -> bool:
         """No group is running or waiting for workers (every worker has left)."""
-        try:
-            status = control.request(self.endpoint, "status", timeout=5.0)
-        except PassingError:
-            return True
-        return not status["jobs"] and not status["pending"]
+        return self.controller.idle()
 
     def close(self, linger: float = LINGER) -> None:
         """Stop both once every worker has left (at most ``linger`` s from now)."""
@@ -131,9 +143,11 @@ def publish(store: dist.Store, info: dict[str, Any]) -> None:
     store.set(STORE_KEY, json.dumps(info))
 
 
-def endpoint(store: dist.Store) -> str:
-    """The embedded controller's endpoint, as rank 0 published it (waits for it)."""
+def endpoint(store: dist.Store) -> tuple[str, ClientKeys]:
+    """The embedded controller's endpoint and a worker's keys for it, as rank 0 published them
+    (waits for them)."""
     info = json.loads(store.get(STORE_KEY))
     if "error" in info:
         raise OptionError(f"rank 0 could not start the embedded controller: {info['error']}")
-    return str(info["controller"])
+    keys = ClientKeys(info["controller_key"].encode(), info["worker_public"].encode(), info["worker_secret"].encode())
+    return str(info["controller"]), keys
