@@ -117,6 +117,7 @@ class Controller:
         self.decided: dict[tuple[str, int, int], tuple[float, dict]] = {}  # same key -> (when, decision)
         self.moving: dict[tuple[str, int, int], list[tuple[bytes, int]]] = {}  # same key -> who waits for it
         self.moving_tokens: dict[tuple[str, int, int], list[str]] = {}  # same key -> its workers' token digests
+        self.suspect: set[str] = set()  # aggregators being checked: tried last meanwhile
         for r in self.store.all():
             self.records[(r.job_name, r.group)] = r
             (self.allocator if r.mode == "switch" else self.ps_allocators.setdefault(
@@ -463,7 +464,8 @@ class Controller:
 
         The switch first when the group may use it, then every PS of the topology, starting at
         job id mod their number (so groups spread over them); a PS that failed lately and is
-        not yet due for a retry goes last, still tried before the group is refused."""
+        not yet due for a retry, or one whose liveness is being checked, goes last, still tried
+        before the group is refused."""
         order = ["switch"] if wanted == "any" and self.topo.p4runtime is not None else []
         ps = [p.control for p in self.topo.ps]
         if ps:
@@ -471,8 +473,9 @@ class Controller:
             order += ps[k:] + ps[:k]
         with self.lock:
             down, now = self.store.down(), time.time()
+            suspect = set(self.suspect)
         # (the switch keeps its place: it fails at once while it is down, see _allocate_switch)
-        resting = {a for a, (_, retry_at, _) in down.items() if retry_at > now and a != "switch"}
+        resting = {a for a, (_, retry_at, _) in down.items() if retry_at > now and a != "switch"} | suspect
         return [a for a in order if a not in resting] + [a for a in order if a in resting]
 
     def _ps(self, control: str) -> PsEndpoint:
@@ -764,8 +767,14 @@ class Controller:
     def _move(self, r: Record, wanted: str, redo: int) -> dict:
         """Every worker is stuck: a new allocation for the whole group, on the next aggregator
         that can serve (the same one when it still answers and comes first). Pool thread."""
-        down = self._check(r)
         name = "switch" if r.mode == "switch" else r.aggregator["control"]
+        with self.lock:
+            self.suspect.add(name)
+        try:
+            down = self._check(r)
+        finally:
+            with self.lock:
+                self.suspect.discard(name)
         if down is not None:
             with self.lock:
                 self.store.mark_down(name, down, time.time(),

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -279,17 +280,23 @@ def local_main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=3, help="allreduces per worker")
     p.add_argument("--drop", type=float, default=0.0, help="loss probability each way at the aggregator")
     args = p.parse_args(argv)
-    agg, ready = start_aggregator(["--drop-ingress", str(args.drop), "--drop-egress", str(args.drop)])
+    ports = free_udp_ports(args.workers)
+    workers = [f"127.0.0.1:{port}" for port in ports]
+    rng = np.random.default_rng(0)
+    # In this process, with the job admitted up front: no control socket, so no keys to set up.
+    agg = SoftwareAggregator(listen=("127.0.0.1", 0), control=None, jobs=[job_from_json(
+        {"job": 1, "pool": args.pool, "workers": workers})], ingress=Impairment(args.drop, rng=rng),
+        egress=Impairment(args.drop, rng=rng))
+    data = "{}:{}".format(*agg.address)
+    serving = threading.Thread(target=agg.serve, name="passing-local-aggregator", daemon=True)
+    serving.start()
     try:
-        ports = free_udp_ports(args.workers)
-        workers = [f"127.0.0.1:{port}" for port in ports]
-        admitted = ControlClient(ready["control"]).request("add_job", job={"job": 1, "pool": args.pool,
-                                                                          "workers": workers})["job"]
-        print(f"aggregator at {ready['data']}, {args.workers} workers, {args.size} float32 each", flush=True)
+        print(f"aggregator at {data}, {args.workers} workers, {args.size} float32 each", flush=True)
+        generation = agg.engine.jobs()[0].generation
         procs = [
             subprocess.Popen([sys.executable, "-m", "passing.cli", "allreduce", "--worker", str(w), "--workers",
-                              str(args.workers), "--aggregator", ready["data"], "--bind", workers[w],
-                              "--generation", str(admitted["generation"]), "--pool",
+                              str(args.workers), "--aggregator", data, "--bind", workers[w],
+                              "--generation", str(generation), "--pool",
                               str(args.pool), "--size", str(args.size), "--iterations", str(args.iterations)],
                              stdout=subprocess.PIPE, text=True)
             for w in range(args.workers)
@@ -303,13 +310,12 @@ def local_main(argv: list[str] | None = None) -> int:
                 print(f"worker {r['worker']}: {r['seconds'] * 1e3:.1f} ms per allreduce, "
                       f"{r['gbit_per_s']:.3f} Gbit/s, max error {r['max_error']:.3g} (bound {r['bound']:.3g}), "
                       f"{r['retransmissions']} retransmissions, {'ok' if r['ok'] else 'WRONG'}", flush=True)
-        stats = ControlClient(ready["control"]).request("stats")
-        print("aggregator:", json.dumps(stats["totals"]), flush=True)
+        print("aggregator:", json.dumps(agg.stats()["totals"]), flush=True)
         print("OK" if ok else "FAILED", flush=True)
         return 0 if ok else 1
     finally:
-        agg.terminate()
-        agg.wait(10)
+        agg.stop()
+        serving.join(10)
 
 
 def main(argv: list[str] | None = None) -> int:
