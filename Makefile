@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup test lint demo bench bench-quick bench-core bench-bmv2 p4 p4-tofino clean
+.PHONY: all setup test lint demo bench bench-quick bench-core bench-control bench-bmv2 p4 p4-tofino clean
 
 all: test
 
@@ -44,6 +44,11 @@ bench-quick: $(STAMP)
 bench-core: $(STAMP)
 	$(PY) -m pip install --quiet -e 'host[torch]'
 	$(PY) bench/core.py
+
+# The controller under load: 256 jobs x 8 workers heartbeating, 50 joins/leaves per second, a failover
+# (bench/control_load.py; docs/benchmarks.md).
+bench-control: $(STAMP)
+	$(PY) bench/control_load.py
 
 # BMv2 forwarding vs aggregation rates in Mininet (root, BMv2, p4c, Mininet: docs/bmv2.md).
 bench-bmv2: $(STAMP)

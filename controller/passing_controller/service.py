@@ -611,11 +611,13 @@ class Controller:
         return r
 
     def _begin_teardown(self, r: Record) -> None:
-        """(lock held) From now on the group is not running for anybody; its state here goes."""
+        """(lock held) From now on the group is not running for anybody; its state here goes (the
+        heartbeats of a group being moved stay: its workers go on)."""
         self.ending.add(r.job_id)
         self.leaving.pop(r.job_id, None)
-        for w in range(len(r.workers)):
-            self.last_seen.pop((r.job_name, r.group, w), None)
+        if not any(key[:2] == (r.job_name, r.group) for key in self.moving):
+            for w in range(len(r.workers)):
+                self.last_seen.pop((r.job_name, r.group, w), None)
         self.stuck.pop((r.job_name, r.group, r.generation), None)
 
     def _teardown(self, r: Record, reachable: bool = True) -> None:
@@ -652,10 +654,26 @@ class Controller:
             self.finished.append({**metrics, "ended": time.time()})  # for `metrics`, a while
 
     def _alive(self, req: dict) -> dict:
-        r, worker = self._member(req)
         every = schema.number(req, "every", 0.001, 60.0, default=1.0)
-        self.last_seen[(r.job_name, r.group, worker)] = (time.monotonic(), every)
+        try:
+            r, worker = self._member(req)
+            key = (r.job_name, r.group, worker)
+        except RequestError:
+            key = self._moving_member(req)  # a group being moved: its workers are alive all the same
+            if key is None:
+                raise
+        self.last_seen[key] = (time.monotonic(), every)
         return {}
+
+    def _moving_member(self, req: dict) -> tuple[str, int, int] | None:
+        """(job, group, worker) of a worker of a group being moved, when its token says so."""
+        name, group, worker = req.get("job"), req.get("group", 0), req.get("worker")
+        token = req.get("token")
+        for (job, grp, _), digests in self.moving_tokens.items():
+            if (job, grp) == (name, group) and isinstance(worker, int) and 0 <= worker < len(digests) \
+                    and isinstance(token, str) and matches(token, digests[worker]):
+                return job, grp, worker
+        return None
 
     def _report(self, req: dict) -> dict:
         """A worker's counters so far (cumulative); the latest one counts."""

@@ -72,6 +72,10 @@ class Store:
                              "start with a new store")
         self.db.executescript(SCHEMA)
         self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        # Write-ahead log, synced at checkpoints: a commit survives the controller's crash (what a
+        # restart needs) without an fsync of its own, which costs ~10 ms a commit on a VM's disk.
+        self.db.execute("PRAGMA journal_mode = WAL")
+        self.db.execute("PRAGMA synchronous = NORMAL")
 
     def close(self) -> None:
         self.db.close()
@@ -87,6 +91,11 @@ class Store:
         """(job id, generation) for a new allocation: an id never used yet while there is one,
         else the free id whose last use is oldest, its generation one past its last. ``busy``:
         ids not in the allocation table that are not free either (being placed or torn down)."""
+        with self.db:  # one transaction
+            self.db.execute("BEGIN")
+            return self._claim_job_id(max_id, busy)
+
+    def _claim_job_id(self, max_id: int, busy: set[int] | frozenset[int]) -> tuple[int, int]:
         fresh = self.next("fresh_job_id")
         used = self.next("use")
         if fresh <= max_id:
