@@ -57,8 +57,9 @@ def services(tmp_path):
     """A PS and a controller, as processes in their default configuration (loopback, keys from
     $PASSING_KEYS), and a job of two workers that keeps streaming until the test is over."""
     agg, ready = start_aggregator()
+    # (a join timeout short enough that a hostile join that waits for its group is answered within a test)
     ctl, ctl_ready = start_controller({"ps": [{"data": ready["data"], "control": ready["control"]}]}, tmp_path,
-                                      f"tcp://127.0.0.1:{free_tcp_port()}")
+                                      f"tcp://127.0.0.1:{free_tcp_port()}", ["--join-timeout", "5"])
     job = RunningJob(ctl_ready["endpoint"], "victim")
     try:
         out = {"controller": ctl_ready["endpoint"], "ps": ready, "ctl_proc": ctl, "ps_proc": agg, "job": job,
@@ -67,7 +68,8 @@ def services(tmp_path):
         job.finish()
         assert all(p.poll() is None for p in out["must_live"]), "a service died"
     finally:
-        job.stop.set()
+        if job.target is None:
+            job.target = max(job.calls) + 1
         for p in (ctl, agg):
             p.terminate()
             p.wait(10)
@@ -80,6 +82,7 @@ class RunningJob:
     def __init__(self, controller: str, name: str, workers: int = 2) -> None:
         self.controller, self.name, self.workers = controller, name, workers
         self.stop = threading.Event()
+        self.target: int | None = None  # calls every worker makes in all, once the job is told to finish
         self.joined = threading.Barrier(workers + 1)
         self.answers: dict[int, dict] = {}
         self.calls = [0] * workers
@@ -98,7 +101,7 @@ class RunningJob:
         self.answers[w] = answer
         self.joined.wait(60)
         with Group.from_answer(answer, bind=("127.0.0.1", self.ports[w]), timeout=30) as g:
-            while not self.stop.is_set() or self.calls[w] == 0:
+            while self.target is None or self.calls[w] < self.target:
                 call = self.calls[w]
                 total = g.allreduce(self.data(w, call))
                 expected = sum(self.data(peer, call).astype(np.int64) for peer in range(self.workers))
@@ -109,7 +112,11 @@ class RunningJob:
         return self.calls[w]
 
     def finish(self) -> list:
-        self.stop.set()
+        """Every worker makes the same number of calls, then leaves. The calls are in lock step (a
+        worker in call k has completed k calls, and k - 1 at least were completed by everyone), so
+        one more than the most any worker completed is a number all of them reach."""
+        if self.target is None:
+            self.target = max(self.calls) + 1
         self.thread.join(120)
         assert all(isinstance(c, int) and c > 0 for c in self.outcome), self.outcome
         return self.outcome
@@ -398,7 +405,11 @@ def test_campaign_of_100000_hostile_messages_while_a_job_runs(services):
           f"controller {rss_before[0] / 1024:.0f} -> {rss_after[0] / 1024:.0f} MiB, aggregator "
           f"{rss_before[1] / 1024:.0f} -> {rss_after[1] / 1024:.0f} MiB; the victim job completed "
           f"{sum(calls) - calls_before} checked calls meanwhile")
+    print(f"the aggregator refused {ControlClient(services['ps']['control']).request('ping')['control']}")
     assert services["ctl_proc"].poll() is None and services["ps_proc"].poll() is None
     assert rss_after[0] - rss_before[0] < 64 * 1024 and rss_after[1] - rss_before[1] < 64 * 1024
     assert sum(calls) > calls_before  # the job went on, every sum exact (checked by its workers)
     assert [j["job"] for j in status["jobs"]] == []  # the victim left cleanly, nothing else was admitted
+    assert status["refused"]["internal"] == 0  # every hostile message met a check, not a bug
+    ping = ControlClient(services["ps"]["control"]).request("ping")["control"]
+    assert ping["internal_errors"] == 0 and ping["refused"] > 30_000

@@ -26,7 +26,8 @@ def controller_main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-config", type=Path, help="BMv2 JSON (build/v1model/passing.json) or target binary")
     p.add_argument("--store", default="passing-controller.sqlite", help="SQLite file of allocations")
     p.add_argument("--listen", default="tcp://127.0.0.1:9090",
-                   help="ZeroMQ endpoint for hosts (default loopback: give the management address to serve a cluster)")
+                   help="ZeroMQ endpoint for hosts (default %(default)s: give the management address to serve "
+                   "a cluster)")
     p.add_argument("--keys", type=Path, help=KEYS_HELP)
     p.add_argument("--join-timeout", type=float, default=60.0)
     p.add_argument("--pool", type=int, default=256, help="slots per group unless a join asks otherwise")

@@ -74,7 +74,7 @@ def number(req: dict, name: str, lo: float, hi: float, default: Any = _MISSING) 
         if default is _MISSING:
             raise RequestError(f"missing field {name!r}")
         return default
-    if type(v) not in (int, float) or not math.isfinite(v):
+    if not (type(v) is int or (type(v) is float and math.isfinite(v))):  # (a huge int is no float)
         raise RequestError(f"{name} must be a finite number, got {_show(v)}")
     if not lo <= v <= hi:
         raise RequestError(f"{name} {v} outside [{lo:g}, {hi:g}]")

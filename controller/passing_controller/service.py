@@ -63,6 +63,10 @@ WORKER_COMMANDS = frozenset({"join", "leave", "alive", "stuck", "report"})
 OPERATOR_COMMANDS = WORKER_COMMANDS | {"status", "stats", "metrics"}
 
 
+class Unauthorized(RequestError):
+    """A request this client's role may not make."""
+
+
 class AggregatorFailed(RuntimeError):
     """One aggregator could not take a group (the text says which and why); the next one is tried."""
 
@@ -109,7 +113,8 @@ class Controller:
         self.finished: list[dict[str, Any]] = []  # groups torn down lately, with their final counters
         self.admitted = {"switch": 0, "ps": 0}  # groups allocated since start (joins and moves), by mode
         self.joins_failed = 0  # groups no aggregator could take since start (joins and moves)
-        self.refused = {"malformed": 0, "unauthorized": 0, "invalid": 0}  # requests refused, by why
+        # requests refused, by why ("internal": a bug of ours, logged with its request)
+        self.refused = {"malformed": 0, "unauthorized": 0, "invalid": 0, "internal": 0}
         # failover (docs/control.md): heartbeats, the reports of silent groups, and what was decided
         self.started = self.stalled_until = time.monotonic()  # heartbeats count from the later of these
         self.last_seen: dict[tuple[str, int, int], tuple[float, float]] = {}  # worker -> (when, interval)
@@ -308,16 +313,16 @@ class Controller:
                 raise RequestError(f"unsupported protocol version {schema._show(request.get('version'))} "
                                    f"(this controller speaks {PROTOCOL_VERSION})")
             cmd = request.get("cmd")
-            if cmd not in OPERATOR_COMMANDS:
+            if not isinstance(cmd, str) or cmd not in OPERATOR_COMMANDS:
                 raise RequestError(f"unknown command {schema._show(cmd)}")
             if cmd not in (OPERATOR_COMMANDS if role == "operator" else WORKER_COMMANDS):
-                self.refused["unauthorized"] += 1
-                raise RequestError(f"{cmd} is for operators; this key is a {role}'s")
+                raise Unauthorized(f"{cmd} is for operators; this key is a {role}'s")
             self._dispatch(identity, cmd, request, role)
         except (RequestError, TopologyError) as e:
-            self.refused["invalid"] += 1
+            self.refused["unauthorized" if isinstance(e, Unauthorized) else "invalid"] += 1
             self._reply(identity, {"ok": False, "error": str(e)})
         except Exception as e:  # a bug must not end a shared service: the sender learns, the log says
+            self.refused["internal"] += 1
             log.exception("request %r failed", body.bytes[:200])
             self._reply(identity, {"ok": False, "error": f"internal error: {type(e).__name__}: {e}"})
 
@@ -583,7 +588,7 @@ class Controller:
         RESULTs. An operator's leave without `worker` tears the group down at once."""
         if req.get("worker") is None:
             if role != "operator":
-                raise RequestError("a leave without a worker (ending the whole group) is for operators")
+                raise Unauthorized("a leave without a worker (ending the whole group) is for operators")
             r = self._running(schema.text(req, "job", schema.NAME, what="a job name"),
                               schema.integer(req, "group", 0, MAX_GROUP, default=0))
         else:

@@ -215,6 +215,7 @@ class SoftwareAggregator:
         self.control: zmq.Socket | None = None
         self.control_endpoint: str | None = None
         self.control_refused = 0  # control messages refused (malformed, invalid): counted, answered
+        self.control_internal_errors = 0  # of them, failures of ours (logged with the error)
         if control:
             assert keys is not None
             self.control = self._zmq.socket(zmq.REP)
@@ -375,6 +376,7 @@ class SoftwareAggregator:
                 return {"ok": False, "error": str(e)}
             except Exception as e:  # a bug must not end a shared service: the sender learns, the log says
                 self.control_refused += 1
+                self.control_internal_errors += 1
                 log.exception("control request failed")
                 return {"ok": False, "error": f"internal error: {type(e).__name__}: {e}"}
 
@@ -386,7 +388,8 @@ class SoftwareAggregator:
                               f"(want {CONTROL_VERSION})")
         cmd = request.get("cmd")
         if cmd == "ping":
-            return {"ok": True, "lanes": self.engine.lanes, "slots": self.engine.slots, "engine": self.engine_name}
+            return {"ok": True, "lanes": self.engine.lanes, "slots": self.engine.slots, "engine": self.engine_name,
+                    "control": {"refused": self.control_refused, "internal_errors": self.control_internal_errors}}
         if cmd == "stats":
             job = rpc.integer(request, "job", 0, (1 << 16) - 1, default=None)
             if job is not None and job not in {s.job for s in self.engine.jobs()}:

@@ -38,8 +38,9 @@ def aggregator_main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run the aggregator until SIGINT/SIGTERM")
     s.add_argument("--listen", default=f"127.0.0.1:{wire.UDP_PORT}",
-                   help="UDP address (port 0: any free port; default loopback: give the data network's address)")
-    s.add_argument("--control", default="tcp://127.0.0.1:9878", help="ZeroMQ control endpoint ('none' to disable)")
+                   help="UDP address (port 0: any free port; default %(default)s: give the data network's address)")
+    s.add_argument("--control", default="tcp://127.0.0.1:9878",
+                   help="ZeroMQ control endpoint ('none' to disable; default %(default)s)")
     s.add_argument("--config", help="JSON file: {lanes, slots, jobs: [{job, base, pool, workers}]}")
     s.add_argument("--slots", type=int, help=f"slots of state (default {4096})")
     s.add_argument("--lanes", type=int, help=f"int32 values per packet (default {wire.DEFAULT_LANES})")

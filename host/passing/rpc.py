@@ -6,7 +6,6 @@ distributions share protocols, not code.)"""
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import zmq
@@ -64,10 +63,6 @@ def integer(obj: dict, name: str, lo: int, hi: int, default: Any = ...) -> Any:
     if not lo <= v <= hi:
         raise MessageError(f"{name} {v} outside {lo}..{hi}")
     return v
-
-
-def finite(v: Any) -> bool:
-    return type(v) in (int, float) and math.isfinite(v)
 
 
 def call(endpoint: str, request: dict[str, Any], timeout: float, keys: ClientKeys) -> dict[str, Any]:
