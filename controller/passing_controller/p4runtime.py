@@ -16,7 +16,7 @@ import google.protobuf.text_format
 import grpc
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2
-from p4runtime_sh.p4runtime import P4RuntimeClient, P4RuntimeException, P4RuntimeWriteException
+from p4runtime_sh.p4runtime import P4RuntimeClient, P4RuntimeException, P4RuntimeWriteException, SSLOptions
 
 log = logging.getLogger("passing_controller.p4runtime")
 
@@ -88,13 +88,33 @@ class P4Info:
             raise SwitchError(f"the P4 program has no counter {name!r}") from None
 
 
+@dataclass(frozen=True)
+class Tls:
+    """TLS toward a switch that serves P4Runtime over TLS: the CA that signed its certificate, and
+    this controller's certificate and key where the switch asks for a client certificate."""
+
+    ca: Path
+    cert: Path | None = None
+    key: Path | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: Path | None) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                return path.read_bytes()
+            except OSError as e:
+                raise SwitchError(f"P4Runtime TLS: cannot read {path}: {e}") from None
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
 class Switch:
-    """A primary P4Runtime session with one device."""
+    """A primary P4Runtime session with one device (over TLS when ``tls`` is given)."""
 
     def __init__(self, address: str, device_id: int = 0, election_id: tuple[int, int] = (0, 1),
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, tls: Tls | None = None) -> None:
         self.address, self.device_id, self.election_id, self.timeout = address, device_id, election_id, timeout
-        channel = grpc.insecure_channel(address)
+        channel = grpc.insecure_channel(address) if tls is None else grpc.secure_channel(address, tls.credentials())
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -102,7 +122,9 @@ class Switch:
             raise SwitchUnreachable(f"no P4Runtime server at {address} within {timeout} s") from None
         channel.close()
         try:
-            self.client = P4RuntimeClient(device_id, address, election_id)
+            ssl = SSLOptions(True) if tls is None else SSLOptions(False, *(
+                None if path is None else str(path) for path in (tls.ca, tls.cert, tls.key)))
+            self.client = P4RuntimeClient(device_id, address, election_id, ssl_options=ssl)
         except SystemExit:  # p4runtime-shell exits when the arbitration gets no answer
             raise SwitchUnreachable(f"P4Runtime arbitration with {address} failed") from None
         self.p4info: P4Info | None = None

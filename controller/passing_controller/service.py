@@ -33,7 +33,7 @@ from . import admission, aggregator_address, counters, l2_forward, result_rewrit
 from .allocation import MAX_JOB_ID, Allocation, Worker
 from .allocator import SlotAllocator, SlotsExhausted
 from .keys import CONTROLLER_DOMAIN, ClientKeys, ServerKeys, digest, matches, new_secret, serve_curve
-from .p4runtime import Pipeline, Switch, SwitchError
+from .p4runtime import Pipeline, Switch, SwitchError, Tls
 from .schema import RequestError
 from .store import Record, Store, StoreError
 from .topology import PsEndpoint, Topology, TopologyError
@@ -155,7 +155,8 @@ class Controller:
             self._switch_retry_at = float("inf")
             return
         try:
-            sw = Switch(self.topo.p4runtime, self.topo.device_id, timeout=self.switch_timeout)
+            tls = None if self.topo.tls is None else Tls(**{k: Path(v) for k, v in self.topo.tls.items()})
+            sw = Switch(self.topo.p4runtime, self.topo.device_id, timeout=self.switch_timeout, tls=tls)
         except SwitchError as e:
             self._switch_down(str(e))
             log.warning("switch unavailable, PS fallback only: %s", e)

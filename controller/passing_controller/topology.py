@@ -5,15 +5,18 @@ JSON::
     {
       "switch": {"p4runtime": "127.0.0.1:9559", "device_id": 0,
                  "aggregation_mac": "02:00:00:00:00:fe", "aggregation_ip": "10.0.0.254",
-                 "slots": 1024, "lanes": 64},
+                 "slots": 1024, "lanes": 64,
+                 "tls": {"ca": "ca.pem", "cert": "controller.pem", "key": "controller.key"}},
       "hosts": [{"name": "h1", "mac": "02:00:00:00:00:01", "ip": "10.0.0.1", "port": 1}, ...],
       "ps": [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878", "public_key": "Z85..."}]
     }
 
 Without "switch" the controller serves software aggregators (PS) only; "hosts" may then
 be left out, and a join may name its host by any IPv4 address. Nothing about ports or
-addresses is hard-coded anywhere else. A PS's ``public_key`` (its CURVE key, Z85) is needed
-only when it is not the key directory's ``aggregator.key`` (docs/security.md).
+addresses is hard-coded anywhere else. "tls" (optional): P4Runtime over TLS, with the CA of the
+switch's certificate, and a client certificate and key where the switch asks for one. A PS's
+``public_key`` (its CURVE key, Z85) is needed only when it is not the key directory's
+``aggregator.key`` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -44,6 +47,15 @@ def ip_to_int(ip: str) -> int:
         return int(ipaddress.IPv4Address(ip))
     except ValueError:
         raise TopologyError(f"bad IPv4 address {ip!r}") from None
+
+
+def _tls(value: Any) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("ca"), str) or set(value) - {"ca", "cert", "key"} \
+            or ("cert" in value) != ("key" in value):
+        raise TopologyError('switch "tls" must be {"ca": path} or {"ca", "cert", "key"} (paths to PEM files)')
+    return {k: str(v) for k, v in value.items()}
 
 
 def _public_key(value: Any) -> bytes | None:
@@ -79,6 +91,7 @@ class Topology:
     lanes: int
     hosts: list[Host]
     ps: list[PsEndpoint] = field(default_factory=list)
+    tls: dict[str, str] | None = None  # P4Runtime over TLS: {"ca", "cert"?, "key"?} (file paths)
 
     def host(self, name_or_ip: str) -> Host:
         for h in self.hosts:
@@ -116,6 +129,7 @@ class Topology:
                     p4runtime=str(sw["p4runtime"]), device_id=int(sw.get("device_id", 0)),
                     aggregation_mac=str(sw["aggregation_mac"]), aggregation_ip=str(sw["aggregation_ip"]),
                     slots=int(sw.get("slots", 1024)), lanes=int(sw.get("lanes", 64)), hosts=hosts, ps=ps,
+                    tls=_tls(sw.get("tls")),
                 )
         except (KeyError, TypeError, ValueError) as e:
             raise TopologyError(f"topology: missing or bad field {e}") from None
