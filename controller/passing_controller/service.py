@@ -304,7 +304,10 @@ class Controller:
             log.debug("dropped a message of %d frames (not a request)", len(frames))
             return
         identity, body = frames[0].bytes, frames[2]
-        role = self.keys.clients.get(body.get("User-Id").encode())  # ZAP admitted it: the key is known
+        try:
+            role = self.keys.clients.get(body.get("User-Id").encode())  # ZAP admitted it: the key is known
+        except zmq.ZMQError:  # no user id: not through the CURVE handshake (cannot happen on tcp)
+            role = None
         if role is None:
             self.refused["unauthorized"] += 1
             return
@@ -757,6 +760,9 @@ class Controller:
             decision = {"state": "failed", "redo": 0, "dead": [],
                         "error": f"job {r.job_name!r} group {r.group}: the controller failed: {e}"}
         with self.lock:
+            if decision["state"] == "failed":  # the group is gone: so are its heartbeats
+                for w in range(len(r.workers)):
+                    self.last_seen.pop((r.job_name, r.group, w), None)
             decision["members"] = self.moving_tokens.pop(key)
             self.decided[key] = (time.monotonic(), decision)
             self.stuck.pop(key, None)
