@@ -322,9 +322,9 @@ int pn_server_run(pn_server *s) {
             }
             if (received == 0) break;
             serve_batch(s, (uint32_t)received);
-            /* the socket held less than a batch: back to poll without an empty recvmmsg,
-             * one syscall fewer per wakeup at a trickle */
-            if (s->udp.rx_drained) break;
+            /* the socket held less than a batch (and all of it is served): back to poll without
+             * an empty recvmmsg, one syscall fewer per wakeup at a trickle */
+            if (s->udp.rx_drained && !pn_udp_pending(&s->udp)) break;
         }
     }
     return PN_OK;

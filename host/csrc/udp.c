@@ -89,47 +89,71 @@ static int64_t packed(const struct sockaddr_in *a) {
     return ((int64_t)ntohl(a->sin_addr.s_addr) << 16) | ntohs(a->sin_port);
 }
 
+/* The segment size of a received message: its UDP_GRO cmsg's, else its length (one datagram). */
+static uint32_t segment_of(struct msghdr *h, uint32_t length) {
+    uint32_t segment = length;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c; c = CMSG_NXTHDR(h, c)) {
+        if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO && c->cmsg_len >= CMSG_LEN(sizeof(int))) {
+            int gro;
+            memcpy(&gro, CMSG_DATA(c), sizeof gro);
+            if (gro > 0) segment = (uint32_t)gro;
+        }
+    }
+    return segment;
+}
+
+/* Hand out up to `max` datagrams of the messages the last recvmmsg filled, from where the
+ * previous call stopped (rx_next, rx_at), and remember where this one stops. */
+static uint32_t split_messages(pn_udp *u, pn_datagram *out, uint32_t max) {
+    uint32_t count = 0;
+    while (u->rx_next < u->rx_dirty && count < max) {
+        uint32_t i = u->rx_next;
+        struct msghdr *h = &u->rx_msgs[i].msg_hdr;
+        uint32_t length = u->rx_msgs[i].msg_len;
+        uint32_t segment = segment_of(h, length);
+        const uint8_t *base = u->rx_iov[i].iov_base;
+        int64_t source = packed(&u->rx_names[i]);
+        if (length == 0 || segment == 0 || segment >= length || (h->msg_flags & MSG_TRUNC)) {
+            /* one datagram (a truncated one shows a length past the buffer: malformed) */
+            out[count++] = (pn_datagram){base, (h->msg_flags & MSG_TRUNC) ? u->msg_bytes + 1 : length, source};
+            u->rx_next++;
+            continue;
+        }
+        for (; u->rx_at < length && count < max; u->rx_at += segment) {
+            uint32_t len = length - u->rx_at < segment ? length - u->rx_at : segment;
+            out[count++] = (pn_datagram){base + u->rx_at, len, source};
+        }
+        if (u->rx_at >= length) {
+            u->rx_next++;
+            u->rx_at = 0;
+        }
+    }
+    return count;
+}
+
+int pn_udp_pending(const pn_udp *u) { return u->rx_next < u->rx_dirty; }
+
 int pn_udp_recv(pn_udp *u, pn_datagram *out, uint32_t max) {
+    if (max == 0) return 0;
+    if (pn_udp_pending(u)) return (int)split_messages(u, out, max);  /* the rest of the last batch first */
     uint32_t want = max < u->batch ? max : u->batch;
-    if (want == 0) return 0;
     /* the kernel rewrites these only in the headers of the messages it filled last time */
     for (uint32_t i = 0; i < u->rx_dirty; i++) reset_rx_header(u, i);
     int n = recvmmsg(u->fd, u->rx_msgs, want, MSG_DONTWAIT, NULL);
     u->rx_dirty = n > 0 ? (uint32_t)n : 0;
+    u->rx_next = 0;
+    u->rx_at = 0;
     u->rx_drained = n < (int)want;
     if (n < 0) {
         /* ECONNREFUSED: an ICMP error for an earlier datagram of ours, not news for this call */
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNREFUSED) return 0;
         return -errno;
     }
-    uint32_t count = 0;
-    for (int i = 0; i < n && count < max; i++) {
-        struct msghdr *h = &u->rx_msgs[i].msg_hdr;
-        uint32_t length = u->rx_msgs[i].msg_len;
-        uint32_t segment = length;
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c; c = CMSG_NXTHDR(h, c)) {
-            if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO && c->cmsg_len >= CMSG_LEN(sizeof(int))) {
-                int gro;
-                memcpy(&gro, CMSG_DATA(c), sizeof gro);
-                if (gro > 0) segment = (uint32_t)gro;
-            }
-        }
-        const uint8_t *base = u->rx_iov[i].iov_base;
-        int64_t source = packed(&u->rx_names[i]);
-        if (length == 0 || segment == 0 || segment >= length || (h->msg_flags & MSG_TRUNC)) {
-            /* one datagram (a truncated one shows a length past the buffer: malformed) */
-            out[count++] = (pn_datagram){base, (h->msg_flags & MSG_TRUNC) ? u->msg_bytes + 1 : length, source};
-            continue;
-        }
-        for (uint32_t at = 0; at < length && count < max; at += segment) {
-            uint32_t len = length - at < segment ? length - at : segment;
-            out[count++] = (pn_datagram){base + at, len, source};
-        }
-    }
-    return (int)count;
+    return (int)split_messages(u, out, max);
 }
 
 int pn_udp_wait(pn_udp *u, int timeout_ms, int extra_fd) {
+    if (pn_udp_pending(u)) return 1;
     struct pollfd p[2] = {{.fd = u->fd, .events = POLLIN}, {.fd = extra_fd, .events = POLLIN}};
     int r = poll(p, extra_fd >= 0 ? 2 : 1, timeout_ms < 0 ? 0 : timeout_ms);
     if (r < 0) return errno == EINTR ? 0 : -errno;
