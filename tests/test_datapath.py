@@ -108,3 +108,36 @@ def test_a_gro_batch_of_many_small_segments_loses_no_datagram_at_large_lanes(eng
         stranger.close()
         for s in socks:
             s.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_short_last_segment_of_a_coalesced_buffer_is_read_from_its_own_offset(engine):
+    """GRO coalesces datagrams of one size and a last, shorter one. Here: three datagrams of the
+    packet size + 8 bytes (malformed), each the DATA of another job, then one well-formed DATA
+    of the admitted job. The last one starts at 3 x (size + 8), not on a packet row: read from
+    anywhere else, it would be one of the others (rejected), not the job's packet. Then the same
+    with two datagrams of twice the packet size: the last one is on a row, but not the row its
+    index says."""
+    lanes, pool = wire.DEFAULT_LANES, 4
+    (sock,) = bound_sockets(1)
+    spec = JobSpec(1, 0, pool, [pack_address(*sock.getsockname())], generation=0)
+    agg = SoftwareAggregator(listen=("127.0.0.1", 0), control=None, lanes=lanes, engine=engine, jobs=[spec])
+    try:
+        payload = np.arange(2 * lanes, dtype=np.int64).reshape(2, lanes) * 7 - 100
+        good = wire.encode(type=wire.DATA, job=1, worker=0, psn=[0, 1], pool=pool, payload=payload, lanes=lanes)
+        other = wire.encode(type=wire.DATA, job=2, worker=0, psn=0, pool=pool, payload=payload[0], lanes=lanes)
+        size = wire.packet_size(lanes)
+        send_gso(sock, (other.tobytes() + bytes(8)) * 3 + good[0].tobytes(), size + 8, agg.address)
+        send_gso(sock, other.tobytes() * 4 + good[1].tobytes(), 2 * size, agg.address)
+        stats = serve_until(agg, 7)
+        assert_counted_once(stats, 7)
+        assert {k: stats["totals"][k] for k in ("malformed", "rejected", "aggregated")} == {
+            "malformed": 5, "rejected": 0, "aggregated": 2}
+        for psn in (0, 1):
+            result = wire.decode(sock.recv(65536), lanes)[0]
+            assert result["hdr"]["type"] == wire.RESULT and result["hdr"]["psn"] == psn
+            assert np.array_equal(result["payload"], payload[psn])
+    finally:
+        agg.close()
+        sock.close()

@@ -226,6 +226,13 @@ class BatchSocket:
         # and only its length matters, so its row index may point anywhere in the buffer.
         rows = msg * self.rows_per_msg + np.where(segment[msg] == self.size, j, 0)
         packets = self._rx[rows].view(self.dtype).reshape(-1)
+        # ... but the shorter last segment of a buffer of longer ones may be a whole packet: it
+        # starts at its own byte offset, in general on no row boundary, and is copied from there.
+        odd = np.flatnonzero((seg_len == self.size) & (segment[msg] != self.size))
+        if odd.size:
+            at = msg[odd] * (self.rows_per_msg * self.size) + j[odd] * segment[msg[odd]]
+            packets.view(np.uint8).reshape(-1, self.size)[odd] = self._rx.reshape(-1)[
+                at[:, None] + np.arange(self.size)]
         self.stats.packets_received += msg.size
         self.stats.bytes_received += int(length.sum())
         return packets, seg_len, source[msg]
