@@ -5,19 +5,26 @@ the kernel coalesces what a sender hands it as one GSO message (docs/reliability
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import shutil
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from passing import native, wire
+from passing import Group, native, wire
 from passing.aggregation import JobSpec
 from passing.aggregator import SoftwareAggregator
 from passing.cli import free_udp_ports
-from passing.transport import SOL_UDP, UDP_SEGMENT, pack_address
+from passing.transport import SOL_UDP, UDP_GRO, UDP_SEGMENT, BatchSocket, SendError, pack_address
 
 ENGINES = ["numpy", pytest.param("native", marks=pytest.mark.skipif(not native.available(),
                                                                      reason="the native library is not built"))]
@@ -141,3 +148,136 @@ def test_a_short_last_segment_of_a_coalesced_buffer_is_read_from_its_own_offset(
     finally:
         agg.close()
         sock.close()
+
+
+def gro_socket() -> socket.socket:
+    """A receiving socket with UDP_GRO: what leaves a sender as one GSO message arrives as one
+    coalesced buffer, what leaves as plain datagrams arrives one by one."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    s.setsockopt(SOL_UDP, UDP_GRO, 1)
+    s.settimeout(5)
+    return s
+
+
+def receive_coalesced(sock: socket.socket) -> tuple[int, int]:
+    """One receive: (bytes, GRO segment size or 0 when the buffer is one datagram)."""
+    data, ancillary, _, _ = sock.recvmsg(1 << 17, socket.CMSG_SPACE(4))
+    segment = [struct.unpack("=i", d[:4])[0] for level, kind, d in ancillary if level == SOL_UDP and kind == UDP_GRO]
+    return len(data), (segment[0] if segment else 0)
+
+
+@pytest.mark.timeout(30)
+def test_a_gso_message_the_kernel_refuses_costs_that_message_not_gso():
+    """numpy BatchSocket: the kernel refuses a GSO message to UDP port 0 (EINVAL). That message's
+    packets are retried as plain datagrams (refused too: SendError, none sent) and GSO stays on:
+    the next batch to a reachable receiver still leaves as one GSO message."""
+    receiver = gro_socket()
+    with BatchSocket(("127.0.0.1", 0)) as sender:
+        packets = wire.encode(type=wire.RESULT, job=1, worker=0, psn=np.arange(8), pool=8,
+                              payload=np.zeros(wire.DEFAULT_LANES))
+        nowhere, there = pack_address("127.0.0.1", 0), pack_address(*receiver.getsockname())
+        with pytest.raises(SendError) as refused:
+            sender.send_batch(packets, np.r_[[nowhere] * 4, [there] * 4])
+        assert refused.value.errno == errno.EINVAL and refused.value.sent == 0
+        assert sender.gso and sender.stats.gso_fallbacks == 1
+        sender.send_batch(packets, there)
+        assert receive_coalesced(receiver) == (8 * sender.size, sender.size)  # one GSO message
+    receiver.close()
+
+
+def raw_udp(source_port: int, dest: tuple[str, int], payload: bytes) -> bytes:
+    """A UDP datagram (header + payload) from 127.0.0.1:source_port, checksum 0 (none: IPv4)."""
+    return struct.pack("!HHHH", source_port, dest[1], 8 + len(payload), 0) + payload
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_result_to_port_0_leaves_gso_on_for_everyone_else(engine):
+    """A job admitted (programmatically: the control channel refuses it) with a worker at UDP port
+    0, whose DATA a raw socket forges. Its RESULTs cannot be sent: the kernel refuses them (EINVAL)
+    as a GSO message and as plain datagrams alike. That costs one send error and one GSO
+    fallback; the other worker's RESULTs of the same batch still leave as one GSO message."""
+    if os.geteuid() != 0:
+        pytest.skip("a raw socket (forging source port 0) needs root")
+    pool = 16
+    worker = gro_socket()
+    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+    spec = JobSpec(1, 0, pool, [pack_address("127.0.0.1", 0), pack_address(*worker.getsockname())], generation=0)
+    agg = SoftwareAggregator(listen=("127.0.0.1", 0), control=None, engine=engine, jobs=[spec])
+    try:
+        for w in range(2):  # both workers' DATA, queued before the aggregator reads: one batch, one engine call
+            data = wire.encode(type=wire.DATA, job=1, worker=w, psn=np.arange(pool), pool=pool,
+                               payload=np.full(wire.DEFAULT_LANES, w + 1))
+            for row in data:
+                if w == 0:
+                    raw.sendto(raw_udp(0, agg.address, row.tobytes()), agg.address)
+                else:
+                    worker.sendto(row.tobytes(), agg.address)
+        stats = serve_until(agg, 2 * pool)
+        assert_counted_once(stats, 2 * pool)
+        assert stats["totals"]["completed"] == pool
+        size = wire.packet_size()
+        assert receive_coalesced(worker) == (pool * size, size)  # the worker's RESULTs: one GSO message
+        assert stats["server"]["send_errors"] == 1 and stats["server"]["last_errno"] == errno.EINVAL
+        assert stats["transport"]["gso_fallbacks"] == 1
+        assert stats["transport"]["packets_sent"] == pool
+    finally:
+        agg.close()
+        raw.close()
+        worker.close()
+
+
+def small_mtu_scenario(engine: str) -> dict:
+    """Run inside a network namespace of its own (unshare -n): a route to 127.0.0.2 with an MTU of
+    1500, below the 4 KiB packets of 1024 lanes. The kernel refuses GSO messages on that route
+    (EMSGSIZE: a segment would not fit) but fragments plain datagrams. Job 1's worker sits at
+    127.0.0.2, job 2's at 127.0.0.1; each allreduces alone. Returns what happened."""
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    subprocess.run(["ip", "route", "add", "local", "127.0.0.2/32", "dev", "lo", "table", "local", "mtu", "lock",
+                    "1500"], check=True)
+    lanes, pool = 1024, 8
+    binds = [("127.0.0.2", 20000), ("127.0.0.1", 20000)]
+    jobs = [JobSpec(j + 1, j * pool, pool, [pack_address(*b)], generation=0) for j, b in enumerate(binds)]
+    agg = SoftwareAggregator(listen=("127.0.0.1", 0), control=None, lanes=lanes, engine=engine, jobs=jobs)
+    server = threading.Thread(target=agg.serve)
+    server.start()
+    x = np.arange(16 * lanes, dtype=np.float32) - 5000  # 16 packets a call: 2 windows of pool
+
+    def work(j: int) -> str:
+        try:
+            with Group(j + 1, 0, 1, [agg.address], pool=pool, lanes=lanes, bind=binds[j], timeout=5,
+                       engine=engine) as g:
+                return "exact" if all(np.array_equal(g.allreduce(x), x) for _ in range(3)) else "wrong"
+        except Exception as e:  # reported to the test
+            return f"{type(e).__name__}: {e}"
+
+    outcomes = [None, None]
+    workers = [threading.Thread(target=lambda j=j: outcomes.__setitem__(j, work(j))) for j in range(2)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(60)
+    stats = agg.stats()
+    agg.stop()
+    server.join(10)
+    return {"outcomes": outcomes, "gso_fallbacks": stats["transport"]["gso_fallbacks"],
+            "send_errors": stats["server"]["send_errors"]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_route_whose_mtu_is_below_the_packet_size_gets_plain_datagrams(engine):
+    """The kernel refuses GSO on one worker's route only (its MTU is below the packet size): its
+    RESULTs go as plain, fragmented datagrams, GSO stays on for the other job, and both jobs'
+    results are exact."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a network namespace with its own routes needs root and unshare(1)")
+    script = f"import json, sys; from tests.test_datapath import small_mtu_scenario; " \
+             f"print(json.dumps(small_mtu_scenario({engine!r})))"
+    done = subprocess.run(["unshare", "-n", sys.executable, "-c", script], cwd=Path(__file__).parent.parent,
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["outcomes"] == ["exact", "exact"]
+    assert report["send_errors"] == 0 and report["gso_fallbacks"] >= 3  # a window's RESULTs at least, per call

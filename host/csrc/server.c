@@ -251,6 +251,7 @@ static void send_results(pn_server *s, uint32_t emitted) {
     s->stats.packets_sent += bytes / s->packet_size;
     s->stats.bytes_sent += bytes;
     s->stats.send_errors += (uint64_t)errors;
+    s->stats.gso_fallbacks = s->udp.gso_fallbacks;
     if (errors) s->stats.last_errno = last_errno;
     pthread_mutex_unlock(&s->lock);
 }

@@ -198,6 +198,47 @@ static uint32_t build_messages(pn_udp *u, const uint8_t *const *packet, const in
     return m;
 }
 
+/* The socket buffer is full: wait until it has room. 0, or -errno (-ETIMEDOUT: still full). */
+static int wait_writable(int fd, int timeout_ms) {
+    struct pollfd p = {.fd = fd, .events = POLLOUT};
+    int w = poll(&p, 1, timeout_ms);
+    if (w < 0) return errno == EINTR ? 0 : -errno;
+    return w == 0 ? -ETIMEDOUT : 0;
+}
+
+/* The packets of one GSO message the kernel refused, one plain datagram each. Returns 0 or
+ * -errno of the first that failed (those before it left: bytes_sent counts them). */
+static int send_plain(pn_udp *u, const struct msghdr *refused, int timeout_ms, uint64_t *bytes_sent) {
+    struct mmsghdr plain[PN_UDP_MAX_SEGMENTS];
+    uint32_t count = (uint32_t)refused->msg_iovlen;
+    memset(plain, 0, count * sizeof *plain);
+    for (uint32_t k = 0; k < count; k++) {
+        plain[k].msg_hdr.msg_name = refused->msg_name;
+        plain[k].msg_hdr.msg_namelen = refused->msg_namelen;
+        plain[k].msg_hdr.msg_iov = &refused->msg_iov[k];
+        plain[k].msg_hdr.msg_iovlen = 1;
+    }
+    uint32_t done = 0;
+    while (done < count) {
+        int r = sendmmsg(u->fd, plain + done, count - done, 0);
+        if (r > 0) {
+            done += (uint32_t)r;
+            if (bytes_sent) *bytes_sent += (uint64_t)r * u->packet_size;
+            continue;
+        }
+        int err = r < 0 ? errno : EAGAIN;
+        if (err == EAGAIN || err == EWOULDBLOCK || err == ENOBUFS) {
+            int w = wait_writable(u->fd, timeout_ms);
+            if (w < 0) return w;
+        } else if (err == ECONNREFUSED) {
+            done++;  /* an ICMP error for an earlier datagram: this one was not sent; count it lost */
+        } else if (err != EINTR) {
+            return -err;
+        }
+    }
+    return 0;
+}
+
 int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, int timeout_ms,
                 uint64_t *bytes_sent) {
     uint32_t packets_in[PN_UDP_SEND_CHUNK];
@@ -217,14 +258,19 @@ int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, ui
                 continue;
             }
             int err = r < 0 ? errno : EAGAIN;
+            const struct msghdr *h = &u->tx_msgs[sent_msgs].msg_hdr;
             if (err == EAGAIN || err == EWOULDBLOCK || err == ENOBUFS) {
-                struct pollfd p = {.fd = u->fd, .events = POLLOUT};
-                int w = poll(&p, 1, timeout_ms);
-                if (w < 0 && errno != EINTR) return -errno;
-                if (w == 0) return -ETIMEDOUT;
-            } else if ((err == EIO || err == EINVAL) && u->gso) {
-                u->gso = 0;  /* this path cannot segment: plain datagrams from now on */
-                break;       /* rebuild the rest of the chunk without GSO */
+                int w = wait_writable(u->fd, timeout_ms);
+                if (w < 0) return w;
+            } else if ((err == EIO || err == EINVAL || err == EMSGSIZE) && h->msg_controllen > 0) {
+                /* the kernel refused this one GSO message: a path that cannot segment (EIO), an
+                 * MTU below the segment size (EMSGSIZE), a destination it refuses anyway, such as
+                 * port 0 (EINVAL). Its packets go as plain datagrams; GSO stays on for the others. */
+                u->gso_fallbacks++;
+                int p = send_plain(u, h, timeout_ms, bytes_sent);
+                if (p < 0) return p;
+                done += packets_in[sent_msgs];
+                sent_msgs++;
             } else if (err == ECONNREFUSED) {
                 /* an ICMP error for an earlier datagram: the message was not sent; count it lost */
                 done += packets_in[sent_msgs];

@@ -15,7 +15,8 @@
 typedef struct {
     int fd;
     uint32_t packet_size;
-    int gso;                  /* 1 while the kernel segments for us */
+    int gso;                  /* 1: consecutive packets to one destination leave as one GSO message */
+    uint64_t gso_fallbacks;   /* GSO messages the kernel refused, resent as plain datagrams */
     /* receive side: `batch` message buffers of `msg_bytes` each */
     uint32_t batch;
     uint32_t msg_bytes;
@@ -55,8 +56,10 @@ uint32_t pn_udp_capacity(const pn_udp *u);
 int pn_udp_recv(pn_udp *u, pn_datagram *out, uint32_t max);
 int pn_udp_pending(const pn_udp *u);
 /* Send packet[i] (packet_size bytes each) to dest[i]; consecutive packets to one
- * destination share a GSO message. Waits up to timeout_ms while the socket buffer is
- * full. Returns 0 or -errno (-ETIMEDOUT when the buffer stayed full). */
+ * destination share a GSO message (a message the kernel refuses is resent as plain
+ * datagrams, counted in gso_fallbacks; GSO stays on). Waits up to timeout_ms while the
+ * socket buffer is full. Returns 0 or -errno (-ETIMEDOUT when the buffer stayed full);
+ * bytes_sent then counts the packets that left before the one that failed. */
 int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, int timeout_ms,
                 uint64_t *bytes_sent);
 /* Block until the socket is readable or timeout_ms passed (or extra_fd, if >= 0, is
