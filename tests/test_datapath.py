@@ -281,3 +281,23 @@ def test_a_route_whose_mtu_is_below_the_packet_size_gets_plain_datagrams(engine)
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["outcomes"] == ["exact", "exact"]
     assert report["send_errors"] == 0 and report["gso_fallbacks"] >= 3  # a window's RESULTs at least, per call
+
+
+@pytest.mark.parametrize("worker, why", [
+    ("127.0.0.1:0", "UDP port 0 outside 1..65535"),
+    ("0.0.0.0:20000", "0.0.0.0 is not a host's address"),
+    ("224.0.0.1:20000", "224.0.0.1 is not a host's address"),
+    ("255.255.255.255:20000", "255.255.255.255 is not a host's address"),
+])
+def test_admission_refuses_an_origin_no_result_can_be_sent_to(worker, why):
+    """add_job over the control channel (the controller's way in) and the config file's jobs both
+    go through job_from_json: a worker at port 0 or at no host's address is refused, clearly,
+    and nothing is admitted."""
+    agg = SoftwareAggregator(listen=("127.0.0.1", 0), control=None, engine="numpy")
+    try:
+        reply = agg.handle({"version": 2, "cmd": "add_job",
+                            "job": {"job": 1, "pool": 4, "workers": ["127.0.0.1:20001", worker]}})
+        assert reply["ok"] is False and why in reply["error"], reply
+        assert agg.handle({"version": 2, "cmd": "jobs"})["jobs"] == []
+    finally:
+        agg.close()

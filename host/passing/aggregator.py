@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import ipaddress
 import json
 import logging
 import os
@@ -134,13 +135,27 @@ class NativeDataPath:
         self.handle = None
 
 
+def worker_origin(text: str) -> int:
+    """A worker's 'ip:port' as the packed origin the aggregator admits and sends RESULTs to: a
+    unicast address and a port a datagram can come from and go to (not port 0, not 0.0.0.0,
+    a broadcast or a multicast address), else ConfigError."""
+    host, port = parse_endpoint(text, wire.UDP_PORT)
+    packed = pack_address(host, port)
+    ip = ipaddress.IPv4Address(packed >> 16)
+    if not 0 < port < 1 << 16:
+        raise ConfigError(f"worker {text!r}: UDP port {port} outside 1..65535 (no datagram comes from port 0)")
+    if ip.is_unspecified or ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
+        raise ConfigError(f"worker {text!r}: {ip} is not a host's address")
+    return packed
+
+
 def job_from_json(obj: dict[str, Any]) -> JobSpec:
     """{"job": 1, "base": 0, "pool": 256, "workers": ["10.0.0.1:20000", ...], "generation": 7?}"""
     try:
         workers = obj["workers"]
         if not isinstance(workers, list) or not workers:
             raise ConfigError("'workers' must be a non-empty list of 'ip:port'")
-        sources = [pack_address(*parse_endpoint(str(w), wire.UDP_PORT)) for w in workers]
+        sources = [worker_origin(str(w)) for w in workers]
         return JobSpec(
             job=int(obj["job"]), base=int(obj.get("base", 0)), pool=int(obj["pool"]),
             sources=sources, generation=None if obj.get("generation") is None else int(obj["generation"]),
