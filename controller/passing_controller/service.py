@@ -234,9 +234,15 @@ class Controller:
         aggregator = str(req.get("aggregator", "any"))
         if aggregator not in AGGREGATOR_CHOICES:
             raise RequestError(f"aggregator must be one of {AGGREGATOR_CHOICES}, got {aggregator!r}")
+        pool, most = req.get("pool", self.default_pool), max(  # most: slots of the largest aggregator (0: none)
+            [self.allocator.slots] * (aggregator == "any") + [a.slots for a in self.ps_allocators.values()], default=0)
+        if type(pool) is not int or not 1 <= pool <= (most or pool):  # before the worker waits for its group
+            raise RequestError(f"pool {pool!r}: must be an integer in 1..{most} (the most slots an aggregator holds)")
         key = (name, group)
         pending = self.pending.setdefault(key, PendingGroup(
-            workers, int(req.get("pool", self.default_pool)), time.monotonic() + self.join_timeout, aggregator))
+            workers, pool, time.monotonic() + self.join_timeout, aggregator))
+        if pending.pool != pool:
+            raise RequestError(f"job {name!r} group {group} has pool {pending.pool}, not {pool}")
         if pending.workers != workers:
             raise RequestError(f"job {name!r} group {group} has {pending.workers} workers, not {workers}")
         if pending.aggregator != aggregator:
@@ -251,7 +257,9 @@ class Controller:
         del self.pending[key]
         try:
             record, reason = self._allocate(name, group, pending)
-        except (RequestError, SwitchError, StoreError, OSError) as e:
+        except Exception as e:  # whatever failed, every member of the group is answered
+            if not isinstance(e, (RequestError, SwitchError, StoreError, OSError)):
+                log.exception("job %s group %d: allocation failed", name, group)
             self.joins_failed += 1
             for ident, _ in pending.members.values():
                 self._reply(ident, {"ok": False, "error": f"job {name!r} group {group}: {e}"})
