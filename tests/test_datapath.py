@@ -100,6 +100,9 @@ def test_a_gro_batch_of_many_small_segments_loses_no_datagram_at_large_lanes(eng
             for row in data[w][pool // 2:]:
                 sent += socks[w].sendto(row.tobytes(), agg.address) > 0
         stats = serve_until(agg, sent)
+        print(f"{engine}: {sent} datagrams ({messages} GSO messages of {segments} tiny segments between "
+              f"{workers * pool} DATA of 4 KiB), {stats['transport']['packets_received']} counted, "
+              f"{stats['totals']['completed']} of {pool} rounds completed")
         assert_counted_once(stats, sent)
         assert stats["totals"]["malformed"] == messages * segments
         assert stats["totals"]["aggregated"] == workers * pool and stats["totals"]["completed"] == pool
@@ -279,6 +282,7 @@ def test_a_route_whose_mtu_is_below_the_packet_size_gets_plain_datagrams(engine)
                           capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
+    print(f"{engine}: MTU 1500 to one worker, 4 KiB packets: {report}")
     assert report["outcomes"] == ["exact", "exact"]
     assert report["send_errors"] == 0 and report["gso_fallbacks"] >= 3  # a window's RESULTs at least, per call
 
