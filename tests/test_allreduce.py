@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import numpy as np
 import pytest
 
@@ -92,3 +95,26 @@ def test_fixed_scale_overflow_is_an_error_on_every_worker(cluster_factory):
     for o in outcomes:
         assert o.returncode == 1
         assert "overflowed int32" in o.stderr
+
+
+@pytest.mark.timeout(120)
+def test_until_keeps_every_worker_calling_until_the_file_appears_and_they_agree(cluster_factory, tmp_path):
+    """`passing-allreduce --until FILE`: past its --iterations the job goes on until the file
+    exists (a test's job outlives its fault, whatever the machine's speed), and the workers agree
+    on when to stop: every one makes the same calls, however late each sees the file."""
+    c = cluster_factory(workers=3)
+    size, done = 1000, tmp_path / "attack-over"
+    c.admit()
+    procs = [c.start_worker(w, size, extra=["--iterations", "2", "--until", str(done)]) for w in range(3)]
+    per_call = -(-size // 64) + 1  # rounds of one call: its packets and its MAX round
+    while c.stats()["totals"]["completed"] < 10 * per_call:  # well past the 2 iterations
+        assert all(p.poll() is None for p in procs), "a worker stopped before the file appeared"
+        time.sleep(0.05)
+    done.touch()
+    reports = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        reports.append(json.loads(out.splitlines()[-1]))
+    assert len({r["calls"] for r in reports}) == 1 and reports[0]["calls"] > 2, reports  # same calls, past --iterations
+    check_float(c, [np.load(tmp_path / f"result-{w}.npy") for w in range(3)], size)

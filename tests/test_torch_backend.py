@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
 
 from cluster.local import BIN, REPO, LocalServices, collect, free_tcp_port, launch_ranks  # noqa: E402
+from tests.zygote import torch_ranks  # noqa: E402
 
 WORKER = [sys.executable, "-m", "tests.torch_worker"]
 
@@ -25,7 +26,8 @@ def services():
 def run(services, scenario: str, servers: int, ranks: int, *args: str, timeout: float = 240,
         **env: str) -> list[dict]:
     procs = launch_ranks([*WORKER, scenario, *args], servers, ranks,
-                         {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": "20", **env})
+                         {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": "20", **env},
+                         popen_for_server=torch_ranks)  # forked from a process that imported torch already
     outcomes = collect(procs, timeout)
     for rank, (rc, report, stderr) in enumerate(outcomes):
         assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
@@ -96,9 +98,12 @@ def test_other_ops_dtypes_and_collectives_fall_back_to_gloo(services):
 
 @pytest.mark.timeout(300)
 def test_dead_peer_gives_an_error_from_wait(services):
-    timeout = 4.0
+    # the heartbeats' verdict (about 5 s: failover_after's default) must win over the timeout on a
+    # loaded machine too: with a 4 s timeout it raced it, and lost now and then
+    timeout = 20.0
     procs = launch_ranks([*WORKER, "dead_peer", "3"], 2, 2,
-                         {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": str(timeout)})
+                         {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": str(timeout)},
+                         popen_for_server=torch_ranks)
     outcomes = collect(procs, 120)
     assert outcomes[3][1] == {"victim": True}
     for rank, (rc, report, stderr) in enumerate(outcomes[:3]):
@@ -110,6 +115,7 @@ def test_dead_peer_gives_an_error_from_wait(services):
     for r in (0, 1):
         error = outcomes[r][1]["error"]
         assert "GroupFailed" in error and "worker 1 (no heartbeat)" in error, error
+        assert outcomes[r][1]["seconds"] < timeout, outcomes[r][1]
 
 
 @pytest.mark.timeout(300)

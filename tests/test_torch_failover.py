@@ -22,6 +22,7 @@ from cluster import netns  # noqa: E402
 from cluster.local import LocalServices, collect, launch_ranks, start_controller  # noqa: E402
 from tests.keys import ask  # noqa: E402
 from tests.test_torch_backend import WORKER  # noqa: E402
+from tests.zygote import torch_ranks  # noqa: E402
 
 EPOCHS = 8
 
@@ -45,7 +46,7 @@ def train_through_a_kill(ps: int, tmp_path: Path, victim: str = "ps") -> tuple[l
         procs = launch_ranks([*WORKER, "ddp_fault", str(EPOCHS)], 2, 2,
                              {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": "60",
                               "PASSING_FAILOVER_AFTER": "1", "PASSING_TEST_MARKER": str(marker),
-                              "PYTHONFAULTHANDLER": "1"})
+                              "PYTHONFAULTHANDLER": "1"}, popen_for_server=torch_ranks)
         try:
             while not marker.exists():  # rank 0 starts training
                 assert all(p.poll() is None for p in procs), "a rank died before the kill"

@@ -62,7 +62,7 @@ def integer(req: dict, name: str, lo: int, hi: int, default: Any = _MISSING) -> 
             raise RequestError(f"missing field {name!r}")
         return default
     if type(v) is not int:  # no bool, no float (1e400, 2.0), no string
-        raise RequestError(f"{name} must be an integer, got {_show(v)}")
+        raise RequestError(f"{name} must be an integer in {lo}..{hi}, got {_show(v)}")
     if not lo <= v <= hi:
         raise RequestError(f"{name} {v} outside {lo}..{hi}")
     return v

@@ -389,7 +389,7 @@ class Controller:
             raise RequestError(f"job {name!r} group {group} asked for aggregator {pending.aggregator!r}, "
                                f"not {aggregator!r}")
         if pending.pool != pool:
-            raise RequestError(f"job {name!r} group {group} asked for a pool of {pending.pool}, not {pool}")
+            raise RequestError(f"job {name!r} group {group} has pool {pending.pool}, not {pool}")
         if worker in pending.members:
             raise RequestError(f"worker {worker} of job {name!r} group {group} joined already")
         self.pending[key] = pending
@@ -410,7 +410,9 @@ class Controller:
         tokens = {w: new_secret() for w in pending.members}
         try:
             record, reason = self._allocate(name, group, pending, tokens)
-        except (RequestError, SwitchError, StoreError, OSError) as e:
+        except Exception as e:  # whatever failed, every member of the group is answered
+            if not isinstance(e, (RequestError, SwitchError, StoreError, OSError)):
+                log.exception("job %s group %d: allocation failed", name, group)
             with self.lock:
                 self.joins_failed += 1
                 self.admitting.discard((name, group))

@@ -108,6 +108,7 @@ typedef struct {
     uint64_t packets_sent, bytes_sent, packets_received, bytes_received;
     uint64_t ingress_dropped, ingress_duplicated, egress_dropped, egress_duplicated;
     uint64_t batches, send_errors;
+    uint64_t gso_fallbacks;      /* GSO messages the kernel refused, resent as plain datagrams */
     int32_t last_errno;
 } pn_server_stats;
 
@@ -150,7 +151,8 @@ typedef struct {
     /* loss recovery, in seconds; srtt/rttvar carry the estimate from call to call */
     double rto_min, max_rto, timeout;
     double *srtt, *rttvar;
-    int32_t gso;                 /* in: try UDP GSO; out: 0 once the kernel refused it */
+    int32_t gso;                 /* in: try UDP GSO (a message the kernel refuses goes as plain
+                                    datagrams, GSO stays on); out: as in */
     /* test impairment: drop this fraction each way, here */
     double drop;
     uint64_t *rng;               /* its generator's state */

@@ -251,6 +251,7 @@ static void send_results(pn_server *s, uint32_t emitted) {
     s->stats.packets_sent += bytes / s->packet_size;
     s->stats.bytes_sent += bytes;
     s->stats.send_errors += (uint64_t)errors;
+    s->stats.gso_fallbacks = s->udp.gso_fallbacks;
     if (errors) s->stats.last_errno = last_errno;
     pthread_mutex_unlock(&s->lock);
 }
@@ -322,9 +323,9 @@ int pn_server_run(pn_server *s) {
             }
             if (received == 0) break;
             serve_batch(s, (uint32_t)received);
-            /* the socket held less than a batch: back to poll without an empty recvmmsg,
-             * one syscall fewer per wakeup at a trickle */
-            if (s->udp.rx_drained) break;
+            /* the socket held less than a batch (and all of it is served): back to poll without
+             * an empty recvmmsg, one syscall fewer per wakeup at a trickle */
+            if (s->udp.rx_drained && !pn_udp_pending(&s->udp)) break;
         }
     }
     return PN_OK;

@@ -89,47 +89,71 @@ static int64_t packed(const struct sockaddr_in *a) {
     return ((int64_t)ntohl(a->sin_addr.s_addr) << 16) | ntohs(a->sin_port);
 }
 
+/* The segment size of a received message: its UDP_GRO cmsg's, else its length (one datagram). */
+static uint32_t segment_of(struct msghdr *h, uint32_t length) {
+    uint32_t segment = length;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c; c = CMSG_NXTHDR(h, c)) {
+        if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO && c->cmsg_len >= CMSG_LEN(sizeof(int))) {
+            int gro;
+            memcpy(&gro, CMSG_DATA(c), sizeof gro);
+            if (gro > 0) segment = (uint32_t)gro;
+        }
+    }
+    return segment;
+}
+
+/* Hand out up to `max` datagrams of the messages the last recvmmsg filled, from where the
+ * previous call stopped (rx_next, rx_at), and remember where this one stops. */
+static uint32_t split_messages(pn_udp *u, pn_datagram *out, uint32_t max) {
+    uint32_t count = 0;
+    while (u->rx_next < u->rx_dirty && count < max) {
+        uint32_t i = u->rx_next;
+        struct msghdr *h = &u->rx_msgs[i].msg_hdr;
+        uint32_t length = u->rx_msgs[i].msg_len;
+        uint32_t segment = segment_of(h, length);
+        const uint8_t *base = u->rx_iov[i].iov_base;
+        int64_t source = packed(&u->rx_names[i]);
+        if (length == 0 || segment == 0 || segment >= length || (h->msg_flags & MSG_TRUNC)) {
+            /* one datagram (a truncated one shows a length past the buffer: malformed) */
+            out[count++] = (pn_datagram){base, (h->msg_flags & MSG_TRUNC) ? u->msg_bytes + 1 : length, source};
+            u->rx_next++;
+            continue;
+        }
+        for (; u->rx_at < length && count < max; u->rx_at += segment) {
+            uint32_t len = length - u->rx_at < segment ? length - u->rx_at : segment;
+            out[count++] = (pn_datagram){base + u->rx_at, len, source};
+        }
+        if (u->rx_at >= length) {
+            u->rx_next++;
+            u->rx_at = 0;
+        }
+    }
+    return count;
+}
+
+int pn_udp_pending(const pn_udp *u) { return u->rx_next < u->rx_dirty; }
+
 int pn_udp_recv(pn_udp *u, pn_datagram *out, uint32_t max) {
+    if (max == 0) return 0;
+    if (pn_udp_pending(u)) return (int)split_messages(u, out, max);  /* the rest of the last batch first */
     uint32_t want = max < u->batch ? max : u->batch;
-    if (want == 0) return 0;
     /* the kernel rewrites these only in the headers of the messages it filled last time */
     for (uint32_t i = 0; i < u->rx_dirty; i++) reset_rx_header(u, i);
     int n = recvmmsg(u->fd, u->rx_msgs, want, MSG_DONTWAIT, NULL);
     u->rx_dirty = n > 0 ? (uint32_t)n : 0;
+    u->rx_next = 0;
+    u->rx_at = 0;
     u->rx_drained = n < (int)want;
     if (n < 0) {
         /* ECONNREFUSED: an ICMP error for an earlier datagram of ours, not news for this call */
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNREFUSED) return 0;
         return -errno;
     }
-    uint32_t count = 0;
-    for (int i = 0; i < n && count < max; i++) {
-        struct msghdr *h = &u->rx_msgs[i].msg_hdr;
-        uint32_t length = u->rx_msgs[i].msg_len;
-        uint32_t segment = length;
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c; c = CMSG_NXTHDR(h, c)) {
-            if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO && c->cmsg_len >= CMSG_LEN(sizeof(int))) {
-                int gro;
-                memcpy(&gro, CMSG_DATA(c), sizeof gro);
-                if (gro > 0) segment = (uint32_t)gro;
-            }
-        }
-        const uint8_t *base = u->rx_iov[i].iov_base;
-        int64_t source = packed(&u->rx_names[i]);
-        if (length == 0 || segment == 0 || segment >= length || (h->msg_flags & MSG_TRUNC)) {
-            /* one datagram (a truncated one shows a length past the buffer: malformed) */
-            out[count++] = (pn_datagram){base, (h->msg_flags & MSG_TRUNC) ? u->msg_bytes + 1 : length, source};
-            continue;
-        }
-        for (uint32_t at = 0; at < length && count < max; at += segment) {
-            uint32_t len = length - at < segment ? length - at : segment;
-            out[count++] = (pn_datagram){base + at, len, source};
-        }
-    }
-    return (int)count;
+    return (int)split_messages(u, out, max);
 }
 
 int pn_udp_wait(pn_udp *u, int timeout_ms, int extra_fd) {
+    if (pn_udp_pending(u)) return 1;
     struct pollfd p[2] = {{.fd = u->fd, .events = POLLIN}, {.fd = extra_fd, .events = POLLIN}};
     int r = poll(p, extra_fd >= 0 ? 2 : 1, timeout_ms < 0 ? 0 : timeout_ms);
     if (r < 0) return errno == EINTR ? 0 : -errno;
@@ -174,6 +198,47 @@ static uint32_t build_messages(pn_udp *u, const uint8_t *const *packet, const in
     return m;
 }
 
+/* The socket buffer is full: wait until it has room. 0, or -errno (-ETIMEDOUT: still full). */
+static int wait_writable(int fd, int timeout_ms) {
+    struct pollfd p = {.fd = fd, .events = POLLOUT};
+    int w = poll(&p, 1, timeout_ms);
+    if (w < 0) return errno == EINTR ? 0 : -errno;
+    return w == 0 ? -ETIMEDOUT : 0;
+}
+
+/* The packets of one GSO message the kernel refused, one plain datagram each. Returns 0 or
+ * -errno of the first that failed (those before it left: bytes_sent counts them). */
+static int send_plain(pn_udp *u, const struct msghdr *refused, int timeout_ms, uint64_t *bytes_sent) {
+    struct mmsghdr plain[PN_UDP_MAX_SEGMENTS];
+    uint32_t count = (uint32_t)refused->msg_iovlen;
+    memset(plain, 0, count * sizeof *plain);
+    for (uint32_t k = 0; k < count; k++) {
+        plain[k].msg_hdr.msg_name = refused->msg_name;
+        plain[k].msg_hdr.msg_namelen = refused->msg_namelen;
+        plain[k].msg_hdr.msg_iov = &refused->msg_iov[k];
+        plain[k].msg_hdr.msg_iovlen = 1;
+    }
+    uint32_t done = 0;
+    while (done < count) {
+        int r = sendmmsg(u->fd, plain + done, count - done, 0);
+        if (r > 0) {
+            done += (uint32_t)r;
+            if (bytes_sent) *bytes_sent += (uint64_t)r * u->packet_size;
+            continue;
+        }
+        int err = r < 0 ? errno : EAGAIN;
+        if (err == EAGAIN || err == EWOULDBLOCK || err == ENOBUFS) {
+            int w = wait_writable(u->fd, timeout_ms);
+            if (w < 0) return w;
+        } else if (err == ECONNREFUSED) {
+            done++;  /* an ICMP error for an earlier datagram: this one was not sent; count it lost */
+        } else if (err != EINTR) {
+            return -err;
+        }
+    }
+    return 0;
+}
+
 int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, int timeout_ms,
                 uint64_t *bytes_sent) {
     uint32_t packets_in[PN_UDP_SEND_CHUNK];
@@ -193,14 +258,19 @@ int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, ui
                 continue;
             }
             int err = r < 0 ? errno : EAGAIN;
+            const struct msghdr *h = &u->tx_msgs[sent_msgs].msg_hdr;
             if (err == EAGAIN || err == EWOULDBLOCK || err == ENOBUFS) {
-                struct pollfd p = {.fd = u->fd, .events = POLLOUT};
-                int w = poll(&p, 1, timeout_ms);
-                if (w < 0 && errno != EINTR) return -errno;
-                if (w == 0) return -ETIMEDOUT;
-            } else if ((err == EIO || err == EINVAL) && u->gso) {
-                u->gso = 0;  /* this path cannot segment: plain datagrams from now on */
-                break;       /* rebuild the rest of the chunk without GSO */
+                int w = wait_writable(u->fd, timeout_ms);
+                if (w < 0) return w;
+            } else if ((err == EIO || err == EINVAL || err == EMSGSIZE) && h->msg_controllen > 0) {
+                /* the kernel refused this one GSO message: a path that cannot segment (EIO), an
+                 * MTU below the segment size (EMSGSIZE), a destination it refuses anyway, such as
+                 * port 0 (EINVAL). Its packets go as plain datagrams; GSO stays on for the others. */
+                u->gso_fallbacks++;
+                int p = send_plain(u, h, timeout_ms, bytes_sent);
+                if (p < 0) return p;
+                done += packets_in[sent_msgs];
+                sent_msgs++;
             } else if (err == ECONNREFUSED) {
                 /* an ICMP error for an earlier datagram: the message was not sent; count it lost */
                 done += packets_in[sent_msgs];

@@ -15,7 +15,8 @@
 typedef struct {
     int fd;
     uint32_t packet_size;
-    int gso;                  /* 1 while the kernel segments for us */
+    int gso;                  /* 1: consecutive packets to one destination leave as one GSO message */
+    uint64_t gso_fallbacks;   /* GSO messages the kernel refused, resent as plain datagrams */
     /* receive side: `batch` message buffers of `msg_bytes` each */
     uint32_t batch;
     uint32_t msg_bytes;
@@ -26,6 +27,8 @@ typedef struct {
     uint8_t *rx_control;      /* batch x PN_UDP_CMSG_BYTES */
     uint32_t rx_dirty;        /* headers the last recvmmsg filled: to restore before the next */
     int rx_drained;           /* the last recvmmsg found fewer messages than it had room for */
+    uint32_t rx_next;         /* the first of those messages whose datagrams were not all handed out */
+    uint32_t rx_at;           /* ... and the offset in it of the first datagram not handed out */
     /* send side */
     struct mmsghdr *tx_msgs;
     struct iovec *tx_iov;
@@ -44,18 +47,24 @@ typedef struct {
 int pn_udp_init(pn_udp *u, int fd, uint32_t packet_size, uint32_t batch, int gso);
 void pn_udp_free(pn_udp *u);
 /* What is queued, without blocking, up to `max` datagrams (the buffers stay valid until
- * the next call). With max >= pn_udp_capacity(u) no packet-sized datagram is ever left
- * out; segments of a coalesced buffer of another size (malformed anyway) past `max` are.
- * Returns the count, or -errno. */
+ * the next call). A coalesced buffer may hold more datagrams than `max` (GRO coalesces up
+ * to 64 or 128 small ones, whatever the packet size): those left over are handed out by the
+ * next calls, before anything new is read, so every datagram is returned once
+ * (pn_udp_pending tells whether some are left). pn_udp_capacity: the packet-sized datagrams
+ * one receive batch can hold. Returns the count, or -errno. */
 uint32_t pn_udp_capacity(const pn_udp *u);
 int pn_udp_recv(pn_udp *u, pn_datagram *out, uint32_t max);
+int pn_udp_pending(const pn_udp *u);
 /* Send packet[i] (packet_size bytes each) to dest[i]; consecutive packets to one
- * destination share a GSO message. Waits up to timeout_ms while the socket buffer is
- * full. Returns 0 or -errno (-ETIMEDOUT when the buffer stayed full). */
+ * destination share a GSO message (a message the kernel refuses is resent as plain
+ * datagrams, counted in gso_fallbacks; GSO stays on). Waits up to timeout_ms while the
+ * socket buffer is full. Returns 0 or -errno (-ETIMEDOUT when the buffer stayed full);
+ * bytes_sent then counts the packets that left before the one that failed. */
 int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, int timeout_ms,
                 uint64_t *bytes_sent);
 /* Block until the socket is readable or timeout_ms passed (or extra_fd, if >= 0, is
- * readable). Returns 1 readable, 0 timeout, 2 extra_fd readable, -errno. */
+ * readable). Returns 1 readable (at once while received datagrams are pending), 0 timeout,
+ * 2 extra_fd readable, -errno. */
 int pn_udp_wait(pn_udp *u, int timeout_ms, int extra_fd);
 
 #endif

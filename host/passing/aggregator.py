@@ -17,6 +17,8 @@ the library loads.
 from __future__ import annotations
 
 import ctypes
+import errno
+import ipaddress
 import json
 import logging
 import os
@@ -34,12 +36,13 @@ import zmq
 from . import native, rpc, wire
 from .aggregation import ConfigError, Emission, JobSpec, NativeAggregationEngine, make_engine
 from .keys import ClientKeys, ServerKeys, serve_curve
-from .transport import BatchSocket, TransportStats, pack_address, parse_endpoint, unpack_address
+from .transport import BatchSocket, SendError, TransportStats, pack_address, parse_endpoint, unpack_address
 
 log = logging.getLogger("passing.aggregator")
 
 CONTROL_VERSION = 3  # 3: CURVE, the controller's key only; 2: a job object carries its generation
 DEFAULT_SLOTS = 4096
+SEND_TIMEOUT = 1.0  # s a full send buffer may hold up a batch of RESULTs (server.c: SEND_TIMEOUT_MS)
 
 
 @dataclass
@@ -133,6 +136,20 @@ class NativeDataPath:
         self.handle = None
 
 
+def worker_origin(text: str) -> int:
+    """A worker's 'ip:port' as the packed origin the aggregator admits and sends RESULTs to: a
+    unicast address and a port a datagram can come from and go to (not port 0, not 0.0.0.0,
+    a broadcast or a multicast address), else ConfigError."""
+    host, port = parse_endpoint(text, wire.UDP_PORT)
+    packed = pack_address(host, port)
+    ip = ipaddress.IPv4Address(packed >> 16)
+    if not 0 < port < 1 << 16:
+        raise ConfigError(f"worker {text!r}: UDP port {port} outside 1..65535 (no datagram comes from port 0)")
+    if ip.is_unspecified or ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
+        raise ConfigError(f"worker {text!r}: {ip} is not a host's address")
+    return packed
+
+
 def job_from_json(obj: dict[str, Any]) -> JobSpec:
     """{"job": 1, "base": 0, "pool": 256, "workers": ["10.0.0.1:20000", ...], "generation": 7?}"""
     if not isinstance(obj, dict):
@@ -142,7 +159,7 @@ def job_from_json(obj: dict[str, Any]) -> JobSpec:
         if not isinstance(workers, list) or not 1 <= len(workers) <= wire.MAX_WORKERS \
                 or not all(isinstance(w, str) for w in workers):
             raise ConfigError(f"'workers' must be a list of 1..{wire.MAX_WORKERS} 'ip:port' strings")
-        sources = [pack_address(*parse_endpoint(w, wire.UDP_PORT)) for w in workers]
+        sources = [worker_origin(w) for w in workers]
         return JobSpec(
             job=rpc.integer(obj, "job", 0, (1 << 16) - 1), base=rpc.integer(obj, "base", 0, 1 << 31, default=0),
             pool=rpc.integer(obj, "pool", 1, 1 << 31), sources=sources,
@@ -232,6 +249,7 @@ class SoftwareAggregator:
         # The numpy engine is driven by the serving thread; a metrics scrape reads it from another.
         self._lock = threading.RLock()
         self._serving_thread: threading.Thread | None = None  # for its CPU time
+        self.batches = self.send_errors = self.last_errno = 0  # the numpy data path's (native: its own)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -307,6 +325,7 @@ class SoftwareAggregator:
             if len(lengths) == 0:
                 break
             taken += len(lengths)
+            self.batches += 1
             with self._lock:
                 if self.ingress.active:
                     keep = self.ingress.apply(len(lengths))
@@ -319,7 +338,27 @@ class SoftwareAggregator:
             return
         rows = self.egress.apply(len(out)) if self.egress.active else np.arange(len(out))
         rows = rows[np.argsort(out.dest[rows], kind="stable")]  # one run per worker: GSO sends it as one
-        self.socket.send_batch(out.packets, out.dest[rows], rows)
+        dest = out.dest[rows]
+        at = 0
+        while at < len(rows):
+            try:
+                self.socket.send_batch(out.packets, dest[at:], rows[at:], timeout=SEND_TIMEOUT)
+                return
+            except TimeoutError as e:  # a buffer that stayed full loses the rest of the batch (counted)
+                self._send_failed(e.errno or errno.ETIMEDOUT)
+                return
+            except SendError as e:
+                # never fatal for the shared service: count it, skip the destination that failed
+                # (its workers retransmit) and go on with the others
+                self._send_failed(e.errno)
+                failed = at + e.sent
+                at = failed + 1
+                while at < len(rows) and dest[at] == dest[failed]:
+                    at += 1
+
+    def _send_failed(self, err: int) -> None:
+        self.send_errors += 1
+        self.last_errno = err
 
     # ---- control -----------------------------------------------------------------------
 
@@ -354,13 +393,15 @@ class SoftwareAggregator:
                 "egress_dropped": self.egress.dropped, "egress_duplicated": self.egress.duplicated,
             }
             reply["transport"] = self.socket.stats.as_dict()
+            reply["server"] = {"batches": self.batches, "send_errors": self.send_errors,
+                               "last_errno": self.last_errno}
         else:
             s = self.native.stats()
             reply["injected"] = {name: getattr(s, name) for name in (
                 "ingress_dropped", "ingress_duplicated", "egress_dropped", "egress_duplicated")}
             reply["transport"] = TransportStats(  # the same keys as the numpy path's socket stats
                 packets_sent=s.packets_sent, bytes_sent=s.bytes_sent, packets_received=s.packets_received,
-                bytes_received=s.bytes_received,
+                bytes_received=s.bytes_received, gso_fallbacks=s.gso_fallbacks,
             ).as_dict()
             reply["server"] = {"batches": s.batches, "send_errors": s.send_errors, "last_errno": s.last_errno}
         reply["engine"] = self.engine_name

@@ -162,6 +162,8 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     p.add_argument("--failover-after", type=float, default=5.0,
                    help="with --controller: seconds without a RESULT before the group asks to move (0: off)")
     p.add_argument("--gate", help="test: between iterations, wait until this file exists")
+    p.add_argument("--until", help="test: after --iterations, go on until this file exists at any worker (they "
+                   "agree through a one-element allreduce per call, so every worker makes the same calls)")
     p.add_argument("--bind", required=True, help="this worker's admitted address, ip:port")
     p.add_argument("--pool", type=int, default=256)
     p.add_argument("--lanes", type=int, default=wire.DEFAULT_LANES)
@@ -202,12 +204,14 @@ def allreduce_main(argv: list[str] | None = None) -> int:
             for _ in range(args.warmup):
                 g.allreduce(x, op=args.op)
             start = time.perf_counter()
-            for i in range(args.iterations):
-                if i and args.gate:
+            calls = 0
+            while calls < args.iterations or (args.until and not seen_by_any(g, Path(args.until))):
+                if calls and args.gate:
                     while not Path(args.gate).exists():
                         time.sleep(0.05)
                 out = g.allreduce(x, op=args.op)
-            elapsed = (time.perf_counter() - start) / args.iterations
+                calls += 1
+            elapsed = (time.perf_counter() - start) / calls
             stats = g.stats.as_dict()
         if args.controller and args.leave:
             control.leave(args.controller, args.job_name, args.group, args.worker, token)
@@ -217,7 +221,8 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     if args.out:
         np.save(args.out, out)
     report = {"worker": args.worker, "mode": mode, "engine": group.engine, "elements": args.size, "seconds": elapsed,
-              "gbit_per_s": args.size * 4 * 8 / elapsed / 1e9, "ok": True, "moves": group.moves, **stats}
+              "gbit_per_s": args.size * 4 * 8 / elapsed / 1e9, "ok": True, "moves": group.moves, "calls": calls,
+              **stats}
     if not args.no_check:
         inputs = [worker_inputs(args.seed, w, args.size, args.dtype) for w in range(args.workers)]
         expected = np.sum(inputs, axis=0, dtype=np.float64) / (args.workers if args.op == "avg" else 1)
@@ -226,6 +231,12 @@ def allreduce_main(argv: list[str] | None = None) -> int:
         report.update(max_error=error, bound=bound, ok=error <= bound)
     print(json.dumps(report), flush=True)
     return 0 if report["ok"] else 1
+
+
+def seen_by_any(group: Group, path: Path) -> bool:
+    """Whether any worker of the group sees ``path``: the sum of everyone's one-element flag, the
+    same at every worker, so all of them take the same decision."""
+    return bool(group.allreduce(np.array([path.exists()], dtype=np.float32))[0] > 0)
 
 
 def float_error_bound(inputs: list[np.ndarray], expected: np.ndarray, op: str = "sum") -> float:

@@ -22,7 +22,9 @@ UNITS = {name: "rounds" if name == "completed" else "packets" for name in COUNTE
 TRANSPORT = {"packets_received": ("passing_aggregator_udp_received_packets", "UDP datagrams received"),
              "packets_sent": ("passing_aggregator_udp_sent_packets", "UDP datagrams sent (RESULTs)"),
              "bytes_received": ("passing_aggregator_udp_received_bytes", "bytes of the datagrams received"),
-             "bytes_sent": ("passing_aggregator_udp_sent_bytes", "bytes of the datagrams sent")}
+             "bytes_sent": ("passing_aggregator_udp_sent_bytes", "bytes of the datagrams sent"),
+             "gso_fallbacks": ("passing_aggregator_gso_fallbacks", "GSO messages the kernel refused, resent as "
+                               "plain datagrams")}
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -77,7 +79,7 @@ def aggregator_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:
     yield GaugeMetricFamily("passing_aggregator_slots_free", "slots free for new jobs", value=snapshot["slots"] - used)
     for key, (name, text) in TRANSPORT.items():
         yield CounterMetricFamily(name, text, value=snapshot["transport"][key])
-    if "server" in snapshot:  # the native data path
+    if "server" in snapshot:
         yield CounterMetricFamily("passing_aggregator_send_errors", "sends the kernel refused",
                                   value=snapshot["server"]["send_errors"])
         yield CounterMetricFamily("passing_aggregator_batches", "receive batches the data path processed",

@@ -42,7 +42,7 @@ class NativeUnavailable(RuntimeError):
 class ServerStats(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in (
         "packets_sent", "bytes_sent", "packets_received", "bytes_received", "ingress_dropped",
-        "ingress_duplicated", "egress_dropped", "egress_duplicated", "batches", "send_errors")] + [
+        "ingress_duplicated", "egress_dropped", "egress_duplicated", "batches", "send_errors", "gso_fallbacks")] + [
         ("last_errno", ctypes.c_int32)]
 
 

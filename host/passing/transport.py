@@ -95,9 +95,18 @@ class TransportStats:
     retransmissions: int = 0
     early_retransmissions: int = 0  # of them, resent before their timer because later packets were answered
     foreign_results: int = 0  # RESULTs of another job id or generation, ignored
+    gso_fallbacks: int = 0  # GSO messages the kernel refused, resent as plain datagrams
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+
+class SendError(OSError):
+    """The kernel refused a packet of a batch; ``sent`` packets of the batch left before it."""
+
+    def __init__(self, err: int, message: str, sent: int) -> None:
+        super().__init__(err, message)
+        self.sent = sent
 
 
 def _addr(a: np.ndarray) -> int:
@@ -135,7 +144,7 @@ class BatchSocket:
         self.size = self.dtype.itemsize
         self.stats = TransportStats()
         self.gro = offload and self._try_gro()
-        self.gso = offload  # dropped for good at the first message the kernel refuses
+        self.gso = offload  # a message the kernel refuses goes as plain datagrams; GSO stays on
         self.max_segments = max(1, min(MAX_SEGMENTS, GSO_MAX_BYTES // self.size))
 
         # Receive side: `batch` message buffers the kernel fills in place. A buffer is a
@@ -226,6 +235,13 @@ class BatchSocket:
         # and only its length matters, so its row index may point anywhere in the buffer.
         rows = msg * self.rows_per_msg + np.where(segment[msg] == self.size, j, 0)
         packets = self._rx[rows].view(self.dtype).reshape(-1)
+        # ... but the shorter last segment of a buffer of longer ones may be a whole packet: it
+        # starts at its own byte offset, in general on no row boundary, and is copied from there.
+        odd = np.flatnonzero((seg_len == self.size) & (segment[msg] != self.size))
+        if odd.size:
+            at = msg[odd] * (self.rows_per_msg * self.size) + j[odd] * segment[msg[odd]]
+            packets.view(np.uint8).reshape(-1, self.size)[odd] = self._rx.reshape(-1)[
+                at[:, None] + np.arange(self.size)]
         self.stats.packets_received += msg.size
         self.stats.bytes_received += int(length.sum())
         return packets, seg_len, source[msg]
@@ -236,8 +252,10 @@ class BatchSocket:
 
         The datagrams are read in place from ``packets`` (a contiguous array of this
         socket's packet dtype), nothing is copied. Consecutive packets to the same
-        destination share a GSO message. Blocks while the socket buffer is full, up
-        to ``timeout`` seconds, then raises TimeoutError.
+        destination share a GSO message; one the kernel refuses is resent as plain
+        datagrams (``stats.gso_fallbacks``), and GSO stays on. Blocks while the socket
+        buffer is full, up to ``timeout`` seconds, then raises TimeoutError; a packet the
+        kernel refuses raises SendError, which says how many packets left before it.
         """
         if packets.dtype.itemsize != self.size or not packets.flags.c_contiguous:
             raise ValueError(f"packets must be a contiguous array of {self.size}-byte packets")
@@ -253,7 +271,12 @@ class BatchSocket:
             chunk = slice(done, done + k)
             self._tx_iov["base"][:k] = base + rows[chunk].astype(np.uint64) * self.size
             first, per_msg = self._messages(dest[chunk])
-            sent = self._sendmmsg(dest[chunk][first], first, per_msg, timeout)
+            try:
+                sent = self._sendmmsg(dest[chunk][first], first, per_msg, timeout)
+            except SendError as e:
+                self.stats.packets_sent += e.sent
+                self.stats.bytes_sent += e.sent * self.size
+                raise SendError(e.errno, e.strerror, done + e.sent) from None
             done += sent
             self.stats.packets_sent += sent
             self.stats.bytes_sent += sent * self.size
@@ -278,18 +301,47 @@ class BatchSocket:
         self._tx_names["port"][:m] = msg_dest & 0xFFFF
         msgs["iov"][:m] = _addr(self._tx_iov) + first.astype(np.uint64) * IOVEC.itemsize
         msgs["iovlen"][:m] = per_msg
-        msgs["control"][:m] = _addr(self._tx_cmsg) if self.gso else 0
-        msgs["controllen"][:m] = CMSG.itemsize if self.gso else 0
+        gso = (per_msg > 1) & self.gso  # a message of one packet needs no segmentation
+        msgs["control"][:m] = np.where(gso, _addr(self._tx_cmsg), 0)
+        msgs["controllen"][:m] = np.where(gso, CMSG.itemsize, 0)
         while True:
             sent = _sendmmsg(self.fd, _addr(msgs), m, 0)
             if sent > 0:
                 return int(per_msg[:sent].sum())
             err = ctypes.get_errno()
             if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS):
-                if not select.select([], [self.fd], [], timeout)[1]:
-                    raise TimeoutError(f"UDP send buffer stayed full for {timeout} s")
-            elif err in (errno.EIO, errno.EINVAL) and self.gso:
-                self.gso = False  # this path cannot segment: plain datagrams from now on
-                return 0
+                self._wait_writable(timeout)
+            elif err in (errno.EIO, errno.EINVAL, errno.EMSGSIZE) and gso[0]:
+                # The kernel refused this one GSO message: a path that cannot segment (EIO), an
+                # MTU below the segment size (EMSGSIZE), a destination it refuses anyway, such as
+                # port 0 (EINVAL). Its packets go as plain datagrams; GSO stays on for the others.
+                self.stats.gso_fallbacks += 1
+                return self._send_plain(int(msg_dest[0]), int(first[0]), int(per_msg[0]), timeout)
             elif err not in (errno.EINTR, errno.ECONNREFUSED):  # ECONNREFUSED: ICMP of an earlier datagram
-                raise OSError(err, f"sendmmsg: {os.strerror(err)}")
+                raise SendError(err, f"sendmmsg: {os.strerror(err)}", 0)
+
+    def _send_plain(self, dest: int, first: int, count: int, timeout: float) -> int:
+        """Send the iovecs [first, first + count) to dest as one datagram each; returns count."""
+        msgs = self._tx_msgs
+        self._tx_names["addr"][:count] = dest >> 16
+        self._tx_names["port"][:count] = dest & 0xFFFF
+        msgs["iov"][:count] = _addr(self._tx_iov) + (first + np.arange(count, dtype=np.uint64)) * IOVEC.itemsize
+        msgs["iovlen"][:count] = 1
+        msgs["control"][:count] = 0
+        msgs["controllen"][:count] = 0
+        done = 0
+        while done < count:
+            sent = _sendmmsg(self.fd, _addr(msgs) + done * MMSGHDR.itemsize, count - done, 0)
+            if sent > 0:
+                done += sent
+                continue
+            err = ctypes.get_errno()
+            if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS):
+                self._wait_writable(timeout)
+            elif err not in (errno.EINTR, errno.ECONNREFUSED):
+                raise SendError(err, f"sendmmsg: {os.strerror(err)}", done)
+        return count
+
+    def _wait_writable(self, timeout: float) -> None:
+        if not select.select([], [self.fd], [], timeout)[1]:
+            raise TimeoutError(f"UDP send buffer stayed full for {timeout} s")

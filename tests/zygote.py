@@ -1,0 +1,244 @@
+"""Rank processes forked from one that imported torch already: a test's ranks start in
+milliseconds instead of seconds (importing torch costs 1-2 s of CPU per process, and on 2 cores
+an 8-rank launch spent 10 s importing it 8 times over).
+
+``Zygote(preload)`` starts ``python -m tests.zygote MODULE...``, which imports the modules and
+then, for every request on its stdin, forks a child that runs ``python -m MODULE ARGS`` as a
+fresh process would: its own environment, argv, stdout and stderr (files the test reads back).
+The zygote reaps its children and reports their exit status. ``Zygote.popen`` has
+``subprocess.Popen``'s call signature and returns an object with the part of its interface
+the tests use (``communicate``, ``poll``, ``wait``, ``returncode``, ``pid``, ``send_signal``,
+``kill``, ``terminate``), so it drops into ``cluster.local.launch_ranks(popen_for_server=...)``.
+
+Only for processes that would exec this same interpreter with ``-m``; torchrun, and ranks in a
+network namespace, are started as before.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ForkedProcess:
+    """A child of the zygote, seen through the slice of ``subprocess.Popen`` the tests use."""
+
+    def __init__(self, zygote: Zygote, pid: int, out: Path, err: Path, text: bool) -> None:
+        self.zygote, self.pid, self.out, self.err, self.text = zygote, pid, out, err, text
+        self.returncode: int | None = None
+        self.args = ["<forked>", str(pid)]
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.status(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.zygote.status(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        self.wait(timeout)
+        out, err = self.out.read_bytes(), self.err.read_bytes()
+        return (out.decode(), err.decode()) if self.text else (out, err)
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class Zygote:
+    """One preloaded process that forks the tests' rank processes."""
+
+    def __init__(self, preload: Sequence[str], env: dict[str, str] | None = None) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="passing-zygote-")
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", *preload], cwd=REPO,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._lock = threading.Lock()  # one request at a time; its answer is the next "forked" line
+        self._changed = threading.Condition()
+        self._exited: dict[int, int] = {}
+        self._forked: list[int] = []
+        self._count = 0
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
+        if not self._wait_for(lambda: self._ready, 120):
+            raise RuntimeError("the zygote did not get ready (preloading failed?)")
+
+    _ready = False
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            event = json.loads(line)
+            with self._changed:
+                if event["event"] == "ready":
+                    self._ready = True
+                elif event["event"] == "forked":
+                    self._forked.append(event["pid"])
+                elif event["event"] == "exited":
+                    self._exited[event["pid"]] = event["status"]
+                self._changed.notify_all()
+        with self._changed:
+            self._ready = False
+            self._changed.notify_all()
+
+    def _wait_for(self, predicate, timeout: float | None) -> bool:
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+    def popen(self, argv: Sequence[str], env: dict[str, str] | None = None, stdout: Any = None, stderr: Any = None,
+              text: bool = False, **_: Any) -> ForkedProcess:
+        """``argv``: [python, "-m", module, *args], as subprocess.Popen would run it."""
+        if len(argv) < 3 or argv[1] != "-m":
+            raise ValueError(f"the zygote runs `python -m MODULE ...` only, not {list(argv)}")
+        with self._lock:
+            self._count += 1
+            out, err = (Path(self._dir.name) / f"{self._count}.{name}" for name in ("out", "err"))
+            request = {"module": argv[2], "argv": list(argv[3:]), "env": dict(env if env is not None else os.environ),
+                       "stdout": str(out), "stderr": str(err)}
+            with self._changed:
+                self._forked.clear()
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+            if not self._wait_for(lambda: self._forked or not self._ready, 30) or not self._forked:
+                raise RuntimeError("the zygote did not fork")
+            return ForkedProcess(self, self._forked[0], out, err, text)
+
+    def status(self, pid: int, timeout: float | None) -> int | None:
+        """The child's exit code (negative: the signal that ended it), or None while it runs."""
+        self._wait_for(lambda: pid in self._exited or not self._ready, timeout)
+        return self._exited.get(pid)
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._dir.cleanup()
+
+
+TORCH_PRELOAD = ("tests.torch_worker", "demo.train", "sklearn.datasets")  # what the torch tests' ranks import
+_shared: Zygote | None = None
+
+
+def torch_ranks(_server: int = 0) -> Callable[..., ForkedProcess]:
+    """The popen of the test session's one torch zygote (started at the first call, closed at exit):
+    ``launch_ranks(..., popen_for_server=torch_ranks)``."""
+    global _shared
+    if _shared is None:
+        _shared = Zygote(TORCH_PRELOAD)
+        atexit.register(_shared.close)
+    return _shared.popen
+
+
+# ---- the zygote process -------------------------------------------------------------------------
+
+
+def _child(request: dict[str, Any]) -> None:
+    """In the forked child: become `python -m MODULE ARGS` with the request's environment and files."""
+    import runpy
+    import traceback
+
+    code = 0
+    try:
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(f, fd)
+            os.close(f)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sys.argv = [request["module"], *request["argv"]]
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def main() -> None:
+    import importlib
+
+    for module in sys.argv[1:]:
+        importlib.import_module(module)
+    report_lock = threading.Lock()
+
+    def report(event: dict[str, Any]) -> None:
+        with report_lock:
+            sys.stdout.write(json.dumps(event) + "\n")
+            sys.stdout.flush()
+
+    children: set[int] = set()
+
+    def reap() -> None:
+        """Report every child that ended (a thread: no work in a signal handler)."""
+        while True:
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
+                if sys.stdin.closed:
+                    return
+                time.sleep(0.01)
+                continue
+            children.discard(pid)
+            report({"event": "exited", "pid": pid, "status": os.waitstatus_to_exitcode(status)})
+
+    report({"event": "ready"})
+    reaper: threading.Thread | None = None
+    for line in sys.stdin:
+        request = json.loads(line)
+        with report_lock:  # no thread is inside a write of sys.stdout: its buffer's lock is free in the child
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+        if pid == 0:
+            _child(request)
+        children.add(pid)
+        report({"event": "forked", "pid": pid})
+        if reaper is None:  # started after the first fork: the children inherit no extra thread
+            reaper = threading.Thread(target=reap, daemon=True)
+            reaper.start()
+    sys.stdin.close()
+    deadline = time.monotonic() + 10
+    while children and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main()
