@@ -139,7 +139,9 @@ typedef struct {
     uint32_t shards;
     const int64_t *aggregator;   /* packed ip << 16 | port */
     const uint32_t *pool;
-    uint32_t *next_psn;          /* in: the shard's first psn; out: after this call */
+    uint64_t *next_psn;          /* in: the shard's stream position p of its first packet, unwrapped;
+                                    out: after this call. psn = p mod 2^32, slot = p mod pool,
+                                    set = (p div pool) mod 2 (docs/protocol.md) */
     const uint64_t *start, *count;
     /* the data: elements values, padded with zeros to whole packets */
     int32_t kind;                /* PN_IN_F32 or PN_IN_I32 */
