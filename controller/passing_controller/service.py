@@ -15,16 +15,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from . import admission, aggregator_address, counters, l2_forward, result_rewrite, rpc
 from .allocation import MAX_JOB_ID, Allocation, Worker
 from .allocator import SlotAllocator, SlotsExhausted
-from .p4runtime import Pipeline, Switch, SwitchError
+from .p4runtime import Pipeline, SwitchError, connect
 from .store import Record, Store, StoreError
 from .topology import PsEndpoint, Topology, TopologyError
+
+if TYPE_CHECKING:
+    from .session import Switch
 
 log = logging.getLogger("passing_controller")
 
@@ -106,7 +109,7 @@ class Controller:
             self._switch_retry_at = float("inf")
             return
         try:
-            sw = Switch(self.topo.p4runtime, self.topo.device_id, timeout=self.switch_timeout)
+            sw = connect(self.topo.p4runtime, self.topo.device_id, timeout=self.switch_timeout)
         except SwitchError as e:
             self.switch, self.switch_error = None, str(e)
             self._switch_retry_at = time.monotonic() + SWITCH_RETRY_SECONDS
