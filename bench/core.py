@@ -65,8 +65,9 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _aggregator(engine: str, lanes: int, pool: int, extra: list[str] | None = None) -> tuple[subprocess.Popen, dict]:
-    return start_aggregator(["--engine", engine, "--lanes", str(lanes), "--slots", str(max(4096, pool)),
-                             *(extra or [])])
+    """An aggregator whose jobs, and widest packet, have ``lanes`` lanes (the switch's 64 in most rows)."""
+    return start_aggregator(["--engine", engine, "--lanes", str(lanes), "--max-lanes", str(lanes), "--slots",
+                             str(max(4096, pool)), *(extra or [])])
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -356,9 +356,10 @@ class Controller:
             raise AggregatorFailed(f"PS {ps.control}: {e}") from None
         addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
         try:
+            lanes = ps.lanes(ps_request(ps.control, "ping"))  # the largest that the PS and the path MTU take
             ps_request(ps.control, "add_job",
                        job={"job": job_id, "base": base, "pool": pool, "workers": addresses,
-                            "generation": generation})
+                            "generation": generation, "lanes": lanes})
         except (OSError, RequestError) as e:  # down (TimeoutError is an OSError), hanging, or refusing
             allocator.release(base)
             self.store.mark_down(ps.control, str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
@@ -366,7 +367,7 @@ class Controller:
             raise AggregatorFailed(f"PS {ps.control}: {e}") from None
         self.store.mark_up(ps.control)
         r = Record(job_id, name, group, "ps", generation, base, pool, workers,
-                   {"data": ps.data, "control": ps.control})
+                   {"data": ps.data, "control": ps.control, "lanes": lanes})
         self.store.add(r)
         log.info("job %s group %d -> PS %s", name, group, ps.data)
         return r
@@ -539,7 +540,7 @@ class Controller:
         host, port = record.aggregator["data"].rsplit(":", 1)
         return {"mode": record.mode, "reason": reason, "job": record.job_name, "group": record.group,
                 "job_id": record.job_id, "generation": record.generation, "workers": len(record.workers),
-                "pool": record.pool, "lanes": self.topo.lanes,
+                "pool": record.pool, "lanes": record.aggregator.get("lanes", self.topo.lanes),
                 "aggregators": [{"host": host, "port": int(port), "pool": record.pool}]}
 
     def _report(self, req: dict) -> dict:

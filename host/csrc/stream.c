@@ -275,7 +275,8 @@ static int flush_sends(stream_state *st) {
     st->send_count = 0;
     if (n == 0) return PN_OK;
     uint64_t bytes = 0;
-    int r = pn_udp_send(&st->udp, st->send_packets, st->send_dest, n, SEND_TIMEOUT_MS, &bytes);
+    int r = pn_udp_send(&st->udp, st->send_packets, st->send_dest, n, (uint32_t)st->packet_size, SEND_TIMEOUT_MS,
+                        &bytes);
     st->r->bytes_sent += bytes;
     st->r->packets_sent += bytes / st->packet_size;
     if (r < 0) {

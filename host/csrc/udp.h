@@ -14,7 +14,7 @@
 
 typedef struct {
     int fd;
-    uint32_t packet_size;
+    uint32_t packet_size;     /* the largest datagram received (and sent) */
     int gso;                  /* 1 while the kernel segments for us */
     /* receive side: `batch` message buffers of `msg_bytes` each */
     uint32_t batch;
@@ -30,7 +30,7 @@ typedef struct {
     struct mmsghdr *tx_msgs;
     struct iovec *tx_iov;
     struct sockaddr_in *tx_names;
-    uint8_t *tx_control;      /* one UDP_SEGMENT cmsg, shared by every message */
+    uint8_t *tx_control;      /* one UDP_SEGMENT cmsg, shared by every message of a send */
 } pn_udp;
 
 /* A received datagram (one segment of a coalesced buffer counts as one). */
@@ -49,11 +49,11 @@ void pn_udp_free(pn_udp *u);
  * Returns the count, or -errno. */
 uint32_t pn_udp_capacity(const pn_udp *u);
 int pn_udp_recv(pn_udp *u, pn_datagram *out, uint32_t max);
-/* Send packet[i] (packet_size bytes each) to dest[i]; consecutive packets to one
- * destination share a GSO message. Waits up to timeout_ms while the socket buffer is
- * full. Returns 0 or -errno (-ETIMEDOUT when the buffer stayed full). */
-int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, int timeout_ms,
-                uint64_t *bytes_sent);
+/* Send packet[i] (size bytes each, at most packet_size) to dest[i]; consecutive packets to
+ * one destination share a GSO message. Waits up to timeout_ms while the socket buffer is
+ * full. Returns 0 or -errno (-ETIMEDOUT when the buffer stayed full, -EINVAL for a bad size). */
+int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, uint32_t size,
+                int timeout_ms, uint64_t *bytes_sent);
 /* Block until the socket is readable or timeout_ms passed (or extra_fd, if >= 0, is
  * readable). Returns 1 readable, 0 timeout, 2 extra_fd readable, -errno. */
 int pn_udp_wait(pn_udp *u, int timeout_ms, int extra_fd);

@@ -8,6 +8,10 @@ Admission is configured from a JSON file or at run time over a ZeroMQ control so
 (JSON requests, see docs/protocol.md), which also serves counters on demand. For
 tests it can drop, duplicate and reorder packets with a seeded generator.
 
+Each job has its own lane count (``lanes`` of its job object; by default the aggregator's
+``lanes``), up to ``max_lanes``: the largest packet it takes, which ``ping`` states so that a
+controller can size a group's packets to it and to the path MTU (docs/control.md).
+
 Two engines serve the same protocol: ``engine="native"`` runs the whole UDP data path in C
 (host/csrc/server.c) in a thread of its own, while this thread answers the control socket;
 ``engine="numpy"`` runs it here, in Python (the specification). ``"auto"``: native where
@@ -39,6 +43,11 @@ log = logging.getLogger("passing.aggregator")
 
 CONTROL_VERSION = 2  # 2: a job object carries its generation (1: an epoch)
 DEFAULT_SLOTS = 4096
+# The largest packet a software aggregator takes by default: 1024 lanes (4 112-byte packets) was the
+# fastest 8 MiB allreduce on loopback here (docs/benchmarks.md); memory: slots x 2 x lanes x 4 bytes,
+# touched only where jobs use it.
+DEFAULT_MAX_LANES = 1024
+MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4
 
 
 @dataclass
@@ -133,7 +142,7 @@ class NativeDataPath:
 
 
 def job_from_json(obj: dict[str, Any]) -> JobSpec:
-    """{"job": 1, "base": 0, "pool": 256, "workers": ["10.0.0.1:20000", ...], "generation": 7?}"""
+    """{"job": 1, "base": 0, "pool": 256, "workers": ["10.0.0.1:20000", ...], "generation": 7?, "lanes": 364?}"""
     try:
         workers = obj["workers"]
         if not isinstance(workers, list) or not workers:
@@ -142,6 +151,7 @@ def job_from_json(obj: dict[str, Any]) -> JobSpec:
         return JobSpec(
             job=int(obj["job"]), base=int(obj.get("base", 0)), pool=int(obj["pool"]),
             sources=sources, generation=None if obj.get("generation") is None else int(obj["generation"]),
+            lanes=None if obj.get("lanes") is None else int(obj["lanes"]),
         )
     except KeyError as e:
         raise ConfigError(f"job entry lacks {e}") from None
@@ -151,27 +161,30 @@ def job_from_json(obj: dict[str, Any]) -> JobSpec:
 
 def job_to_json(spec: JobSpec) -> dict[str, Any]:
     return {
-        "job": spec.job, "base": spec.base, "pool": spec.pool, "generation": spec.generation,
+        "job": spec.job, "base": spec.base, "pool": spec.pool, "generation": spec.generation, "lanes": spec.lanes,
         "workers": ["{}:{}".format(*unpack_address(s)) for s in spec.sources],
     }
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
-    """The aggregator config file: {"lanes": 64, "slots": 4096, "jobs": [...]}."""
+    """The aggregator config file: {"lanes": 64, "max_lanes": 1024, "slots": 4096, "jobs": [...]}."""
     try:
         config = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read aggregator config {path}: {e}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the config must be a JSON object")
-    unknown = set(config) - {"lanes", "slots", "jobs"}
+    unknown = set(config) - {"lanes", "max_lanes", "slots", "jobs"}
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}")
     return config
 
 
 class SoftwareAggregator:
-    """A UDP aggregation service. ``serve()`` runs until ``stop()`` or a signal."""
+    """A UDP aggregation service. ``serve()`` runs until ``stop()`` or a signal.
+
+    ``lanes``: the lane count of a job that states none; ``max_lanes``: the largest it takes (at
+    least ``lanes``)."""
 
     def __init__(
         self,
@@ -184,13 +197,18 @@ class SoftwareAggregator:
         egress: Impairment | None = None,
         offload: bool = True,
         engine: str = "auto",
+        max_lanes: int = DEFAULT_MAX_LANES,
     ) -> None:
-        self.engine = make_engine(slots, lanes, engine=engine)
+        if lanes < 1 or wire.packet_size(max(lanes, max_lanes)) > MAX_DATAGRAM:
+            raise ConfigError(f"lanes {lanes}, max_lanes {max_lanes}: a packet must fit one UDP datagram "
+                              f"({MAX_DATAGRAM} bytes: at most {(MAX_DATAGRAM - wire.HEADER_SIZE) // 4} lanes)")
+        self.lanes = lanes
+        self.engine = make_engine(slots, max(lanes, max_lanes), engine=engine)
         for spec in jobs or []:
-            self.engine.add_job(spec)
+            self.add_job(spec)
         if isinstance(listen, str):
             listen = parse_endpoint(listen, wire.UDP_PORT)
-        self.socket = BatchSocket(listen, lanes=lanes, offload=offload)
+        self.socket = BatchSocket(listen, lanes=self.engine.lanes, offload=offload)
         self.ingress = ingress or Impairment()
         self.egress = egress or Impairment()
         self.native: NativeDataPath | None = None
@@ -220,6 +238,12 @@ class SoftwareAggregator:
     @property
     def address(self) -> tuple[str, int]:
         return self.socket.address
+
+    def add_job(self, spec: JobSpec) -> JobSpec:
+        """Admit a job; one without lanes gets this aggregator's ``lanes``."""
+        if spec.lanes is None:
+            spec.lanes = self.lanes
+        return self.engine.add_job(spec)
 
     @property
     def engine_name(self) -> str:
@@ -298,7 +322,10 @@ class SoftwareAggregator:
             return
         rows = self.egress.apply(len(out)) if self.egress.active else np.arange(len(out))
         rows = rows[np.argsort(out.dest[rows], kind="stable")]  # one run per worker: GSO sends it as one
-        self.socket.send_batch(out.packets, out.dest[rows], rows)
+        sizes = out.lengths[rows]
+        for size in np.unique(sizes):  # one packet size per send (a job's RESULTs are its packets' size)
+            these = rows[sizes == size]
+            self.socket.send_batch(out.packets, out.dest[these], these, size=int(size))
 
     # ---- control -----------------------------------------------------------------------
 
@@ -357,17 +384,19 @@ class SoftwareAggregator:
             if request.get("version") != CONTROL_VERSION:
                 raise ConfigError(f"unsupported control version {request.get('version')!r} (want {CONTROL_VERSION})")
             cmd = request.get("cmd")
-            if cmd == "ping":
-                return {"ok": True, "lanes": self.engine.lanes, "slots": self.engine.slots, "engine": self.engine_name}
+            if cmd == "ping":  # max_lanes: the largest packet it takes (a controller sizes groups by it)
+                return {"ok": True, "lanes": self.lanes, "max_lanes": self.engine.lanes,
+                        "max_datagram": wire.packet_size(self.engine.lanes), "slots": self.engine.slots,
+                        "engine": self.engine_name}
             if cmd == "stats":
                 job = request.get("job")
                 return {"ok": True, **self.stats(None if job is None else int(job))}
             if cmd == "jobs":
                 return {"ok": True, "jobs": [job_to_json(s) for s in self.engine.jobs()]}
             if cmd == "add_job":
-                spec = self.engine.add_job(job_from_json(request.get("job") or {}))
-                log.info("admitted job %d generation %d: slots %d..%d, %d workers", spec.job, spec.generation,
-                         spec.base, spec.base + spec.pool - 1, spec.workers)
+                spec = self.add_job(job_from_json(request.get("job") or {}))
+                log.info("admitted job %d generation %d: slots %d..%d, %d workers, %d lanes", spec.job,
+                         spec.generation, spec.base, spec.base + spec.pool - 1, spec.workers, spec.lanes)
                 return {"ok": True, "job": job_to_json(spec)}
             if cmd == "remove_job":
                 spec = self.engine.remove_job(int(request["job"]))

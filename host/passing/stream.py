@@ -316,9 +316,15 @@ class Group:
         return True
 
     def _move_to(self, answer: dict[str, Any]) -> None:
-        """The group's new allocation (the controller's move answer): same socket, same workers."""
-        if int(answer["lanes"]) != self.lanes:
-            raise PassingError(f"job {self.job}: moved to an aggregator of {answer['lanes']} lanes, not {self.lanes}")
+        """The group's new allocation (the controller's move answer): same address, same workers; a socket
+        sized for the new aggregator's packets when their lane count differs (a PS of another MTU)."""
+        lanes = int(answer["lanes"])
+        if lanes != self.lanes:
+            address, stats, offload = self.socket.address, self.socket.stats, self.socket.gso
+            self.socket.close()  # what it still holds is the old allocation's: ignored anyway
+            self.socket = BatchSocket(address, lanes=lanes, offload=offload)
+            self.socket.stats = stats
+            self.lanes = lanes
         self.job, self.generation = int(answer["job_id"]), int(answer["generation"])
         self.aggregators = [Aggregator(a["host"], int(a["port"]), int(a["pool"])) for a in answer["aggregators"]]
         self._agg_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)

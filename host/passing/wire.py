@@ -139,6 +139,13 @@ def decode(buffer: bytes | bytearray | memoryview | np.ndarray, lanes: int = DEF
     return batch
 
 
+def lanes_of(lengths: np.ndarray, max_lanes: int) -> np.ndarray:
+    """The lane count of each datagram length that is a whole packet of 1..max_lanes lanes; 0 otherwise."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    lanes = (lengths - HEADER_SIZE) // 4
+    return np.where((lengths - HEADER_SIZE) % 4 == 0, np.where((lanes >= 1) & (lanes <= max_lanes), lanes, 0), 0)
+
+
 def well_formed(batch: np.ndarray, lengths: np.ndarray, lanes: int, type: int) -> np.ndarray:
     """Mask of packets in a received batch that have the right length, version and type."""
     hdr = batch["hdr"]

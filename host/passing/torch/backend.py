@@ -254,7 +254,7 @@ class ProcessGroupPassing(ProcessGroup):
         if rank == 0:
             try:
                 address = str(self.options.host) if self.options.host else embedded.rank0_address(store)
-                self.embedded = embedded.Embedded(address, float(self.options.join_timeout))
+                self.embedded = embedded.Embedded(address, float(self.options.join_timeout), self.options.mtu)
             except BaseException as e:  # the other ranks wait for the key: give them the error
                 embedded.publish(store, {"error": f"{type(e).__name__}: {e}"})
                 raise
