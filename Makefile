@@ -12,7 +12,7 @@ all: test
 $(STAMP): host/pyproject.toml host/setup.py controller/pyproject.toml $(wildcard host/csrc/*.c host/csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e 'host[test]' -e 'controller[test]'
+	$(PY) -m pip install --quiet -e 'host[test]' -e 'controller[test,switch]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -11,7 +11,11 @@ One run measures, everything on this machine, on loopback, as separate processes
    plus one row at 1024 lanes per packet (2 workers);
 4. the aggregator's CPU at a steady 5 000 packets/s of a 2-worker job, for each engine;
 5. the peak memory a 25M-float allreduce adds in a worker (native path, out= and out=None);
-6. allreduce under host-side loss (4 workers, 200 000 floats, loss 0/1/5/20 % each way).
+6. allreduce under host-side loss (4 workers, 200 000 floats, loss 0/1/5/20 % each way);
+7. torch's all_reduce on backend "passing" with nothing configured (rank 0's embedded
+   controller and aggregator), against gloo in the same processes: one server of 2 ranks
+   (1 M float32), and 2, 4, 8 single-rank servers (8 MiB) on loopback; as root, 2 servers
+   in network namespaces over veths of MTU 1500 and 9000 (8 MiB).
 
 Prints tables and the targets next to the figures; writes bench/results/core.json. The
 figures include the CPU contention of the workers and the aggregator sharing the cores.
@@ -37,6 +41,7 @@ from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports, start_aggregator
 from passing.transport import BatchSocket, pack_address
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: cluster/
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINES = ("native", "numpy")  # native: native host engine + native aggregator; numpy: both numpy
 MIB = 1 << 20
@@ -48,6 +53,9 @@ TARGET_VS_GLOO = 5.0  # native ms / gloo ms
 TARGET_STEADY_CPU = 0.05  # native aggregator's CPU share at 5 kpps
 TARGET_MEMORY = 64 * MIB  # peak added by a 25M-float allreduce with out=
 TARGET_LOSS = {0.01: 1.5, 0.05: 2.5, 0.20: 10.0}  # time / loss-free time
+TARGET_ONE_SERVER_VS_GLOO = 1.2  # backend "passing" on one server / gloo, same processes
+TARGET_EMBEDDED_VS_GLOO = 1.5  # backend "passing", single-rank servers, embedded aggregator / gloo
+TARGET_RETRANSMISSIONS = 1e-4  # loss-free runs: retransmissions per packet sent
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -57,8 +65,9 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _aggregator(engine: str, lanes: int, pool: int, extra: list[str] | None = None) -> tuple[subprocess.Popen, dict]:
-    return start_aggregator(["--engine", engine, "--lanes", str(lanes), "--slots", str(max(4096, pool)),
-                             *(extra or [])])
+    """An aggregator whose jobs, and widest packet, have ``lanes`` lanes (the switch's 64 in most rows)."""
+    return start_aggregator(["--engine", engine, "--lanes", str(lanes), "--max-lanes", str(lanes), "--slots",
+                             str(max(4096, pool)), *(extra or [])])
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -199,6 +208,7 @@ def passing_allreduce(engine: str, workers: int, elements: int, lanes: int, pool
         "gbit_per_s_per_worker": elements * 4 * 8 / seconds / 1e9,
         "aggregator_cpu_ms_per_call": cpu / (warmup + iterations) * 1e3,  # the MAX round and the SUM stream
         "retransmissions": sum(r["retransmissions"] for r in reports),
+        "packets_sent": sum(r.get("packets_sent", 0) for r in reports),
         "ok": all(r["ok"] for r in reports),
         "max_error": max(r["max_error"] for r in reports),
         "bound": min(r["bound"] for r in reports),
@@ -361,6 +371,107 @@ def gloo_allreduce(workers: int, elements: int, iterations: int) -> dict[str, An
     return {"workers": workers, "seconds": seconds, "gbit_per_s_per_worker": elements * 4 * 8 / seconds / 1e9}
 
 
+# ---- 7. torch's all_reduce on backend "passing", nothing configured, vs gloo ------------------
+
+
+def torch_worker(elements: int, iterations: int) -> None:
+    """One rank (torchrun's variables): backend "passing" with no controller configured (rank 0's
+    embedded controller and aggregator), and gloo among the same processes. Each call is timed
+    after a barrier; the two alternate call by call, so both see the same machine. Prints JSON."""
+    import torch
+    import torch.distributed as dist
+
+    import passing.torch  # noqa: F401  registers backend "passing"
+    from passing import quantize
+
+    dist.init_process_group("passing")
+    gloo = dist.new_group(backend="gloo")
+    pg = dist.distributed_c10d._get_default_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(elements, generator=torch.Generator().manual_seed(rank))
+    exact = x.double()
+    dist.all_reduce(exact, group=gloo)  # float64: the reference sum
+    x_max = torch.tensor([float(x.abs().max())])
+    dist.all_reduce(x_max, op=dist.ReduceOp.MAX, group=gloo)
+    stats = getattr(pg, "transport_stats", lambda: {})
+    times: dict[str, list[float]] = {"passing": [], "gloo": []}
+    results: dict[str, torch.Tensor] = {}
+    before: dict[str, int] = {}
+    for i in range(1 + iterations):  # the first of each is a warm-up
+        if i == 1:
+            before = stats()
+        for name, group in (("passing", None), ("gloo", gloo)):
+            work = x.clone()
+            dist.barrier(group=gloo)
+            start = time.perf_counter()
+            dist.all_reduce(work, group=group)
+            if i:
+                times[name].append(time.perf_counter() - start)
+            results[name] = work
+    after = stats()
+    workers = pg.stream.workers if getattr(pg, "stream", None) is not None else world
+    bound = quantize.error_bound(quantize.auto_scale(world * float(x_max), workers), workers) if workers > 1 else 0.0
+    bound += 4 * world * float(np.finfo(np.float32).eps) * world * float(x_max)  # float32 rounding of the sums
+    print(json.dumps({
+        "rank": rank, "world": world, "servers": pg.layout.servers, "mode": pg.mode, "reason": pg.reason,
+        "lanes": pg.stream.lanes if getattr(pg, "stream", None) is not None else None,
+        "seconds": {name: float(np.mean(t)) for name, t in times.items()},
+        "max_error": float((results["passing"].double() - exact).abs().max()), "bound": bound,
+        "identical_to_gloo": bool(torch.equal(results["passing"], results["gloo"])),
+        "transport": {k: after[k] - before.get(k, 0) for k in after},
+    }), flush=True)
+    dist.destroy_process_group()
+
+
+def _mtu(network: Any, mtu: int) -> None:
+    """Every veth of an emulated network, and its bridge, to ``mtu``."""
+    from cluster.netns import _sh
+
+    for host in network.hosts.values():
+        _sh("ip", "link", "set", "eth0", "mtu", str(mtu), ns=host.namespace)
+    for line in _sh("ip", "-o", "link", "show", ns=network.switch.namespace).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if name != "lo":
+            _sh("ip", "link", "set", name, "mtu", str(mtu), ns=network.switch.namespace)
+
+
+def torch_allreduce(servers: int, ranks: int, elements: int, iterations: int, mtu: int | None = None) \
+        -> dict[str, Any]:
+    """s servers x n ranks of torch_worker, nothing configured; with ``mtu``, each server a network
+    namespace on a veth of that MTU (root), else all on loopback."""
+    from cluster import netns
+    from cluster.local import collect, launch_ranks
+
+    argv = [sys.executable, __file__, "--torch-worker", str(elements), str(iterations)]
+    clean = {"PASSING_CONTROLLER": "", "PASSING_REPORT_INTERVAL": "0"}
+    if mtu is None:
+        outcomes = collect(launch_ranks(argv, servers, ranks, clean), 1800)
+    else:
+        names = [f"server{s}" for s in range(servers)]
+        with netns.EmulatedNetwork(names) as net:
+            _mtu(net, mtu)
+            procs = launch_ranks(argv, servers, ranks, clean,
+                                 popen_for_server=lambda s: lambda a, **kw: net.popen(names[s], a, **kw),
+                                 env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},
+                                 master_host=net.hosts[names[0]].ip)
+            outcomes = collect(procs, 1800)
+    reports = [r for _, r, _ in outcomes]
+    row: dict[str, Any] = {"servers": servers, "ranks": ranks, "elements": elements, "mtu": mtu}
+    if any(r is None for r in reports):
+        rc, _, err = next(o for o in outcomes if o[1] is None)
+        return {**row, "ok": False, "error": (err.strip().splitlines() or [f"exit {rc}"])[-1]}
+    passing_s = max(r["seconds"]["passing"] for r in reports)
+    gloo_s = max(r["seconds"]["gloo"] for r in reports)
+    sent = sum(r["transport"].get("packets_sent", 0) for r in reports)
+    resent = sum(r["transport"].get("retransmissions", 0) for r in reports)
+    return {**row, "ok": all(r["max_error"] <= r["bound"] for r in reports), "mode": reports[0]["mode"],
+            "reason": reports[0]["reason"], "lanes": reports[0]["lanes"], "passing_seconds": passing_s,
+            "gloo_seconds": gloo_s, "vs_gloo": passing_s / gloo_s,
+            "identical_to_gloo": all(r["identical_to_gloo"] for r in reports),
+            "max_error": max(r["max_error"] for r in reports), "bound": min(r["bound"] for r in reports),
+            "packets_sent": sent, "retransmissions": resent}
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 
@@ -397,10 +508,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--loss-iterations", type=int, default=10)
     p.add_argument("--loss", type=float, nargs="+", default=[0.0, 0.01, 0.05, 0.20],
                    help="host-side loss each way at every worker (0 is the reference)")
+    p.add_argument("--torch-servers", type=int, nargs="*", default=[2, 4, 8],
+                   help="section 7: single-rank servers on loopback (none: skip those rows)")
+    p.add_argument("--torch-elements", type=int, default=2 * 1024 * 1024)
+    p.add_argument("--one-server-elements", type=int, default=1_000_000,
+                   help="section 7: float32 elements of the one-server row (0: skip it)")
+    p.add_argument("--torch-iterations", type=int, default=5)
+    p.add_argument("--mtus", type=int, nargs="*", default=[1500, 9000],
+                   help="section 7: 2 servers in network namespaces on veths of these MTUs (root only)")
+    p.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7],
+                   help="run only these sections (the targets of the others are not judged)")
     p.add_argument("--out", type=Path, default=RESULTS / "core.json")
     args = p.parse_args()
     if args.quick:
         args.workers, args.blast_seconds, args.steady_seconds, args.loss = [2], 1.0, 2.0, [0.0, 0.05]
+        args.torch_servers, args.mtus = [2], []
     if 0.0 not in args.loss:
         args.loss = [0.0, *args.loss]
     return args
@@ -417,101 +539,132 @@ def main() -> int:
           f"{args.lanes} lanes/packet ({wire.packet_size(args.lanes)} B), pool {args.pool}", flush=True)
     started = time.perf_counter()
 
-    print("\n== 1. raw batched UDP blast (one sender process, one receiver process) ==")
-    raw = {}
-    for mode, offload in (("offload", True), ("plain", False)):
-        raw[mode] = r = raw_blast(args.lanes, args.blast_seconds, offload)
-        print(f"{mode:>7}: {r['packets_per_s'] / 1e3:7.0f} kpps received ({r['gbit_per_s']:.2f} Gbit/s; "
-              f"{r['received']}/{r['sent']} delivered)", flush=True)
-    raw_gso = raw["offload"]["packets_per_s"]
-
-    print("\n== 2. the aggregator alone, open loop, GSO/GRO ==")
-    print(f"{'engine':>7} | {'workers':>7} | {'taken kpps':>10} | {'CPU':>5} | {'us/packet':>9} | "
-          f"{'kpps per busy core':>18} | {'vs raw GSO':>10}")
+    raw: dict[str, Any] = {}
     capacity: dict[str, dict[str, Any]] = {e: {} for e in engines}
-    for engine in engines:
-        for n in args.workers:
-            c = aggregator_capacity(engine, n, args.lanes, args.pool, args.blast_seconds)
-            c["vs_raw_gso"] = c["capacity_packets_per_s"] / raw_gso
-            capacity[engine][str(n)] = c
-            print(f"{engine:>7} | {n:>7} | {c['packets_per_s'] / 1e3:10.0f} | {c['cpu_share']:5.0%} | "
-                  f"{c['cpu_us_per_packet']:9.3f} | {c['capacity_packets_per_s'] / 1e3:18.0f} | "
-                  f"{c['vs_raw_gso']:10.0%}", flush=True)
-
-    print(f"\n== 3. allreduce of {args.elements} float32, ms per call (1 warm-up + {args.iterations} timed), "
-          f"aggregator CPU ms per call ==")
-    print(f"{'workers':>7} | {'lanes':>5} | {'native ms':>9} | {'numpy ms':>9} | {'gloo ms':>8} | "
-          f"{'native/numpy speed-up':>21} | {'native/gloo':>11} | {'agg CPU ms nat/np':>17} | "
-          f"{'retx nat/np':>11} | {'exact':>5}")
-    configs = [(n, args.lanes, args.pool) for n in args.workers]
-    if args.wide_lanes:
-        configs.append((2, args.wide_lanes, args.wide_pool))
-    gloo: dict[int, dict[str, Any] | None] = {}
-    allreduce = []
-    for n, lanes, pool in configs:
-        if n not in gloo:
-            gloo[n] = gloo_allreduce(n, args.elements, args.iterations)
-        row: dict[str, Any] = {"workers": n, "lanes": lanes, "pool": pool, "gloo": gloo[n]}
-        for engine in engines:
-            row[engine] = passing_allreduce(engine, n, args.elements, lanes, pool, args.iterations)
-        nat, nump, gl = row.get("native"), row.get("numpy"), gloo[n]
-        row["speedup"] = nump["seconds"] / nat["seconds"] if _done(nat) and _done(nump) else None
-        row["native_vs_gloo"] = nat["seconds"] / gl["seconds"] if _done(nat) and gl else None
-        allreduce.append(row)
-        cpu = "/".join(f"{row[e]['aggregator_cpu_ms_per_call']:.0f}" if _done(row[e]) else "-" for e in engines)
-        retx = "/".join(str(row[e]["retransmissions"]) if _done(row[e]) else "-" for e in engines)
-        exact = all(row[e]["ok"] for e in engines)
-        speedup = f"{row['speedup']:.1f}x" if row["speedup"] else "n/a"
-        vs_gloo = f"{row['native_vs_gloo']:.1f}x" if row["native_vs_gloo"] else "n/a"
-        print(f"{n:>7} | {lanes:>5} | {_ms(nat):>9} | {_ms(nump):>9} | {_ms(gl):>8} | {speedup:>21} | "
-              f"{vs_gloo:>11} | {cpu:>17} | {retx:>11} | {'yes' if exact else 'NO':>5}", flush=True)
-
-    print(f"\n== 4. aggregator CPU at a steady {args.steady_rate:.0f} packets/s (2-worker job, "
-          f"{args.steady_seconds:g} s, every round completes) ==")
-    steady = {}
-    for engine in engines:
-        s = steady[engine] = aggregator_steady(engine, args.steady_rate, args.steady_seconds, args.lanes, args.pool)
-        print(f"{engine:>7}: {s['cpu_share']:6.2%} of a core ({s['cpu_us_per_packet']:.1f} us/packet; idle "
-              f"{s['idle_cpu_share']:.2%}) at {s['offered_packets_per_s']:.0f} packets/s offered; "
-              f"{s['completed']}/{s['rounds']} rounds completed, {s['results_received']}/{s['packets']} RESULTs back",
-              flush=True)
-    if "native" in engines:
-        f = steady["floor"] = aggregator_steady("native", args.steady_rate, args.steady_seconds, args.lanes,
-                                                args.pool, admit=False)
-        print(f"  floor: {f['cpu_share']:6.2%} of a core ({f['cpu_us_per_packet']:.1f} us/packet) for the same "
-              f"packets of a job not admitted ({f['rejected']}/{f['packets']} rejected, nothing sent): waking up, "
-              f"reading and parsing one packet at a time", flush=True)
-
-    print(f"\n== 5. peak memory added by one allreduce of {args.memory_elements} float32 "
-          f"({args.memory_elements * 4 / MIB:.0f} MiB), 2 workers, native path ==")
-    memory = {}
-    if "native" in engines:
-        for use_out in (True, False):
-            m = memory["out" if use_out else "out=None"] = allreduce_memory(
-                "native", args.memory_elements, args.lanes, args.pool, use_out)
-            resets = all(w["hwm_reset"] for w in m["workers"])
-            print(f"{'out=' if use_out else 'out=None':>8}: {m['added'] / MIB:7.1f} MiB peak over the RSS with input "
-                  f"and output allocated (worst worker; VmHWM {'reset' if resets else 'NOT reset: upper bound'}), "
-                  f"call {m['seconds'] * 1e3:.0f} ms", flush=True)
-
-    print(f"\n== 6. loss: {args.loss_workers} workers, {args.loss_elements} float32, pool {args.loss_pool}, "
-          f"1 warm-up + {args.loss_iterations} timed, host-side loss each way at every worker ==")
-    print(f"{'engine':>7} | {'loss':>5} | {'ms/call':>8} | {'vs no loss':>10} | {'target':>6} | {'retx':>6} | "
-          f"{'exact':>5}")
+    allreduce: list[dict[str, Any]] = []
+    steady: dict[str, Any] = {}
+    memory: dict[str, Any] = {}
     loss: dict[str, list[dict[str, Any]]] = {}
-    for engine in engines:
-        loss[engine] = []
-        for p in sorted(args.loss):
-            r = passing_allreduce(engine, args.loss_workers, args.loss_elements, args.lanes, args.loss_pool,
-                                  args.loss_iterations, drop=p)
-            base = loss[engine][0] if loss[engine] else r
-            r["vs_no_loss"] = r["seconds"] / base["seconds"] if _done(r) and _done(base) else None
-            loss[engine].append(r)
-            ratio = f"{r['vs_no_loss']:.2f}x" if r["vs_no_loss"] else "n/a"
-            goal = f"{TARGET_LOSS[p]:g}x" if p in TARGET_LOSS else "-"
-            print(f"{engine:>7} | {p:5.0%} | {_ms(r):>8} | {ratio:>10} | {goal:>6} | "
-                  f"{r.get('retransmissions', '-'):>6} | {'yes' if r['ok'] else 'NO':>5}"
-                  + (f"  ({r['error']})" if "error" in r else ""), flush=True)
+    torch_rows: list[dict[str, Any]] = []
+    if 1 in args.sections:
+        print("\n== 1. raw batched UDP blast (one sender process, one receiver process) ==")
+        for mode, offload in (("offload", True), ("plain", False)):
+            raw[mode] = r = raw_blast(args.lanes, args.blast_seconds, offload)
+            print(f"{mode:>7}: {r['packets_per_s'] / 1e3:7.0f} kpps received ({r['gbit_per_s']:.2f} Gbit/s; "
+                  f"{r['received']}/{r['sent']} delivered)", flush=True)
+
+    if 2 in args.sections:
+        print("\n== 2. the aggregator alone, open loop, GSO/GRO ==")
+        print(f"{'engine':>7} | {'workers':>7} | {'taken kpps':>10} | {'CPU':>5} | {'us/packet':>9} | "
+              f"{'kpps per busy core':>18} | {'vs raw GSO':>10}")
+        for engine in engines:
+            for n in args.workers:
+                c = aggregator_capacity(engine, n, args.lanes, args.pool, args.blast_seconds)
+                c["vs_raw_gso"] = c["capacity_packets_per_s"] / raw["offload"]["packets_per_s"] if raw else None
+                capacity[engine][str(n)] = c
+                print(f"{engine:>7} | {n:>7} | {c['packets_per_s'] / 1e3:10.0f} | {c['cpu_share']:5.0%} | "
+                      f"{c['cpu_us_per_packet']:9.3f} | {c['capacity_packets_per_s'] / 1e3:18.0f} | "
+                      f"{c['vs_raw_gso'] or 0:10.0%}", flush=True)
+
+    if 3 in args.sections:
+        print(f"\n== 3. allreduce of {args.elements} float32, ms per call (1 warm-up + {args.iterations} timed), "
+              f"aggregator CPU ms per call ==")
+        print(f"{'workers':>7} | {'lanes':>5} | {'native ms':>9} | {'numpy ms':>9} | {'gloo ms':>8} | "
+              f"{'native/numpy speed-up':>21} | {'native/gloo':>11} | {'agg CPU ms nat/np':>17} | "
+              f"{'retx nat/np':>11} | {'exact':>5}")
+        configs = [(n, args.lanes, args.pool) for n in args.workers]
+        if args.wide_lanes:
+            configs.append((2, args.wide_lanes, args.wide_pool))
+        gloo: dict[int, dict[str, Any] | None] = {}
+        for n, lanes, pool in configs:
+            if n not in gloo:
+                gloo[n] = gloo_allreduce(n, args.elements, args.iterations)
+            row: dict[str, Any] = {"workers": n, "lanes": lanes, "pool": pool, "gloo": gloo[n]}
+            for engine in engines:
+                row[engine] = passing_allreduce(engine, n, args.elements, lanes, pool, args.iterations)
+            nat, nump, gl = row.get("native"), row.get("numpy"), gloo[n]
+            row["speedup"] = nump["seconds"] / nat["seconds"] if _done(nat) and _done(nump) else None
+            row["native_vs_gloo"] = nat["seconds"] / gl["seconds"] if _done(nat) and gl else None
+            allreduce.append(row)
+            cpu = "/".join(f"{row[e]['aggregator_cpu_ms_per_call']:.0f}" if _done(row[e]) else "-" for e in engines)
+            retx = "/".join(str(row[e]["retransmissions"]) if _done(row[e]) else "-" for e in engines)
+            exact = all(row[e]["ok"] for e in engines)
+            speedup = f"{row['speedup']:.1f}x" if row["speedup"] else "n/a"
+            vs_gloo = f"{row['native_vs_gloo']:.1f}x" if row["native_vs_gloo"] else "n/a"
+            print(f"{n:>7} | {lanes:>5} | {_ms(nat):>9} | {_ms(nump):>9} | {_ms(gl):>8} | {speedup:>21} | "
+                  f"{vs_gloo:>11} | {cpu:>17} | {retx:>11} | {'yes' if exact else 'NO':>5}", flush=True)
+
+    if 4 in args.sections:
+        print(f"\n== 4. aggregator CPU at a steady {args.steady_rate:.0f} packets/s (2-worker job, "
+              f"{args.steady_seconds:g} s, every round completes) ==")
+        for engine in engines:
+            s = steady[engine] = aggregator_steady(engine, args.steady_rate, args.steady_seconds, args.lanes, args.pool)
+            print(f"{engine:>7}: {s['cpu_share']:6.2%} of a core ({s['cpu_us_per_packet']:.1f} us/packet; idle "
+                  f"{s['idle_cpu_share']:.2%}) at {s['offered_packets_per_s']:.0f} packets/s offered; "
+                  f"{s['completed']}/{s['rounds']} rounds completed, "
+                  f"{s['results_received']}/{s['packets']} RESULTs back", flush=True)
+        if "native" in engines:
+            f = steady["floor"] = aggregator_steady("native", args.steady_rate, args.steady_seconds, args.lanes,
+                                                    args.pool, admit=False)
+            print(f"  floor: {f['cpu_share']:6.2%} of a core ({f['cpu_us_per_packet']:.1f} us/packet) for the same "
+                  f"packets of a job not admitted ({f['rejected']}/{f['packets']} rejected, nothing sent): waking up, "
+                  f"reading and parsing one packet at a time", flush=True)
+
+    if 5 in args.sections:
+        print(f"\n== 5. peak memory added by one allreduce of {args.memory_elements} float32 "
+              f"({args.memory_elements * 4 / MIB:.0f} MiB), 2 workers, native path ==")
+        if "native" in engines:
+            for use_out in (True, False):
+                m = memory["out" if use_out else "out=None"] = allreduce_memory(
+                    "native", args.memory_elements, args.lanes, args.pool, use_out)
+                resets = all(w["hwm_reset"] for w in m["workers"])
+                print(f"{'out=' if use_out else 'out=None':>8}: {m['added'] / MIB:7.1f} MiB peak over the RSS "
+                      "with input and output allocated (worst worker; VmHWM "
+                      f"{'reset' if resets else 'NOT reset: upper bound'}), "
+                      f"call {m['seconds'] * 1e3:.0f} ms", flush=True)
+
+    if 6 in args.sections:
+        print(f"\n== 6. loss: {args.loss_workers} workers, {args.loss_elements} float32, pool {args.loss_pool}, "
+              f"1 warm-up + {args.loss_iterations} timed, host-side loss each way at every worker ==")
+        print(f"{'engine':>7} | {'loss':>5} | {'ms/call':>8} | {'vs no loss':>10} | {'target':>6} | {'retx':>6} | "
+              f"{'exact':>5}")
+        for engine in engines:
+            loss[engine] = []
+            for p in sorted(args.loss):
+                r = passing_allreduce(engine, args.loss_workers, args.loss_elements, args.lanes, args.loss_pool,
+                                      args.loss_iterations, drop=p)
+                base = loss[engine][0] if loss[engine] else r
+                r["vs_no_loss"] = r["seconds"] / base["seconds"] if _done(r) and _done(base) else None
+                loss[engine].append(r)
+                ratio = f"{r['vs_no_loss']:.2f}x" if r["vs_no_loss"] else "n/a"
+                goal = f"{TARGET_LOSS[p]:g}x" if p in TARGET_LOSS else "-"
+                print(f"{engine:>7} | {p:5.0%} | {_ms(r):>8} | {ratio:>10} | {goal:>6} | "
+                      f"{r.get('retransmissions', '-'):>6} | {'yes' if r['ok'] else 'NO':>5}"
+                      + (f"  ({r['error']})" if "error" in r else ""), flush=True)
+
+    if 7 in args.sections:
+        print(f"\n== 7. torch all_reduce on backend \"passing\", nothing configured (embedded aggregator), vs gloo in "
+              f"the same processes (1 warm-up + {args.torch_iterations} timed, alternating) ==")
+        print(f"{'servers x ranks':>15} | {'where':>10} | {'elements':>9} | {'mode':>6} | {'lanes':>5} | "
+              f"{'passing ms':>10} | {'gloo ms':>8} | {'vs gloo':>7} | {'bit-identical':>13} | {'exact':>5} | "
+              f"{'retx/packets':>12}")
+        runs = [(1, 2, args.one_server_elements, None)] if args.one_server_elements else []
+        runs += [(n, 1, args.torch_elements, None) for n in args.torch_servers]
+        if os.geteuid() == 0:
+            runs += [(2, 1, args.torch_elements, mtu) for mtu in args.mtus]
+        elif args.mtus:
+            print("  (the network-namespace rows need root: skipped)")
+        for servers, ranks, elements, mtu in runs:
+            t = torch_allreduce(servers, ranks, elements, args.torch_iterations, mtu)
+            torch_rows.append(t)
+            where = f"veth {mtu}" if mtu else "loopback"
+            if not t["ok"] and "error" in t:
+                print(f"{f'{servers} x {ranks}':>15} | {where:>10} | {elements:>9} | FAILED: {t['error']}", flush=True)
+                continue
+            print(f"{f'{servers} x {ranks}':>15} | {where:>10} | {elements:>9} | {t['mode']:>6} | "
+                  f"{t['lanes'] or '-':>5} | {t['passing_seconds'] * 1e3:10.1f} | {t['gloo_seconds'] * 1e3:8.1f} | "
+                  f"{t['vs_gloo']:6.2f}x | {'yes' if t['identical_to_gloo'] else 'no':>13} | "
+                  f"{'yes' if t['ok'] else 'NO':>5} | {t['retransmissions']:>5}/{t['packets_sent']}", flush=True)
 
     print("\n== targets ==")
     targets: list[dict[str, Any]] = []
@@ -522,7 +675,7 @@ def main() -> int:
         print(f"  {what}: {text} -> {_verdict(met)}")
 
     if "native" in engines:
-        for n, c in capacity["native"].items():
+        for n, c in capacity["native"].items() if raw else []:
             target(f"native aggregator alone, {n} workers, capacity vs raw GSO", c["vs_raw_gso"],
                    TARGET_CAPACITY_VS_RAW, True, f"{c['vs_raw_gso']:.0%} (target >= {TARGET_CAPACITY_VS_RAW:.0%})")
         for row in allreduce:
@@ -533,20 +686,46 @@ def main() -> int:
             if row["native_vs_gloo"]:
                 target(f"native/gloo, {row['workers']} workers, {row['lanes']} lanes", row["native_vs_gloo"],
                        TARGET_VS_GLOO, False, f"{row['native_vs_gloo']:.1f}x (target <= {TARGET_VS_GLOO:g}x)")
-        s = steady["native"]
-        target(f"native aggregator CPU at {args.steady_rate:.0f} pps", s["cpu_share"], TARGET_STEADY_CPU, False,
-               f"{s['cpu_share']:.2%} of a core (target <= {TARGET_STEADY_CPU:.0%}; the receive-only floor "
-               f"on this machine: {steady['floor']['cpu_share']:.2%})")
-        m = memory["out"]
-        target(f"peak memory added, {args.memory_elements} floats, out=", m["added"] / MIB, TARGET_MEMORY / MIB, False,
-               f"{m['added'] / MIB:.1f} MiB (target <= {TARGET_MEMORY / MIB:.0f} MiB)")
+        s = steady.get("native")
+        if s:
+            target(f"native aggregator CPU at {args.steady_rate:.0f} pps", s["cpu_share"], TARGET_STEADY_CPU, False,
+                   f"{s['cpu_share']:.2%} of a core (target <= {TARGET_STEADY_CPU:.0%}; the receive-only floor "
+                   f"on this machine: {steady['floor']['cpu_share']:.2%})")
+        m = memory.get("out")
+        if m:
+            target(f"peak memory added, {args.memory_elements} floats, out=", m["added"] / MIB, TARGET_MEMORY / MIB,
+                   False, f"{m['added'] / MIB:.1f} MiB (target <= {TARGET_MEMORY / MIB:.0f} MiB)")
     for engine in engines:
-        for r in loss[engine]:
+        for r in loss.get(engine, []):
             goal = TARGET_LOSS.get(r["drop"])
             if goal is not None:
                 value = r["vs_no_loss"] if r["ok"] else None
                 target(f"{engine} under {r['drop']:.0%} loss vs no loss (exact)", value, goal, False,
                        f"{value:.2f}x (target <= {goal:g}x)" if value else "failed or inexact")
+
+    for row in allreduce:  # loss-free runs: spurious retransmissions
+        for engine in engines:
+            r = row.get(engine)
+            if _done(r) and r.get("packets_sent"):
+                rate = r["retransmissions"] / r["packets_sent"]
+                target(f"{engine} retransmissions per packet, {row['workers']} workers, {row['lanes']} lanes, "
+                       "no loss", rate, TARGET_RETRANSMISSIONS, False, f"{r['retransmissions']} of "
+                       f"{r['packets_sent']} (target <= 1 per {1 / TARGET_RETRANSMISSIONS:.0f})")
+    for t in torch_rows:
+        if "error" in t:
+            target(f"torch {t['servers']} x {t['ranks']}", None, 0, False, f"failed: {t['error']}")
+            continue
+        where = f"veths of MTU {t['mtu']}" if t["mtu"] else "loopback"
+        goal = TARGET_ONE_SERVER_VS_GLOO if t["servers"] == 1 else TARGET_EMBEDDED_VS_GLOO
+        if t["servers"] == 1:
+            target("torch one server x 2 ranks: bit-identical to gloo", float(t["identical_to_gloo"]), 1.0, True,
+                   "yes" if t["identical_to_gloo"] else "no")
+        target(f"torch {t['servers']} x {t['ranks']} on {where} vs gloo (exact)", t["vs_gloo"] if t["ok"] else None,
+               goal, False, f"{t['vs_gloo']:.2f}x (target <= {goal:g}x)" + ("" if t["ok"] else ", NOT exact"))
+        if t["packets_sent"]:
+            target(f"torch {t['servers']} x {t['ranks']} on {where}: retransmissions per packet",
+                   t["retransmissions"] / t["packets_sent"], TARGET_RETRANSMISSIONS, False,
+                   f"{t['retransmissions']} of {t['packets_sent']}")
 
     elapsed = time.perf_counter() - started
     machine["loadavg_at_end"] = os.getloadavg()
@@ -555,7 +734,7 @@ def main() -> int:
     args.out.write_text(json.dumps({
         "config": vars(args) | {"out": str(args.out)}, "machine": machine, "seconds": elapsed, "raw": raw,
         "aggregator_alone": capacity, "allreduce": allreduce, "steady": steady, "memory": memory, "loss": loss,
-        "targets": targets,
+        "torch": torch_rows, "targets": targets,
     }, indent=2))
     print(f"wrote {args.out}")
     return 0
@@ -570,6 +749,8 @@ if __name__ == "__main__":
         blast_receiver(int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4])), idle=1.0)
     elif len(sys.argv) > 1 and sys.argv[1] == "--gloo-worker":
         gloo_worker(*map(int, sys.argv[2:7]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--torch-worker":
+        torch_worker(int(sys.argv[2]), int(sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--memory-worker":
         w, n, agg, bind, gen, pool, lanes, elements, engine, use_out = sys.argv[2:12]
         memory_worker(int(w), int(n), agg, bind, int(gen), int(pool), int(lanes), int(elements), engine,

@@ -190,11 +190,14 @@ class Cluster:
             sw, ps = self.net.switch.ip, self.net.hosts["ps"].ip
             in_switch: Callable[..., subprocess.Popen] = lambda argv, **kw: self.net.popen("switch", argv, **kw)
             self.aggregators: dict[str, dict[str, Any]] = {}
-            # ipc:// control sockets: the harness, in the root namespace, reads their counters through them
+            # ipc:// control sockets: the harness, in the root namespace, reads their counters through them.
+            # Both take the switch's packet size only (cost_model.LANES): the schemes are compared, and modelled,
+            # with the packets of a Tofino, where a PS alone would take MTU-sized ones (docs/control.md)
             for name, where, ip in (("switch", "switch", sw), ("ps", "ps", ps)):
                 control = f"ipc://{workdir}/{name}-aggregator.ipc"
                 proc = self.popen(where, [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen",
-                                          f"{ip}:9877", "--control", control], stdout=subprocess.PIPE, text=True)
+                                          f"{ip}:9877", "--control", control, "--max-lanes", str(cost_model.LANES)],
+                                  stdout=subprocess.PIPE, text=True)
                 if not proc.stdout.readline():
                     raise RuntimeError(f"the {name} aggregator did not start")
                 self.aggregators[name] = {"pid": proc.pid, "control": control, "data": f"{ip}:9877"}

@@ -20,7 +20,8 @@ def target(network, switch):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if not s.switch_only], ids=lambda s: s.name)
+@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if not s.switch_only and not s.software_only],
+                         ids=lambda s: s.name)
 def test_scenario_on_bmv2(target, scenario):
     run_scenario(target, scenario, scapy_builder)
 

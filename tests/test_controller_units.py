@@ -128,7 +128,7 @@ def test_a_store_of_the_previous_schema_is_refused_with_a_clear_error(tmp_path):
 def test_p4runtime_tls_in_the_topology_and_a_clear_error_for_a_missing_file():
     from pathlib import Path
 
-    from passing_controller.p4runtime import Switch, SwitchError, Tls
+    from passing_controller.p4runtime import SwitchError, Tls, connect
     from passing_controller.topology import Topology, TopologyError
 
     switch = {"p4runtime": "127.0.0.1:1", "aggregation_mac": "02:00:00:00:00:fe", "aggregation_ip": "10.0.0.254"}
@@ -139,4 +139,4 @@ def test_p4runtime_tls_in_the_topology_and_a_clear_error_for_a_missing_file():
         with pytest.raises(TopologyError, match="tls"):
             Topology.from_dict({"switch": {**switch, "tls": bad}, "hosts": []})
     with pytest.raises(SwitchError, match="cannot read /nonexistent/ca.pem"):
-        Switch("127.0.0.1:1", tls=Tls(Path("/nonexistent/ca.pem")))
+        connect("127.0.0.1:1", tls=Tls(Path("/nonexistent/ca.pem")))

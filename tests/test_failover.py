@@ -138,7 +138,8 @@ class DyingAggregator(SoftwareAggregator):
     serving (its data and control sockets close: to the controller it is dead)."""
 
     def __init__(self, at: int, deliver_to: set[int]) -> None:
-        super().__init__(listen=("127.0.0.1", 0), control="tcp://127.0.0.1:*", engine="numpy", offload=False)
+        super().__init__(listen=("127.0.0.1", 0), control="tcp://127.0.0.1:*", engine="numpy", offload=False,
+                         max_lanes=LANES)  # the psns below count 64-lane packets
         self.at, self.deliver_to = at, deliver_to
         self.dead = threading.Event()
 
@@ -178,7 +179,7 @@ def test_the_group_agrees_on_the_call_to_redo_around_the_last_result(tmp_path, c
     dying = DyingAggregator(at=last_psn_of_call_2, deliver_to=deliver_to)
     thread = threading.Thread(target=dying.serve)
     thread.start()
-    backup, backup_ready = start_aggregator()
+    backup, backup_ready = start_aggregator(["--max-lanes", str(LANES)])
     try:
         host, port = dying.address
         first = {"data": f"{host}:{port}", "control": dying.control_endpoint}

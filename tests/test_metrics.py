@@ -40,7 +40,7 @@ def scrape(address: str) -> dict[tuple[str, tuple], float]:
 def known_run(tmp_path_factory):
     """Two workers, CALLS allreduces of PACKETS packets through the controller; both endpoints scraped
     while the group runs and after the workers left with their final reports."""
-    agg_proc, agg = start_aggregator(["--metrics", "127.0.0.1:0"])
+    agg_proc, agg = start_aggregator(["--metrics", "127.0.0.1:0", "--max-lanes", str(LANES)])  # PACKETS of 64 lanes
     ctl_proc, ctl = start_controller({"ps": [{"data": agg["data"], "control": agg["control"]}]},
                                      tmp_path_factory.mktemp("ctl"), f"tcp://127.0.0.1:{free_tcp_port()}",
                                      ["--metrics", "127.0.0.1:0"])

@@ -4,6 +4,7 @@ controller that does not answer is still an error (never a silent fallback)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,15 +40,39 @@ def check_embedded(reports: list[dict], address: str) -> None:
     assert rank0["port_free"] and rank0["threads_left"] == [], rank0  # stopped with the process group
 
 
+def torchrun_standalone(ranks: int, scenario: str, **env: str) -> tuple[list[dict], str]:
+    proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(ranks), "-m",
+                           "tests.torch_worker", scenario], cwd=REPO, env={**clean_env(), **env}, capture_output=True,
+                          text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], proc.stderr
+
+
 @pytest.mark.timeout(180)
 def test_torchrun_standalone_needs_nothing_else():
-    """`torchrun --standalone --nproc-per-node 4 train.py`, nothing configured."""
-    proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "4", "-m", "tests.torch_worker",
-                           "embedded"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = [__import__("json").loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    """`torchrun --standalone --nproc-per-node 4 train.py`, nothing configured, with a scheme that streams
+    every rank (switchml): the embedded controller and aggregator serve it."""
+    reports, stderr = torchrun_standalone(4, "embedded", PASSING_SCHEME="switchml")
     check_embedded(reports, "127.0.0.1")
-    assert proc.stderr.count(ANNOUNCEMENT) == 1, proc.stderr[-3000:]  # said once, by rank 0
+    assert stderr.count(ANNOUNCEMENT) == 1, stderr[-3000:]  # said once, by rank 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("scheme", ["passing", "psring"])
+def test_one_server_has_no_network_stage(scheme):
+    """`torchrun --standalone` with the in-host schemes: every rank is on one server, so all_reduce is
+    gloo's own (bit for bit, SUM and AVG, sync and async); no controller is contacted (a configured one
+    that does not answer is no error), no aggregator starts, no socket or thread of PASSING's exists, and
+    rank 0 says why, once."""
+    for env in ({}, {"PASSING_CONTROLLER": f"tcp://127.0.0.1:{free_tcp_port()}", "PASSING_JOIN_TIMEOUT": "1"}):
+        reports, stderr = torchrun_standalone(2, "one_server", PASSING_SCHEME=scheme, **env)
+        assert len(reports) == 2
+        for r in reports:
+            assert r["mode"] == "in-host" and "one server" in r["reason"], r
+            assert all(r["identical_to_gloo"]), r
+            assert not r["stream"] and not r["embedded"] and r["stats"] == {} and r["threads"] == [], r
+        assert stderr.count("no network stage") == 1, stderr[-3000:]  # said once, by rank 0
+        assert ANNOUNCEMENT not in stderr, stderr[-3000:]
 
 
 @pytest.mark.timeout(180)

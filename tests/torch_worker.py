@@ -42,11 +42,11 @@ def allreduce(sizes: list[int]) -> dict:
                 g = torch.Generator().manual_seed(size * 131 + rank)
                 x = (torch.rand(size, generator=g) - 0.5) * (rank + 1)
                 mine = x.clone()
-                sent = transport_stats()["packets_sent"]
+                sent = transport_stats().get("packets_sent", 0)
                 work = dist.all_reduce(mine, op=op, async_op=async_op)
                 if async_op:
                     work.wait()
-                streamed = transport_stats()["packets_sent"] > sent  # it went through PASSING
+                streamed = transport_stats().get("packets_sent", 0) > sent  # it went through PASSING
                 expected = x.clone()
                 dist.all_reduce(expected, group=reference)  # gloo has no AVG: sum, then divide
                 if op == dist.ReduceOp.AVG:
@@ -63,7 +63,8 @@ def allreduce(sizes: list[int]) -> dict:
                 dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=reference)
                 dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=reference)
                 checks.append({"size": size, "async": async_op, "op": str(op), "error": err, "bound": b,
-                               "identical": bool(lo == hi), "streamed": streamed})
+                               "identical": bool(lo == hi), "streamed": streamed,
+                               "identical_to_gloo": bool(torch.equal(mine, expected))})
     return {"checks": checks, "mode": pg.mode, "servers": servers, "ranks_per_server": pg.layout.ranks_per_server}
 
 
@@ -193,9 +194,9 @@ def nonfinite() -> dict:
                 x[:] = float("inf") if rank == 0 else 1.0  # every element non-finite: the shard's scale is 0
             x = x.to(dtype)
             mine = x.clone()
-            sent = transport_stats()["packets_sent"]
+            sent = transport_stats().get("packets_sent", 0)
             dist.all_reduce(mine)
-            streamed = transport_stats()["packets_sent"] > sent
+            streamed = transport_stats().get("packets_sent", 0) > sent
             expected = x.float()
             dist.all_reduce(expected, group=reference)  # float32 IEEE sums, cast back like PASSING's
             expected = expected.to(dtype).float()
@@ -285,12 +286,37 @@ def embedded_run() -> dict:
     return out
 
 
+def one_server() -> dict:
+    """All ranks on one server: gloo's own bits, with no stream, no controller, no aggregator."""
+    import threading
+
+    pg = dist.distributed_c10d._get_default_group()
+    reference = dist.new_group(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(rank))
+    identical = []
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        for async_op in (False, True):
+            mine, expected = x.clone(), x.clone()
+            work = dist.all_reduce(mine, op=op, async_op=async_op)
+            if async_op:
+                work.wait()
+            dist.all_reduce(expected, group=reference)  # gloo has no AVG: its sum, divided
+            if op == dist.ReduceOp.AVG:
+                expected /= world
+            identical.append(bool(torch.equal(mine, expected)))
+    return {"rank": rank, "mode": pg.mode, "reason": pg.reason, "identical_to_gloo": identical,
+            "stream": pg.stream is not None, "embedded": pg.embedded is not None, "stats": transport_stats(),
+            "threads": [t.name for t in threading.enumerate() if t.name.startswith("passing")]}
+
+
 SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lambda a: bytes_per_allreduce(int(a[0])),
              "fallback": lambda a: fallback(), "dead_peer": lambda a: dead_peer(int(a[0])),
              "ddp": lambda a: ddp(int(a[0])), "ddp_fault": lambda a: ddp_fault(int(a[0])),
              "post_local_sgd": lambda a: post_local_sgd(int(a[0])),
              "hook": lambda a: hook(int(a[0])), "nonfinite": lambda a: nonfinite(),
-             "gradscaler": lambda a: gradscaler(int(a[0])), "embedded": lambda a: embedded_run()}
+             "gradscaler": lambda a: gradscaler(int(a[0])), "embedded": lambda a: embedded_run(),
+             "one_server": lambda a: one_server()}
 
 
 def init_explicitly() -> None:

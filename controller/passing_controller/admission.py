@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from p4.v1 import p4runtime_pb2
+from typing import TYPE_CHECKING
 
 from .allocation import Allocation
-from .p4runtime import Switch
+
+if TYPE_CHECKING:  # the session needs the switch extra; importing this module does not
+    from p4.v1 import p4runtime_pb2
+
+    from .session import Switch
 
 TABLE = "PassingIngress.admission"
 ACTION = "PassingIngress.admit"

@@ -6,10 +6,14 @@ like any other traffic.
 
 from __future__ import annotations
 
-from p4.v1 import p4runtime_pb2
+from typing import TYPE_CHECKING
 
-from .p4runtime import Switch
 from .topology import Topology, ip_to_int
+
+if TYPE_CHECKING:  # the session needs the switch extra; importing this module does not
+    from p4.v1 import p4runtime_pb2
+
+    from .session import Switch
 
 TABLE = "PassingIngress.aggregator_address"
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .p4runtime import Switch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the session needs the switch extra; importing this module does not
+    from .session import Switch
 
 MAX_JOBS = 1024  # PASSING_MAX_JOBS in p4/include/constants.p4: counters are indexed by job mod this
 INGRESS = ("received", "rejected", "aggregated", "completed", "duplicate", "duplicate_answered", "stale",

@@ -6,11 +6,15 @@ egress rewrites each copy's MAC/IP/UDP destination to that worker.
 
 from __future__ import annotations
 
-from p4.v1 import p4runtime_pb2
+from typing import TYPE_CHECKING
 
 from .allocation import Allocation
-from .p4runtime import Switch
 from .topology import ip_to_int, mac_to_int
+
+if TYPE_CHECKING:  # the session needs the switch extra; importing this module does not
+    from p4.v1 import p4runtime_pb2
+
+    from .session import Switch
 
 TABLE = "PassingEgress.result_rewrite"
 ACTION = "PassingEgress.to_worker"

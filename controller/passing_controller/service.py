@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -33,10 +33,13 @@ from . import admission, aggregator_address, counters, l2_forward, result_rewrit
 from .allocation import MAX_JOB_ID, Allocation, Worker
 from .allocator import SlotAllocator, SlotsExhausted
 from .keys import CONTROLLER_DOMAIN, ClientKeys, ServerKeys, digest, matches, new_secret, serve_curve
-from .p4runtime import Pipeline, Switch, SwitchError, Tls
+from .p4runtime import Pipeline, SwitchError, Tls, connect
 from .schema import RequestError
 from .store import Record, Store, StoreError
 from .topology import PsEndpoint, Topology, TopologyError
+
+if TYPE_CHECKING:
+    from .session import Switch
 
 log = logging.getLogger("passing_controller")
 
@@ -156,7 +159,7 @@ class Controller:
             return
         try:
             tls = None if self.topo.tls is None else Tls(**{k: Path(v) for k, v in self.topo.tls.items()})
-            sw = Switch(self.topo.p4runtime, self.topo.device_id, timeout=self.switch_timeout, tls=tls)
+            sw = connect(self.topo.p4runtime, self.topo.device_id, timeout=self.switch_timeout, tls=tls)
         except SwitchError as e:
             self._switch_down(str(e))
             log.warning("switch unavailable, PS fallback only: %s", e)
@@ -554,9 +557,10 @@ class Controller:
                 raise AggregatorFailed(f"PS {ps.control}: {e}") from None
         addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
         try:
+            lanes = ps.lanes(self.ps_request(ps.control, "ping"))  # the largest the PS and the path MTU take
             self.ps_request(ps.control, "add_job",
                             job={"job": job_id, "base": base, "pool": pool, "workers": addresses,
-                                 "generation": generation})
+                                 "generation": generation, "lanes": lanes})
         except (OSError, RequestError) as e:  # down (TimeoutError is an OSError), hanging, or refusing
             with self.lock:
                 allocator.release(base)
@@ -564,7 +568,7 @@ class Controller:
             log.warning("PS %s failed to admit job %s group %d: %s", ps.control, name, group, e)
             raise AggregatorFailed(f"PS {ps.control}: {e}") from None
         r = Record(job_id, name, group, "ps", generation, base, pool, workers,
-                   {"data": ps.data, "control": ps.control})
+                   {"data": ps.data, "control": ps.control, "lanes": lanes})
         with self.lock:
             self.store.mark_up(ps.control)
             self._add(r)
@@ -835,7 +839,7 @@ class Controller:
         host, port = record.aggregator["data"].rsplit(":", 1)
         return {"mode": record.mode, "reason": reason, "job": record.job_name, "group": record.group,
                 "job_id": record.job_id, "generation": record.generation, "workers": len(record.workers),
-                "pool": record.pool, "lanes": self.topo.lanes,
+                "pool": record.pool, "lanes": record.aggregator.get("lanes", self.topo.lanes),
                 "aggregators": [{"host": host, "port": int(port), "pool": record.pool}]}
 
     def _expire(self) -> None:

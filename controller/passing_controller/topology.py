@@ -8,7 +8,8 @@ JSON::
                  "slots": 1024, "lanes": 64,
                  "tls": {"ca": "ca.pem", "cert": "controller.pem", "key": "controller.key"}},
       "hosts": [{"name": "h1", "mac": "02:00:00:00:00:01", "ip": "10.0.0.1", "port": 1}, ...],
-      "ps": [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878", "public_key": "Z85..."}]
+      "ps": [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878", "mtu": 9000,
+              "public_key": "Z85..."}]
     }
 
 Without "switch" the controller serves software aggregators (PS) only; "hosts" may then
@@ -17,6 +18,11 @@ addresses is hard-coded anywhere else. "tls" (optional): P4Runtime over TLS, wit
 switch's certificate, and a client certificate and key where the switch asks for one. A PS's
 ``public_key`` (its CURVE key, Z85) is needed only when it is not the key directory's
 ``aggregator.key`` (docs/security.md).
+
+A group on the switch uses the switch's "lanes" (the P4 program's). A group on a PS gets
+the largest lane count that both the PS takes (its `ping` says) and the path MTU between the
+hosts and it allows without IP fragmentation: `mtu` of the PS entry, 1500 by default (65536
+for a PS on a loopback address, the embedded one's case).
 """
 
 from __future__ import annotations
@@ -30,6 +36,20 @@ from typing import Any
 
 class TopologyError(ValueError):
     """A topology file that cannot be used, with the reason."""
+
+
+IP_UDP_HEADERS = 20 + 8  # an IPv4 header without options, a UDP header
+PASSING_HEADER = 16  # docs/protocol.md
+MAX_UDP_PAYLOAD = 65535 - IP_UDP_HEADERS  # 65507: the largest datagram whatever the MTU
+DEFAULT_MTU = 1500  # Ethernet: what a path between machines carries unless the topology says more
+LOOPBACK_MTU = 65536  # Linux's lo
+
+
+def lanes_for(mtu: int, aggregator_max: int) -> int:
+    """The most int32 lanes a packet may carry over a path of ``mtu`` bytes (IPv4 and UDP headers
+    included: no IP fragmentation) to an aggregator that takes at most ``aggregator_max``."""
+    fits = (min(mtu - IP_UDP_HEADERS, MAX_UDP_PAYLOAD) - PASSING_HEADER) // 4
+    return max(1, min(fits, aggregator_max))
 
 
 def mac_to_int(mac: str) -> int:
@@ -78,7 +98,20 @@ class Host:
 class PsEndpoint:
     data: str  # host:port of the software aggregator's UDP socket
     control: str  # its ZeroMQ control endpoint
+    mtu: int = DEFAULT_MTU  # the path MTU between the hosts and it
     public_key: bytes | None = None  # its CURVE public key (Z85); None: the key directory's aggregator.key
+
+    def lanes(self, ping: dict[str, Any]) -> int:
+        """A group's lane count on this PS, from its `ping` answer (the largest packet it takes)."""
+        return lanes_for(self.mtu, int(ping.get("max_lanes", ping["lanes"])))  # an older PS states only lanes
+
+    @staticmethod
+    def default_mtu(data: str) -> int:
+        host = data.rsplit(":", 1)[0]
+        try:
+            return LOOPBACK_MTU if ipaddress.ip_address(host).is_loopback else DEFAULT_MTU
+        except ValueError:  # a host name: a machine of the network
+            return LOOPBACK_MTU if host == "localhost" else DEFAULT_MTU
 
 
 @dataclass
@@ -113,8 +146,9 @@ class Topology:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Topology:
         try:
-            ps = [PsEndpoint(str(p["data"]), str(p["control"]), _public_key(p.get("public_key")))
-                  for p in raw.get("ps", [])]
+            ps = [PsEndpoint(str(p["data"]), str(p["control"]),
+                             mtu=int(p.get("mtu", PsEndpoint.default_mtu(str(p["data"])))),
+                             public_key=_public_key(p.get("public_key"))) for p in raw.get("ps", [])]
             if "switch" not in raw:
                 if not ps:
                     raise TopologyError("topology: neither a switch nor a PS to aggregate on")
@@ -133,6 +167,9 @@ class Topology:
                 )
         except (KeyError, TypeError, ValueError) as e:
             raise TopologyError(f"topology: missing or bad field {e}") from None
+        for p in topo.ps:
+            if not 68 <= p.mtu <= LOOPBACK_MTU:  # IPv4's minimum .. Linux's loopback
+                raise TopologyError(f"PS {p.data}: mtu {p.mtu} outside 68..{LOOPBACK_MTU}")
         for h in topo.hosts:
             mac_to_int(h.mac)
             ip_to_int(h.ip)

@@ -2,12 +2,16 @@
  * passing/aggregation.py's AggregationEngine is the specification: the same admission,
  * the same slot/set state, the same counters and byte-identical RESULTs.
  *
- * The numpy engine processes a batch in waves (the k-th packet of every slot/set goes to
- * wave k) and emits wave by wave: in a wave, the completions' replicas first, then the
- * unicast answers. Processing in arrival order reaches the same state, because packets of
- * different slot/sets are independent, but emits in another order; pn_engine_process
- * therefore tags each RESULT with its packet's rank (its index among the batch's packets
- * for that slot/set) and its kind, and sorts them stably by that at the end.
+ * Every job has a lane count of its own (at most the engine's, the width of a slot): its
+ * packets are that long, and it uses that many accumulators of each of its slots.
+ *
+ * The numpy engine processes a batch by lane count (ascending), each in waves (the k-th
+ * packet of every slot/set goes to wave k), and emits wave by wave: in a wave, the
+ * completions' replicas first, then the unicast answers. Processing in arrival order reaches
+ * the same state, because packets of different slot/sets are independent (and jobs of
+ * different lane counts share no slot), but emits in another order; pn_engine_process
+ * therefore tags each RESULT with its job's lane count, its packet's rank (its index among
+ * the batch's packets for that slot/set) and its kind, and sorts them stably by that.
  *
  * Datagrams are untrusted: every length is checked before a byte is read, and anything
  * that does not parse is a counted drop.
@@ -28,6 +32,8 @@
 typedef struct {
     int in_use;
     uint32_t job, generation, base, pool, workers;
+    uint32_t lanes;            /* int32 values of its packets, at most the engine's */
+    size_t packet_size;        /* its packets' (and RESULTs') bytes */
     uint32_t full;             /* bitmap with every worker's bit */
     int64_t epoch;             /* job << 16 | generation */
     int64_t sources[PN_MAX_WORKERS];
@@ -36,8 +42,8 @@ typedef struct {
 
 struct pn_engine {
     pthread_mutex_t lock;
-    uint32_t slots, lanes, max_jobs;
-    size_t packet_size;
+    uint32_t slots, lanes, max_jobs; /* lanes: the widest packet, the width of a slot */
+    size_t packet_size;              /* of the widest packet: the stride of RESULT rows */
     /* per slot/set, index slot * 2 + set */
     int64_t *epoch;
     uint32_t *tag, *bitmap;
@@ -67,9 +73,10 @@ typedef struct {
 } batch_input;
 
 typedef struct {
-    uint8_t *packets;
+    uint8_t *packets;          /* rows of the engine's packet_size */
     int64_t *dest;
     uint8_t *multicast;
+    uint32_t *length;          /* each RESULT's bytes: its job's packet size */
     size_t cap, count;
     int64_t *key;              /* NULL: no ordering wanted */
 } batch_output;
@@ -171,8 +178,9 @@ size_t pn_engine_packet_bytes(const pn_engine *e) { return e->packet_size; }
 /* ---- admission ---------------------------------------------------------------------- */
 
 static int add_job_locked(pn_engine *e, uint32_t job, uint32_t generation, uint32_t base, uint32_t pool,
-                          uint32_t workers, const int64_t *sources) {
-    if (job >= JOB_IDS || generation >= PN_GENERATIONS || workers < 1 || workers > PN_MAX_WORKERS || !sources)
+                          uint32_t workers, const int64_t *sources, uint32_t lanes) {
+    if (job >= JOB_IDS || generation >= PN_GENERATIONS || workers < 1 || workers > PN_MAX_WORKERS || !sources ||
+        lanes < 1 || lanes > e->lanes)
         return PN_EINVAL;
     if (e->dense[job] != NO_JOB) return PN_EEXIST;
     for (uint32_t w = 0; w < workers; w++) {
@@ -195,6 +203,8 @@ static int add_job_locked(pn_engine *e, uint32_t job, uint32_t generation, uint3
     j->base = base;
     j->pool = pool;
     j->workers = workers;
+    j->lanes = lanes;
+    j->packet_size = pn_packet_size(lanes);
     j->full = workers == 32 ? UINT32_MAX : (UINT32_C(1) << workers) - 1;
     j->epoch = (int64_t)job << 16 | generation;
     memcpy(j->sources, sources, workers * sizeof *sources);
@@ -203,10 +213,10 @@ static int add_job_locked(pn_engine *e, uint32_t job, uint32_t generation, uint3
 }
 
 int pn_engine_add_job(pn_engine *e, uint32_t job, uint32_t generation, uint32_t base, uint32_t pool,
-                      uint32_t workers, const int64_t *sources) {
+                      uint32_t workers, const int64_t *sources, uint32_t lanes) {
     if (!e) return PN_EINVAL;
     pthread_mutex_lock(&e->lock);
-    int rc = add_job_locked(e, job, generation, base, pool, workers, sources);
+    int rc = add_job_locked(e, job, generation, base, pool, workers, sources, lanes);
     pthread_mutex_unlock(&e->lock);
     return rc;
 }
@@ -265,7 +275,7 @@ static int32_t saturating_add(int32_t a, int32_t b, int *saturated) {
 
 /* One RESULT of the round in slot/set k, caused by the packet with header h, for worker w. */
 static void emit(pn_engine *e, batch_output *o, const job_entry *j, const pn_header *h, size_t k, uint32_t w,
-                 int multicast, int64_t order_key) {
+                 int multicast, int64_t key) {
     uint8_t *p = o->packets + o->count * e->packet_size;
     pn_header r = *h;  /* op, job, slot, set, generation, psn: the causing packet's */
     r.version = PN_VERSION;
@@ -274,11 +284,18 @@ static void emit(pn_engine *e, batch_output *o, const job_entry *j, const pn_hea
     r.worker = (uint8_t)w;
     pn_header_write(p, &r);
     const int32_t *acc = e->acc + k * e->lanes;
-    for (uint32_t i = 0; i < e->lanes; i++) pn_lane_set(p, i, acc[i]);
+    for (uint32_t i = 0; i < j->lanes; i++) pn_lane_set(p, i, acc[i]);
     o->dest[o->count] = j->sources[w];
     o->multicast[o->count] = (uint8_t)multicast;
-    if (o->key) o->key[o->count] = order_key;
+    o->length[o->count] = (uint32_t)j->packet_size;
+    if (o->key) o->key[o->count] = key;
     o->count++;
+}
+
+/* Where a RESULT goes in the numpy engine's order: by its job's lane count, then the rank of the
+ * packet that caused it, replicas (kind 0) before unicast answers (kind 1). */
+static int64_t order_key(const job_entry *j, uint32_t rank, int kind) {
+    return (int64_t)j->lanes << 33 | (int64_t)rank << 1 | kind;
 }
 
 /* The state machine for one admitted DATA packet in slot/set k. */
@@ -292,7 +309,7 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
 
     if (!same_epoch || (ahead != 0 && ahead < UINT32_C(1) << 31)) {
         /* a new round: the first write resets the slot/set, no separate clearing pass */
-        for (uint32_t i = 0; i < e->lanes; i++) acc[i] = pn_lane_get(packet, i);
+        for (uint32_t i = 0; i < j->lanes; i++) acc[i] = pn_lane_get(packet, i);
         e->tag[k] = h->psn;
         e->epoch[k] = j->epoch;
         e->bitmap[k] = wbit;
@@ -306,7 +323,7 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
         if (e->bitmap[k] == j->full) {
             count(e, j, PN_C_DUPLICATE_ANSWERED, 1);
             count(e, j, PN_C_RESULTS_SENT, 1);
-            emit(e, o, j, h, k, h->worker, 0, rank * 2 + 1);
+            emit(e, o, j, h, k, h->worker, 0, order_key(j, rank, 1));
         } else {
             count(e, j, PN_C_DUPLICATE, 1);
         }
@@ -314,12 +331,12 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
     } else {
         int saturated = 0;
         if (h->op == PN_OP_MAX) {
-            for (uint32_t i = 0; i < e->lanes; i++) {
+            for (uint32_t i = 0; i < j->lanes; i++) {
                 int32_t v = pn_lane_get(packet, i);
                 if (v > acc[i]) acc[i] = v;
             }
         } else {  /* any other op sums, as in the numpy engine */
-            for (uint32_t i = 0; i < e->lanes; i++) acc[i] = saturating_add(acc[i], pn_lane_get(packet, i), &saturated);
+            for (uint32_t i = 0; i < j->lanes; i++) acc[i] = saturating_add(acc[i], pn_lane_get(packet, i), &saturated);
         }
         e->bitmap[k] |= wbit;
         e->overflow[k] |= (uint8_t)(flagged | saturated);
@@ -329,7 +346,7 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
     if (e->bitmap[k] == j->full) {  /* complete: one replica per worker, replication id = worker */
         count(e, j, PN_C_COMPLETED, 1);
         count(e, j, PN_C_RESULTS_SENT, j->workers);
-        for (uint32_t w = 0; w < j->workers; w++) emit(e, o, j, h, k, w, 1, rank * 2);
+        for (uint32_t w = 0; w < j->workers; w++) emit(e, o, j, h, k, w, 1, order_key(j, rank, 0));
     }
 }
 
@@ -350,7 +367,9 @@ static size_t run(pn_engine *e, const batch_input *in, size_t n, batch_output *o
         size_t readable = in->packets ? length : (length < in->stride ? length : in->stride);
         pn_header h;
         job_entry *j = NULL;
-        int well_formed = length == e->packet_size && readable >= e->packet_size;
+        /* a whole packet of 1 .. the engine's lanes, all of it readable (a longer one was cut short) */
+        int well_formed = length >= PN_HEADER_SIZE + 4 && (length - PN_HEADER_SIZE) % 4 == 0 &&
+                          length <= e->packet_size && readable >= length;
         if (well_formed) {
             pn_header_read(packet, &h);
             well_formed = h.version == PN_VERSION && h.type == PN_DATA;
@@ -368,7 +387,7 @@ static size_t run(pn_engine *e, const batch_input *in, size_t n, batch_output *o
             continue;
         }
         if (h.generation != j->generation || h.worker >= j->workers || j->sources[h.worker] != in->sources[i] ||
-            h.slot >= j->pool) {
+            h.slot >= j->pool || length != j->packet_size) {
             count(e, j, PN_C_REJECTED, 1);
             continue;
         }
@@ -410,7 +429,8 @@ static void order_results(pn_engine *e, batch_output *o) {
     /* apply the permutation in place, cycle by cycle: position j gets the RESULT at order[j] */
     for (size_t start = 0; start < n; start++) {
         if (done[start]) continue;
-        memcpy(e->packet_tmp, o->packets + start * ps, ps);
+        uint32_t length = o->length[start];
+        memcpy(e->packet_tmp, o->packets + start * ps, length);
         int64_t dest = o->dest[start];
         uint8_t multicast = o->multicast[start];
         size_t j = start;
@@ -418,14 +438,16 @@ static void order_results(pn_engine *e, batch_output *o) {
             size_t from = order[j];
             done[j] = 1;
             if (from == start) {
-                memcpy(o->packets + j * ps, e->packet_tmp, ps);
+                memcpy(o->packets + j * ps, e->packet_tmp, length);
                 o->dest[j] = dest;
                 o->multicast[j] = multicast;
+                o->length[j] = length;
                 break;
             }
-            memcpy(o->packets + j * ps, o->packets + from * ps, ps);
+            memcpy(o->packets + j * ps, o->packets + from * ps, o->length[from]);
             o->dest[j] = o->dest[from];
             o->multicast[j] = o->multicast[from];
+            o->length[j] = o->length[from];
             j = from;
         }
     }
@@ -433,10 +455,10 @@ static void order_results(pn_engine *e, batch_output *o) {
 
 size_t pn_engine_process(pn_engine *e, const uint8_t *in, size_t in_stride, const uint32_t *lengths,
                          const int64_t *sources, size_t n, uint8_t *out, int64_t *out_dest, uint8_t *out_multicast,
-                         size_t out_cap, size_t *emitted) {
+                         uint32_t *out_length, size_t out_cap, size_t *emitted) {
     if (emitted) *emitted = 0;
     if (!e || !emitted || n == 0 || !in || !lengths || !sources) return 0;
-    if (out_cap > 0 && (!out || !out_dest || !out_multicast)) return 0;
+    if (out_cap > 0 && (!out || !out_dest || !out_multicast || !out_length)) return 0;
     pthread_mutex_lock(&e->lock);
     /* the ordering scratch bounds how many RESULTs one call can order; grow it when asked
      * for more, and if memory is short process fewer datagrams instead */
@@ -445,7 +467,7 @@ size_t pn_engine_process(pn_engine *e, const uint8_t *in, size_t in_stride, cons
     if (wanted > UINT32_MAX) wanted = UINT32_MAX;  /* the order is uint32 indices */
     if (wanted > e->order_cap) grow_order(e, wanted);
     batch_input input = {.base = in, .stride = in_stride, .lengths = lengths, .sources = sources};
-    batch_output o = {.packets = out, .dest = out_dest, .multicast = out_multicast,
+    batch_output o = {.packets = out, .dest = out_dest, .multicast = out_multicast, .length = out_length,
                       .cap = out_cap < e->order_cap ? out_cap : e->order_cap, .key = e->order_key};
     if (++e->call_serial == 0) {  /* wrapped: stamps of long ago would look current */
         memset(e->rank_stamp, 0, (size_t)e->slots * 2 * sizeof *e->rank_stamp);
@@ -460,9 +482,10 @@ size_t pn_engine_process(pn_engine *e, const uint8_t *in, size_t in_stride, cons
 
 size_t pn_engine_process_locked(pn_engine *e, const uint8_t *const *packets, const uint32_t *lengths,
                                 const int64_t *sources, size_t n, uint8_t *out, int64_t *out_dest,
-                                uint8_t *out_multicast, size_t out_cap, size_t *emitted) {
+                                uint8_t *out_multicast, uint32_t *out_length, size_t out_cap, size_t *emitted) {
     batch_input input = {.packets = packets, .lengths = lengths, .sources = sources};
-    batch_output o = {.packets = out, .dest = out_dest, .multicast = out_multicast, .cap = out_cap, .key = NULL};
+    batch_output o = {.packets = out, .dest = out_dest, .multicast = out_multicast, .length = out_length,
+                      .cap = out_cap, .key = NULL};
     size_t consumed = run(e, &input, n, &o);
     *emitted = o.count;
     return consumed;

@@ -20,7 +20,7 @@
 
 #include "passing_native.h"
 
-#define LANES 4
+#define LANES 4             /* the engine's width; jobs take 1..LANES lanes */
 #define SLOTS 16
 #define MAX_JOBS 3
 #define MAX_BATCH 64
@@ -30,7 +30,7 @@ static const uint32_t JOB_IDS[4] = {0, 1, 2, 65535};
 
 typedef struct {
     int admitted;
-    uint32_t generation, pool, workers;
+    uint32_t generation, pool, workers, lanes;
     int64_t sources[PN_MAX_WORKERS];
 } shadow_job;
 
@@ -72,20 +72,23 @@ static void admin(state *s, reader *r) {
     uint32_t base = byte(r) % (SLOTS + 4), pool = byte(r) % 10, workers = byte(r) % 34;
     uint32_t generation = byte(r) & 0x80 ? u16(r) : 0x10000u + byte(r);  /* sometimes out of range */
     uint8_t spread = byte(r);
+    uint32_t lanes = byte(r) % (LANES + 2);  /* 0 and LANES + 1 are refused */
     int64_t sources[PN_MAX_WORKERS + 2];
     for (uint32_t w = 0; w < PN_MAX_WORKERS + 2; w++)
         sources[w] = spread & 0x40 ? (int64_t)(w % 3) : (int64_t)(spread & 0x3F) * 64 + w;  /* duplicates or not */
     if (spread & 0x80) sources[0] = -1;
-    int rc = pn_engine_add_job(s->e, id, generation, base, pool, workers, sources);
+    int rc = pn_engine_add_job(s->e, id, generation, base, pool, workers, sources, lanes);
     CHECK(rc == PN_OK || rc == PN_EINVAL || rc == PN_EEXIST || rc == PN_ERANGE || rc == PN_EFULL);
     if (rc == PN_OK) {
         CHECK(!s->jobs[j].admitted && workers >= 1 && workers <= PN_MAX_WORKERS && generation < PN_GENERATIONS);
+        CHECK(lanes >= 1 && lanes <= LANES);
         CHECK(pool >= 1 && base + pool <= SLOTS);
         shadow_job *sj = &s->jobs[j];
         sj->admitted = 1;
         sj->generation = generation;
         sj->pool = pool;
         sj->workers = workers;
+        sj->lanes = lanes;
         memcpy(sj->sources, sources, sizeof sj->sources);
         int64_t c[PN_COUNTERS];
         CHECK(pn_engine_counters(s->e, id, c) == PN_OK);
@@ -125,12 +128,14 @@ static void built_datagram(state *s, reader *r) {
     h.set = (uint8_t)(fields & 0x80 ? where : (h.psn / pool) % 2);
     uint8_t *row = s->rows[s->n];
     pn_header_write(row, &h);
-    for (uint32_t i = 0; i < LANES; i++) {
+    uint8_t size = byte(r);  /* now and then a lane count other than the job's */
+    uint32_t lanes = sj->lanes && size < 0xE0 ? sj->lanes : 1u + (uint32_t)size % LANES;
+    for (uint32_t i = 0; i < lanes; i++) {
         uint8_t v = byte(r);
         int32_t value = v == 0xFF ? INT32_MAX : v == 0xFE ? INT32_MIN : (int32_t)v - 100;
         pn_lane_set(row, i, value);
     }
-    s->lengths[s->n] = PACKET;
+    s->lengths[s->n] = PN_HEADER_SIZE + 4 * lanes;
     s->sources[s->n] = sj->admitted && h.worker < sj->workers && !(pick & 0x80) ? sj->sources[h.worker] : pick;
     s->n++;
 }
@@ -146,7 +151,8 @@ static void process(state *s, reader *r) {
     uint8_t *out = malloc(out_cap * PACKET + 1);
     int64_t *dest = malloc(out_cap * sizeof *dest + 1);
     uint8_t *multicast = malloc(out_cap + 1);
-    if (!in || !out || !dest || !multicast) abort();
+    uint32_t *length = malloc(out_cap * sizeof *length + 1);
+    if (!in || !out || !dest || !multicast || !length) abort();
     for (size_t i = 0; i < s->n; i++) memcpy(in + i * stride, s->rows[i], stride < PACKET + 8 ? stride : PACKET + 8);
     size_t done = 0;
     while (done < s->n) {
@@ -154,7 +160,7 @@ static void process(state *s, reader *r) {
         totals(s->e, before);
         size_t emitted = 12345;
         size_t consumed = pn_engine_process(s->e, in + done * stride, stride, s->lengths + done, s->sources + done,
-                                            s->n - done, out, dest, multicast, out_cap, &emitted);
+                                            s->n - done, out, dest, multicast, length, out_cap, &emitted);
         totals(s->e, after);
         CHECK(consumed <= s->n - done && emitted <= out_cap);
         int64_t d[PN_COUNTERS];
@@ -174,7 +180,8 @@ static void process(state *s, reader *r) {
             int known = 0;
             for (int j = 0; j < 4; j++)
                 if (s->jobs[j].admitted && JOB_IDS[j] == h.job && h.worker < s->jobs[j].workers)
-                    known = s->jobs[j].sources[h.worker] == dest[i] && s->jobs[j].generation == h.generation;
+                    known = s->jobs[j].sources[h.worker] == dest[i] && s->jobs[j].generation == h.generation &&
+                            length[i] == PN_HEADER_SIZE + 4 * s->jobs[j].lanes;  /* as long as the job's packets */
             CHECK(known);
         }
         CHECK(unicast == d[PN_C_DUPLICATE_ANSWERED]);
@@ -188,6 +195,7 @@ static void process(state *s, reader *r) {
     free(out);
     free(dest);
     free(multicast);
+    free(length);
     s->n = 0;
 }
 
@@ -199,11 +207,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     /* a starting point: two jobs admitted */
     int64_t sources[PN_MAX_WORKERS];
     for (int w = 0; w < PN_MAX_WORKERS; w++) sources[w] = 10 + w;
-    CHECK(pn_engine_add_job(s->e, 1, 7, 0, 4, 3, sources) == PN_OK);
-    s->jobs[1] = (shadow_job){.admitted = 1, .generation = 7, .pool = 4, .workers = 3};
+    CHECK(pn_engine_add_job(s->e, 1, 7, 0, 4, 3, sources, LANES) == PN_OK);
+    s->jobs[1] = (shadow_job){.admitted = 1, .generation = 7, .pool = 4, .workers = 3, .lanes = LANES};
     memcpy(s->jobs[1].sources, sources, sizeof sources);
-    CHECK(pn_engine_add_job(s->e, 2, 0, 4, 2, 1, sources + 5) == PN_OK);
-    s->jobs[2] = (shadow_job){.admitted = 1, .generation = 0, .pool = 2, .workers = 1};
+    CHECK(pn_engine_add_job(s->e, 2, 0, 4, 2, 1, sources + 5, 2) == PN_OK);
+    s->jobs[2] = (shadow_job){.admitted = 1, .generation = 0, .pool = 2, .workers = 1, .lanes = 2};
     memcpy(s->jobs[2].sources, sources + 5, sizeof sources - 5 * sizeof *sources);
     reader r = {data, size, 0};
     while (r.at < r.size) {

@@ -77,28 +77,34 @@ enum {
 
 typedef struct pn_engine pn_engine;
 
-/* slots x 2 sets x lanes int32 accumulators shared by up to max_jobs jobs; NULL on bad
- * arguments or no memory. Thread-safe: every call takes the engine's lock. */
+/* slots x 2 sets x lanes int32 accumulators shared by up to max_jobs jobs; lanes is the widest
+ * packet a job may use. NULL on bad arguments or no memory. Thread-safe: every call takes the
+ * engine's lock. */
 PN_API pn_engine *pn_engine_new(uint32_t slots, uint32_t lanes, uint32_t max_jobs);
 PN_API void pn_engine_free(pn_engine *e);
 /* Admit a job: the caller (passing/aggregation.py's checks) has validated ranges, but the
  * engine re-checks everything and returns a PN_E* code rather than trusting it.
- * sources[w] is worker w's admitted origin (packed ip << 16 | port, or any id >= 0). */
+ * sources[w] is worker w's admitted origin (packed ip << 16 | port, or any id >= 0); lanes
+ * (1 .. the engine's) the int32 values of the job's packets, which use that many accumulators
+ * of each of its slots. */
 PN_API int pn_engine_add_job(pn_engine *e, uint32_t job, uint32_t generation, uint32_t base, uint32_t pool,
-                             uint32_t workers, const int64_t *sources);
+                             uint32_t workers, const int64_t *sources, uint32_t lanes);
 PN_API int pn_engine_remove_job(pn_engine *e, uint32_t job);
 /* job < 0: the totals. */
 PN_API int pn_engine_counters(pn_engine *e, int64_t job, int64_t out[PN_COUNTERS]);
 
 /* Apply datagrams in arrival order: datagram i starts at in + i * in_stride, is lengths[i]
- * bytes long (only the first min(length, in_stride) bytes are read) and came from
- * sources[i]. RESULTs go to out (packet_size bytes each, at most out_cap), with their
- * destination in out_dest and whether they are a multicast replica (1) or a unicast
- * answer (0) in out_multicast. Stops before a datagram whose RESULTs might not fit (at most
- * PN_MAX_WORKERS each); returns how many datagrams it consumed, *emitted how many RESULTs. */
+ * bytes long (only the first min(length, in_stride) bytes are read: a longer one is
+ * malformed) and came from sources[i]. A datagram of 16 + 4 k bytes is a packet of k lanes,
+ * admitted only for a job of k lanes. RESULTs go to out (one every pn_packet_size(the
+ * engine's lanes) bytes, at most out_cap), with their length in out_length (their job's
+ * packet size: the rest of the row is not part of them), their destination in out_dest and
+ * whether they are a multicast replica (1) or a unicast answer (0) in out_multicast. Stops
+ * before a datagram whose RESULTs might not fit (at most PN_MAX_WORKERS each); returns how
+ * many datagrams it consumed, *emitted how many RESULTs. */
 PN_API size_t pn_engine_process(pn_engine *e, const uint8_t *in, size_t in_stride, const uint32_t *lengths,
                                 const int64_t *sources, size_t n, uint8_t *out, int64_t *out_dest,
-                                uint8_t *out_multicast, size_t out_cap, size_t *emitted);
+                                uint8_t *out_multicast, uint32_t *out_length, size_t out_cap, size_t *emitted);
 
 /* ---- the software aggregator's data path: engine behind a UDP socket --------------- */
 
@@ -140,7 +146,9 @@ typedef struct {
     uint32_t shards;
     const int64_t *aggregator;   /* packed ip << 16 | port */
     const uint32_t *pool;
-    uint32_t *next_psn;          /* in: the shard's first psn; out: after this call */
+    uint64_t *next_psn;          /* in: the shard's stream position p of its first packet, unwrapped;
+                                    out: after this call. psn = p mod 2^32, slot = p mod pool,
+                                    set = (p div pool) mod 2 (docs/protocol.md) */
     const uint64_t *start, *count;
     /* the data: elements values, padded with zeros to whole packets */
     int32_t kind;                /* PN_IN_F32 or PN_IN_I32 */

@@ -44,13 +44,16 @@ struct pn_server {
     const uint8_t **in_packet;
     uint32_t *in_length;
     int64_t *in_source;
-    /* one engine call's RESULTs, then the list to send (again room for duplicates) */
+    /* one engine call's RESULTs (rows of the widest packet, each as long as its job's
+     * packets), then the list to send (again room for duplicates) */
     uint8_t *out;
     int64_t *out_dest;
     uint8_t *out_multicast;
+    uint32_t *out_length;
     uint32_t *tx_keep, *tx_sort_a, *tx_sort_b;
     const uint8_t **tx_packet;
     int64_t *tx_dest;
+    uint32_t *tx_size;
     pthread_mutex_t lock;     /* stats and impairments: read and set from other threads */
     impairment impair[2];
     pn_server_stats stats;
@@ -145,14 +148,16 @@ pn_server *pn_server_new(pn_engine *e, int fd, uint32_t batch, int gso) {
     s->out = calloc(OUT_CAP, s->packet_size);
     s->out_dest = calloc(OUT_CAP, sizeof *s->out_dest);
     s->out_multicast = calloc(OUT_CAP, sizeof *s->out_multicast);
+    s->out_length = calloc(OUT_CAP, sizeof *s->out_length);
     s->tx_keep = calloc(tx_cap, sizeof *s->tx_keep);
     s->tx_sort_a = calloc(tx_cap, sizeof *s->tx_sort_a);
     s->tx_sort_b = calloc(tx_cap, sizeof *s->tx_sort_b);
     s->tx_packet = calloc(tx_cap, sizeof *s->tx_packet);
     s->tx_dest = calloc(tx_cap, sizeof *s->tx_dest);
+    s->tx_size = calloc(tx_cap, sizeof *s->tx_size);
     if (s->wake_fd < 0 || !s->rx || !s->in_keep || !s->in_packet || !s->in_length || !s->in_source || !s->out ||
-        !s->out_dest || !s->out_multicast || !s->tx_keep || !s->tx_sort_a || !s->tx_sort_b || !s->tx_packet ||
-        !s->tx_dest) {
+        !s->out_dest || !s->out_multicast || !s->out_length || !s->tx_keep || !s->tx_sort_a || !s->tx_sort_b ||
+        !s->tx_packet || !s->tx_dest || !s->tx_size) {
         pn_server_free(s);
         return NULL;
     }
@@ -173,11 +178,13 @@ void pn_server_free(pn_server *s) {
     free(s->out);
     free(s->out_dest);
     free(s->out_multicast);
+    free(s->out_length);
     free(s->tx_keep);
     free(s->tx_sort_a);
     free(s->tx_sort_b);
     free(s->tx_packet);
     free(s->tx_dest);
+    free(s->tx_size);
     free(s);
 }
 
@@ -228,27 +235,37 @@ static void send_results(pn_server *s, uint32_t emitted) {
     for (uint32_t i = 0; i < n; i++) {
         s->tx_packet[i] = s->out + (size_t)rows[i] * s->packet_size;
         s->tx_dest[i] = s->out_dest[rows[i]];
+        s->tx_size[i] = s->out_length[rows[i]];
     }
-    uint64_t bytes = 0;
+    uint64_t bytes = 0, packets = 0;
     int errors = 0, last_errno = 0;
     uint32_t at = 0;
     while (at < n) {
+        uint32_t size = s->tx_size[at], end = at + 1;  /* a run of one packet size (one job's, as a rule) */
+        while (end < n && s->tx_size[end] == size) end++;
         uint64_t before = bytes;
-        int r = pn_udp_send(&s->udp, s->tx_packet + at, s->tx_dest + at, n - at, SEND_TIMEOUT_MS, &bytes);
-        if (r == 0) break;
+        int r = pn_udp_send(&s->udp, s->tx_packet + at, s->tx_dest + at, end - at, size, SEND_TIMEOUT_MS, &bytes);
+        packets += (bytes - before) / size;
+        if (r == 0) {
+            at = end;
+            continue;
+        }
         /* never fatal for the shared service: count it, skip the destination that failed
          * (its workers retransmit) and go on with the others; a buffer that stayed full
          * loses the rest of the batch */
         errors++;
         last_errno = -r;
         if (r == -ETIMEDOUT) break;
-        uint32_t failed = at + (uint32_t)((bytes - before) / s->packet_size);
-        if (failed >= n) break;
+        uint32_t failed = at + (uint32_t)((bytes - before) / size);
+        if (failed >= end) {
+            at = end;
+            continue;
+        }
         at = failed + 1;
         while (at < n && s->tx_dest[at] == s->tx_dest[failed]) at++;
     }
     pthread_mutex_lock(&s->lock);
-    s->stats.packets_sent += bytes / s->packet_size;
+    s->stats.packets_sent += packets;
     s->stats.bytes_sent += bytes;
     s->stats.send_errors += (uint64_t)errors;
     s->stats.gso_fallbacks = s->udp.gso_fallbacks;
@@ -287,7 +304,7 @@ static void serve_batch(pn_server *s, uint32_t received) {
         pn_engine_lock(s->engine);
         size_t consumed = pn_engine_process_locked(s->engine, s->in_packet + done, s->in_length + done,
                                                    s->in_source + done, n - done, s->out, s->out_dest,
-                                                   s->out_multicast, OUT_CAP, &emitted);
+                                                   s->out_multicast, s->out_length, OUT_CAP, &emitted);
         if (emitted) send_results(s, (uint32_t)emitted);
         pn_engine_unlock(s->engine);
         if (consumed == 0) break;  /* cannot happen: OUT_CAP holds any packet's RESULTs */

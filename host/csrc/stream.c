@@ -1,8 +1,10 @@
 /* The host streaming engine: one allreduce pass of a group's array through its
  * aggregators (passing/stream.py's Group._stream is the specification).
  *
- * Per shard a self-clocked window: packet offset o of the shard travels as psn
- * next_psn + o, and o + pool is sent only once the RESULT of o is in, so the window
+ * Per shard a self-clocked window: packet offset o of the shard is at stream position
+ * p = next_psn + o (64 bits, unwrapped: psn = p mod 2^32, slot = p mod pool, set =
+ * (p div pool) mod 2, so any pool keeps o and o + pool on one slot across the psn's wrap),
+ * and o + pool is sent only once the RESULT of o is in, so the window
  * holds exactly `pool` packets and its memory is shards x pool x packet size, whatever
  * the array's size. Packets are built straight from the caller's input (quantized with
  * the shard's scale) into the window, and RESULTs are written straight into the output.
@@ -58,7 +60,7 @@ typedef struct {
     double last_activity;      /* the shard's latest transmission or answer */
     uint32_t probes;           /* tail loss probes since the last answer: each doubles the next wait */
     double rack_rtt;           /* that packet's round trip */
-    uint32_t base_psn;
+    uint64_t base;             /* stream position of the shard's first packet in this call */
     int64_t aggregator;
     uint8_t *packets;          /* pool packets */
     window_slot *slots;
@@ -225,12 +227,12 @@ static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) 
         }
     }
     memset(p + PN_HEADER_SIZE + 4 * (size_t)full, 0, 4 * (size_t)(c->lanes - full)); /* the last packet's padding */
-    uint32_t psn = s->base_psn + (uint32_t)offset;
+    uint64_t position = s->base + offset;
     pn_header h = {
         .version = PN_VERSION, .type = PN_DATA, .op = (uint8_t)c->op,
         .flags = saturated ? PN_FLAG_OVERFLOW : 0,
-        .job = (uint16_t)c->job, .slot = (uint16_t)(psn % s->pool), .worker = (uint8_t)c->worker,
-        .set = (uint8_t)((psn / s->pool) % 2), .generation = (uint16_t)c->generation, .psn = psn,
+        .job = (uint16_t)c->job, .slot = (uint16_t)(position % s->pool), .worker = (uint8_t)c->worker,
+        .set = (uint8_t)((position / s->pool) % 2), .generation = (uint16_t)c->generation, .psn = (uint32_t)position,
     };
     pn_header_write(p, &h);
     return p;
@@ -273,7 +275,8 @@ static int flush_sends(stream_state *st) {
     st->send_count = 0;
     if (n == 0) return PN_OK;
     uint64_t bytes = 0;
-    int r = pn_udp_send(&st->udp, st->send_packets, st->send_dest, n, SEND_TIMEOUT_MS, &bytes);
+    int r = pn_udp_send(&st->udp, st->send_packets, st->send_dest, n, (uint32_t)st->packet_size, SEND_TIMEOUT_MS,
+                        &bytes);
     st->r->bytes_sent += bytes;
     st->r->packets_sent += bytes / st->packet_size;
     if (r < 0) {
@@ -336,7 +339,7 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
     for (uint32_t k = 0; k < c->shards; k++) {
         shard_state *s = &st->shards[k];
         if (s->aggregator != d->source || s->count == 0) continue;
-        uint64_t offset = (uint32_t)(h.psn - s->base_psn);
+        uint64_t offset = (uint32_t)(h.psn - (uint32_t)s->base);
         if (offset >= s->count) return 0; /* another call's, or from the future */
         window_slot *w = &s->slots[offset % s->pool];
         if (!w->inflight || w->offset != offset) return 0; /* answered already */
@@ -378,7 +381,7 @@ static int check_timers(stream_state *st, double now, double *next_deadline) {
             if (!w->inflight) continue;
             if (now - w->first_sent > c->timeout) {
                 st->r->error_shard = k;
-                st->r->error_psn = s->base_psn + (uint32_t)w->offset;
+                st->r->error_psn = (uint32_t)(s->base + w->offset);
                 st->r->error_retries = w->retries;
                 return PN_ETIMEOUT;
             }
@@ -452,7 +455,7 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
         s->pool = c->pool[k];
         s->start = c->start[k];
         s->count = c->count[k];
-        s->base_psn = c->next_psn[k];
+        s->base = c->next_psn[k];
         s->aggregator = c->aggregator[k];
         if (c->kind == PN_IN_F32) {
             s->scale = c->scale[k];
@@ -541,7 +544,7 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     }
     if (rc == PN_OK) {
         if (st.send_count) rc = flush_sends(&st);
-        for (uint32_t k = 0; k < c->shards; k++) c->next_psn[k] = st.shards[k].base_psn + (uint32_t)st.shards[k].count;
+        for (uint32_t k = 0; k < c->shards; k++) c->next_psn[k] = st.shards[k].base + st.shards[k].count;
     }
     free(got);
     *c->srtt = st.srtt;

@@ -63,9 +63,7 @@ int pn_udp_init(pn_udp *u, int fd, uint32_t packet_size, uint32_t batch, int gso
     struct cmsghdr *c = (struct cmsghdr *)u->tx_control;
     c->cmsg_level = SOL_UDP;
     c->cmsg_type = UDP_SEGMENT;
-    c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-    uint16_t segment = (uint16_t)packet_size;
-    memcpy(CMSG_DATA(c), &segment, sizeof segment);
+    c->cmsg_len = CMSG_LEN(sizeof(uint16_t));  /* its segment size: written by each pn_udp_send */
     return 0;
 }
 
@@ -162,11 +160,11 @@ int pn_udp_wait(pn_udp *u, int timeout_ms, int extra_fd) {
     return 1;
 }
 
-/* Messages for packets [from, from + n): runs of one destination, at most max_segments
- * packets each (one packet each without GSO). Returns the number of messages. */
+/* Messages for packets [from, from + n) of `size` bytes: runs of one destination, at most
+ * max_segments packets each (one packet each without GSO). Returns the number of messages. */
 static uint32_t build_messages(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n,
-                               uint32_t *packets_in) {
-    uint32_t max_segments = u->gso ? PN_UDP_GSO_MAX_BYTES / u->packet_size : 1;
+                               uint32_t size, uint32_t *packets_in) {
+    uint32_t max_segments = u->gso ? PN_UDP_GSO_MAX_BYTES / size : 1;
     if (max_segments > PN_UDP_MAX_SEGMENTS) max_segments = PN_UDP_MAX_SEGMENTS;
     if (max_segments == 0) max_segments = 1;
     uint32_t m = 0;
@@ -175,7 +173,7 @@ static uint32_t build_messages(pn_udp *u, const uint8_t *const *packet, const in
         while (i + run < n && run < max_segments && dest[i + run] == dest[i]) run++;
         for (uint32_t k = 0; k < run; k++) {
             u->tx_iov[i + k].iov_base = (void *)packet[i + k];
-            u->tx_iov[i + k].iov_len = u->packet_size;
+            u->tx_iov[i + k].iov_len = size;
         }
         struct sockaddr_in *a = &u->tx_names[m];
         memset(a, 0, sizeof *a);
@@ -208,7 +206,8 @@ static int wait_writable(int fd, int timeout_ms) {
 
 /* The packets of one GSO message the kernel refused, one plain datagram each. Returns 0 or
  * -errno of the first that failed (those before it left: bytes_sent counts them). */
-static int send_plain(pn_udp *u, const struct msghdr *refused, int timeout_ms, uint64_t *bytes_sent) {
+static int send_plain(pn_udp *u, const struct msghdr *refused, uint32_t size, int timeout_ms,
+                      uint64_t *bytes_sent) {
     struct mmsghdr plain[PN_UDP_MAX_SEGMENTS];
     uint32_t count = (uint32_t)refused->msg_iovlen;
     memset(plain, 0, count * sizeof *plain);
@@ -223,7 +222,7 @@ static int send_plain(pn_udp *u, const struct msghdr *refused, int timeout_ms, u
         int r = sendmmsg(u->fd, plain + done, count - done, 0);
         if (r > 0) {
             done += (uint32_t)r;
-            if (bytes_sent) *bytes_sent += (uint64_t)r * u->packet_size;
+            if (bytes_sent) *bytes_sent += (uint64_t)r * size;
             continue;
         }
         int err = r < 0 ? errno : EAGAIN;
@@ -239,20 +238,23 @@ static int send_plain(pn_udp *u, const struct msghdr *refused, int timeout_ms, u
     return 0;
 }
 
-int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, int timeout_ms,
-                uint64_t *bytes_sent) {
+int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, uint32_t size,
+                int timeout_ms, uint64_t *bytes_sent) {
+    if (size == 0 || size > u->packet_size) return -EINVAL;
+    uint16_t segment = (uint16_t)size;  /* GSO cuts each message into datagrams of this size */
+    memcpy(CMSG_DATA((struct cmsghdr *)u->tx_control), &segment, sizeof segment);
     uint32_t packets_in[PN_UDP_SEND_CHUNK];
     uint32_t done = 0;
     while (done < n) {
         uint32_t chunk = n - done < PN_UDP_SEND_CHUNK ? n - done : PN_UDP_SEND_CHUNK;
-        uint32_t m = build_messages(u, packet + done, dest + done, chunk, packets_in);
+        uint32_t m = build_messages(u, packet + done, dest + done, chunk, size, packets_in);
         uint32_t sent_msgs = 0;
         while (sent_msgs < m) {
             int r = sendmmsg(u->fd, u->tx_msgs + sent_msgs, m - sent_msgs, 0);
             if (r > 0) {
                 for (int k = 0; k < r; k++) {
                     done += packets_in[sent_msgs + k];
-                    if (bytes_sent) *bytes_sent += (uint64_t)packets_in[sent_msgs + k] * u->packet_size;
+                    if (bytes_sent) *bytes_sent += (uint64_t)packets_in[sent_msgs + k] * size;
                 }
                 sent_msgs += (uint32_t)r;
                 continue;
@@ -267,7 +269,7 @@ int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, ui
                  * MTU below the segment size (EMSGSIZE), a destination it refuses anyway, such as
                  * port 0 (EINVAL). Its packets go as plain datagrams; GSO stays on for the others. */
                 u->gso_fallbacks++;
-                int p = send_plain(u, h, timeout_ms, bytes_sent);
+                int p = send_plain(u, h, size, timeout_ms, bytes_sent);
                 if (p < 0) return p;
                 done += packets_in[sent_msgs];
                 sent_msgs++;

@@ -14,7 +14,7 @@
 
 typedef struct {
     int fd;
-    uint32_t packet_size;
+    uint32_t packet_size;     /* the largest datagram received (and sent) */
     int gso;                  /* 1: consecutive packets to one destination leave as one GSO message */
     uint64_t gso_fallbacks;   /* GSO messages the kernel refused, resent as plain datagrams */
     /* receive side: `batch` message buffers of `msg_bytes` each */
@@ -33,7 +33,7 @@ typedef struct {
     struct mmsghdr *tx_msgs;
     struct iovec *tx_iov;
     struct sockaddr_in *tx_names;
-    uint8_t *tx_control;      /* one UDP_SEGMENT cmsg, shared by every message */
+    uint8_t *tx_control;      /* one UDP_SEGMENT cmsg, shared by every message of a send */
 } pn_udp;
 
 /* A received datagram (one segment of a coalesced buffer counts as one). */
@@ -55,13 +55,14 @@ void pn_udp_free(pn_udp *u);
 uint32_t pn_udp_capacity(const pn_udp *u);
 int pn_udp_recv(pn_udp *u, pn_datagram *out, uint32_t max);
 int pn_udp_pending(const pn_udp *u);
-/* Send packet[i] (packet_size bytes each) to dest[i]; consecutive packets to one
- * destination share a GSO message (a message the kernel refuses is resent as plain
+/* Send packet[i] (size bytes each, at most packet_size) to dest[i]; consecutive packets to
+ * one destination share a GSO message (a message the kernel refuses is resent as plain
  * datagrams, counted in gso_fallbacks; GSO stays on). Waits up to timeout_ms while the
- * socket buffer is full. Returns 0 or -errno (-ETIMEDOUT when the buffer stayed full);
- * bytes_sent then counts the packets that left before the one that failed. */
-int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, int timeout_ms,
-                uint64_t *bytes_sent);
+ * socket buffer is full. Returns 0 or -errno (-ETIMEDOUT when the buffer stayed full,
+ * -EINVAL for a bad size); bytes_sent then counts the packets that left before the one
+ * that failed. */
+int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, uint32_t size,
+                int timeout_ms, uint64_t *bytes_sent);
 /* Block until the socket is readable or timeout_ms passed (or extra_fd, if >= 0, is
  * readable). Returns 1 readable (at once while received datagrams are pending), 0 timeout,
  * 2 extra_fd readable, -errno. */

@@ -5,7 +5,9 @@ directly, and the P4 programs implement the very same rules in switch registers.
 
 State per slot and set: the ``epoch`` of the allocation that wrote it (job id and
 generation), a round ``tag`` (the psn being aggregated), a worker ``bitmap``, an
-``overflow`` bit and ``lanes`` accumulators.
+``overflow`` bit and ``lanes`` accumulators. ``lanes`` is the engine's width, the largest
+packet a job may use; each job has a lane count of its own, at most that, and uses the
+first that many accumulators of its slots (its packets and RESULTs are that long).
 A batch of DATA packets is processed in arrival order with numpy: packets that hit
 distinct slot/sets are independent, so the batch is split into waves in which every
 slot/set occurs at most once (the k-th packet for a slot/set goes to wave k), and each
@@ -27,7 +29,7 @@ from . import native, wire
 COUNTERS = (
     "received",  # DATA packets looked at
     "malformed",  # wrong length, version or type
-    "rejected",  # unknown job, another generation, worker not admitted from this source, slot out of range
+    "rejected",  # unknown job, another generation, worker not from its origin, slot out of range, not the job's lanes
     "aggregated",  # payload written or added into a slot
     "completed",  # rounds whose bitmap became full (a RESULT multicast)
     "duplicate",  # retransmission of a contribution to a round still incomplete: dropped
@@ -58,6 +60,7 @@ class JobSpec:
     pool: int
     sources: list[int]
     generation: int | None = None  # which allocation of this job id; the engine assigns one when None
+    lanes: int | None = None  # int32 values per packet of this job, at most the engine's; None: the engine's
 
     @property
     def workers(self) -> int:
@@ -76,21 +79,28 @@ class JobSpec:
 
 @dataclass
 class Emission:
-    """RESULT packets to send: ``packets[i]`` goes to origin ``dest[i]``."""
+    """RESULT packets to send: the first ``lengths[i]`` bytes of ``packets[i]`` go to origin ``dest[i]``.
+
+    ``packets`` has the engine's width (its lanes); a RESULT of a job with fewer lanes is as long as
+    that job's packets, and the bytes of its row past that are not part of it."""
 
     packets: np.ndarray
     dest: np.ndarray
     multicast: np.ndarray  # True for a replica of a completion, False for a unicast answer
+    lengths: np.ndarray  # bytes of each RESULT: its job's packet size
 
     def __len__(self) -> int:
         return len(self.packets)
 
 
-def check_admission(spec: JobSpec, admitted: Mapping[int, JobSpec], slots: int, max_jobs: int,
+def check_admission(spec: JobSpec, admitted: Mapping[int, JobSpec], slots: int, lanes: int, max_jobs: int,
                     last_generation: dict[int, int]) -> None:
-    """The admission rules of both engines, in order. Gives ``spec`` its generation when it has
-    none (standalone: the next one of its job id here, 0 first) and records it as the job id's
-    latest; raises ConfigError for a request that cannot be honoured."""
+    """The admission rules of both engines, in order. Gives ``spec`` its lanes when it has none (the
+    engine's ``lanes``) and its generation when it has none (standalone: the next one of its job id
+    here, 0 first) and records it as the job id's latest; raises ConfigError for a request that
+    cannot be honoured."""
+    if spec.lanes is None:
+        spec.lanes = lanes
     if not 0 <= spec.job < 1 << 16:
         raise ConfigError(f"job id {spec.job} outside 0..65535")
     if spec.job in admitted:
@@ -99,6 +109,8 @@ def check_admission(spec: JobSpec, admitted: Mapping[int, JobSpec], slots: int, 
         raise ConfigError(f"job {spec.job}: {spec.workers} workers, must be 1..{wire.MAX_WORKERS}")
     if len(set(spec.sources)) != len(spec.sources) or min(spec.sources) < 0:
         raise ConfigError(f"job {spec.job}: worker sources must be distinct and non-negative")
+    if not 1 <= spec.lanes <= lanes:
+        raise ConfigError(f"job {spec.job}: {spec.lanes} lanes, this aggregator takes 1..{lanes}")
     if spec.pool < 1 or spec.base < 0 or spec.base + spec.pool > slots:
         raise ConfigError(f"job {spec.job}: slots {spec.base}..{spec.base + spec.pool - 1} outside 0..{slots - 1}")
     for other in admitted.values():
@@ -127,6 +139,7 @@ class _Jobs:
         self.full = np.zeros(self.capacity, dtype=np.int64)
         self.workers = np.zeros(self.capacity, dtype=np.int64)
         self.generation = np.zeros(self.capacity, dtype=np.int64)
+        self.lanes = np.zeros(self.capacity, dtype=np.int64)
         self.epoch = np.zeros(self.capacity, dtype=np.int64)
         self.sources = np.full((self.capacity, wire.MAX_WORKERS), NO_SOURCE, dtype=np.int64)
         self.counters = np.zeros((self.capacity, len(COUNTERS)), dtype=np.int64)
@@ -134,7 +147,8 @@ class _Jobs:
 
 
 class AggregationEngine:
-    """Slots x 2 sets x lanes of integer accumulators shared by several jobs."""
+    """Slots x 2 sets x lanes of integer accumulators shared by several jobs (``lanes``: the
+    widest packet a job may use; each job uses its own lane count's worth of each slot)."""
 
     def __init__(self, slots: int, lanes: int = wire.DEFAULT_LANES, max_jobs: int = 1024) -> None:
         if slots < 1 or lanes < 1 or max_jobs < 1:
@@ -155,10 +169,10 @@ class AggregationEngine:
 
     def add_job(self, spec: JobSpec) -> JobSpec:
         jobs = self._jobs
-        check_admission(spec, jobs.by_id, self.slots, jobs.capacity, self._last_generation)
+        check_admission(spec, jobs.by_id, self.slots, self.lanes, jobs.capacity, self._last_generation)
         d = jobs.free.pop()
         jobs.index[spec.job] = d
-        jobs.base[d], jobs.pool[d], jobs.full[d] = spec.base, spec.pool, spec.full
+        jobs.base[d], jobs.pool[d], jobs.full[d], jobs.lanes[d] = spec.base, spec.pool, spec.full, spec.lanes
         jobs.workers[d], jobs.generation[d], jobs.epoch[d] = spec.workers, spec.generation, spec.epoch
         jobs.sources[d] = NO_SOURCE
         jobs.sources[d, : spec.workers] = spec.sources
@@ -194,15 +208,21 @@ class AggregationEngine:
     def process(self, batch: np.ndarray, sources: np.ndarray, lengths: np.ndarray | None = None) -> Emission:
         """Apply a batch of received packets in order; return the RESULTs to send.
 
-        ``batch`` is a packet array of this engine's lane count, ``sources`` the origin
-        of each packet, ``lengths`` the received datagram sizes (default: exact size).
+        ``batch`` is a packet array of any lane count up to this engine's, one row per
+        datagram, ``sources`` the origin of each packet, ``lengths`` the received datagram
+        sizes (default: the row size). A datagram is as many lanes long as its length says
+        (the rest of its row is not read); its job must have that many.
         """
         n = len(batch)
         sources = np.asarray(sources, dtype=np.int64)
+        row = batch.dtype.itemsize
         if lengths is None:
-            lengths = np.full(n, wire.packet_size(self.lanes))
-        ok = wire.well_formed(batch, np.asarray(lengths), self.lanes, wire.DATA)
+            lengths = np.full(n, row)
+        lengths = np.asarray(lengths, dtype=np.int64)
         hdr = batch["hdr"]
+        # framing: a whole DATA packet of 1..lanes lanes that fits its row (a longer one was cut short)
+        lanes = np.where(lengths <= row, wire.lanes_of(lengths, self.lanes), 0)
+        ok = (lanes > 0) & (hdr["version"] == wire.VERSION) & (hdr["type"] == wire.DATA)
         jobs = self._jobs
         worker = hdr["worker"].astype(np.int64)
         slot = hdr["slot"].astype(np.int64)
@@ -215,6 +235,7 @@ class AggregationEngine:
             & (worker < jobs.workers[dc])
             & (jobs.sources[dc, np.minimum(worker, wire.MAX_WORKERS - 1)] == sources)
             & (slot < jobs.pool[dc])
+            & (lanes == jobs.lanes[dc])  # as long as the job's packets
         )
         tally = _Tally(self)
         tally.total("received", n)
@@ -222,9 +243,11 @@ class AggregationEngine:
         tally.total("rejected", int((ok & ~known).sum()))  # no job to charge them to
         tally.jobs("rejected", d[known & ~admitted])
 
-        idx = np.flatnonzero(admitted)
         out: list[Emission] = []
-        if idx.size:
+        # Jobs of one lane count at a time, in ascending order (the order RESULTs come out in): a job's
+        # packets all have its lane count, and jobs share no slot, so this is arrival order per slot.
+        for count in np.unique(lanes[admitted]):
+            idx = np.flatnonzero(admitted & (lanes == count))
             key = (jobs.base[d[idx]] + slot[idx]) * 2 + (hdr["set"][idx] & 1)
             # Rank of each packet among those for the same slot/set, in arrival order.
             order = np.argsort(key, kind="stable")
@@ -236,14 +259,18 @@ class AggregationEngine:
             for r in range(int(rank.max()) + 1):
                 in_wave = rank == r
                 wave = idx[in_wave]  # ascending = arrival order
-                out.append(self._wave(batch[wave], d[wave], worker[wave], key[in_wave], tally))
+                out.append(self._wave(batch[wave], d[wave], worker[wave], key[in_wave], tally, int(count)))
         tally.commit()
         return _concat(out, self.lanes) if out else self._empty_emission()
 
-    def _wave(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, k: np.ndarray, tally: _Tally) -> Emission:
-        """Packets that all hit distinct slot/sets: one vectorised step of the state machine."""
+    def _wave(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, k: np.ndarray, tally: _Tally,
+              lanes: int) -> Emission:
+        """Packets of jobs of ``lanes`` lanes that all hit distinct slot/sets: one vectorised step of the
+        state machine, on their first ``lanes`` accumulators."""
         jobs = self._jobs
         hdr = pkts["hdr"]
+        payload = pkts["payload"][:, :lanes]
+        acc = self.acc[:, :lanes]
         psn = hdr["psn"].astype(np.int64)
         wbit = np.left_shift(1, worker)
         job_epoch = jobs.epoch[d]
@@ -260,7 +287,7 @@ class AggregationEngine:
 
         # A new round: the first write resets the slot/set, no separate clearing pass.
         fk = k[fresh]
-        self.acc[fk] = pkts["payload"][fresh]
+        acc[fk] = payload[fresh]
         self.tag[fk] = psn[fresh]
         self.state_epoch[fk] = job_epoch[fresh]
         self.bitmap[fk] = wbit[fresh]
@@ -268,8 +295,8 @@ class AggregationEngine:
 
         # A contribution to the current round: saturating add (SUM) or max (MAX), in int32.
         ck = k[contrib]
-        current = self.acc[ck]
-        incoming = pkts["payload"][contrib].astype(np.int32)
+        current = acc[ck]
+        incoming = payload[contrib].astype(np.int32)
         lane_overflow = flagged[contrib]
         is_max = hdr["op"][contrib] == wire.MAX
         if is_max.all():
@@ -283,7 +310,7 @@ class AggregationEngine:
                 lane_overflow = lane_overflow | (wrapped.any(axis=1) & ~is_max)
             if is_max.any():
                 combined[is_max] = np.maximum(current[is_max], incoming[is_max])
-        self.acc[ck] = combined
+        acc[ck] = combined
         self.bitmap[ck] |= wbit[contrib]
         self.overflow[ck] |= lane_overflow
 
@@ -311,16 +338,17 @@ class AggregationEngine:
         rh["type"] = wire.RESULT
         rh["worker"] = dest_worker
         rh["flags"] = self.overflow[k[src]] * wire.FLAG_OVERFLOW
-        res["payload"] = self.acc[k[src]]
+        res["payload"][:, :lanes] = acc[k[src]]
         tally.jobs("results_sent", d[src])
         return Emission(
             packets=res,
             dest=jobs.sources[d[src], dest_worker],
             multicast=np.arange(src.size) < src.size - ans_i.size,
+            lengths=np.full(src.size, wire.packet_size(lanes), dtype=np.int64),
         )
 
     def _empty_emission(self) -> Emission:
-        return Emission(wire.empty(0, self.lanes), np.zeros(0, np.int64), np.zeros(0, bool))
+        return Emission(wire.empty(0, self.lanes), np.zeros(0, np.int64), np.zeros(0, bool), np.zeros(0, np.int64))
 
 
 class _Tally:
@@ -360,6 +388,7 @@ def _concat(parts: list[Emission], lanes: int) -> Emission:
         packets=packets,
         dest=np.concatenate([p.dest for p in parts]),
         multicast=np.concatenate([p.multicast for p in parts]),
+        lengths=np.concatenate([p.lengths for p in parts]),
     )
 
 
@@ -385,7 +414,6 @@ class NativeAggregationEngine:
         self._free = weakref.finalize(self, self._lib.pn_engine_free, handle)
         self._free.atexit = False  # at exit a data path thread may still use it; the OS frees it anyway
         self.slots, self.lanes, self.max_jobs = slots, lanes, max_jobs
-        self._size = wire.packet_size(lanes)
         self._by_id: dict[int, JobSpec] = {}
         self._last_generation: dict[int, int] = {}
         self._workers = np.zeros(1 << 16, dtype=np.int64)  # job id -> workers (0: none): bounds a batch's RESULTs
@@ -395,10 +423,10 @@ class NativeAggregationEngine:
 
     def add_job(self, spec: JobSpec) -> JobSpec:
         with self._lock:
-            check_admission(spec, self._by_id, self.slots, self.max_jobs, self._last_generation)
+            check_admission(spec, self._by_id, self.slots, self.lanes, self.max_jobs, self._last_generation)
             sources = np.asarray(spec.sources, dtype=np.int64)
             native.check(self._lib.pn_engine_add_job(self.handle, spec.job, spec.generation, spec.base, spec.pool,
-                                                     spec.workers, native.address(sources)),
+                                                     spec.workers, native.address(sources), spec.lanes),
                          f"the native engine refused job {spec.job} that passed admission")
             self._by_id[spec.job] = spec
             self._workers[spec.job] = spec.workers
@@ -429,14 +457,13 @@ class NativeAggregationEngine:
     # ---- data path ---------------------------------------------------------------
 
     def process(self, batch: np.ndarray, sources: np.ndarray, lengths: np.ndarray | None = None) -> Emission:
-        """AggregationEngine.process, in C: the same RESULTs, byte for byte and in the same order."""
+        """AggregationEngine.process, in C: the same RESULTs (their first ``lengths`` bytes), byte for byte
+        and in the same order."""
         n = len(batch)
-        if batch.dtype.itemsize != self._size:
-            raise ValueError(f"packets of {batch.dtype.itemsize} bytes, this engine's are {self._size}")
         batch = np.ascontiguousarray(batch)
         sources = np.ascontiguousarray(sources, dtype=np.int64)
         if lengths is None:
-            lengths = np.full(n, self._size, dtype=np.uint32)
+            lengths = np.full(n, batch.dtype.itemsize, dtype=np.uint32)
         else:  # a length past uint32 is malformed all the same
             lengths = np.clip(np.asarray(lengths, dtype=np.int64), 0, 0xFFFFFFFF).astype(np.uint32)
         if sources.shape != (n,) or lengths.shape != (n,):
@@ -448,13 +475,16 @@ class NativeAggregationEngine:
             out = wire.empty(cap, self.lanes)
             dest = np.empty(cap, dtype=np.int64)
             multicast = np.empty(cap, dtype=np.uint8)
+            out_lengths = np.empty(cap, dtype=np.uint32)
             consumed = self._lib.pn_engine_process(
-                self.handle, native.address(batch), self._size, native.address(lengths), native.address(sources), n,
-                native.address(out), native.address(dest), native.address(multicast), cap, ctypes.byref(emitted))
+                self.handle, native.address(batch), batch.dtype.itemsize, native.address(lengths),
+                native.address(sources), n, native.address(out), native.address(dest), native.address(multicast),
+                native.address(out_lengths), cap, ctypes.byref(emitted))
         if consumed != n:
             raise RuntimeError(f"the native engine took {consumed} of {n} packets (out of memory?)")
         k = emitted.value
-        return Emission(packets=out[:k], dest=dest[:k], multicast=multicast[:k].astype(bool))
+        return Emission(packets=out[:k], dest=dest[:k], multicast=multicast[:k].astype(bool),
+                        lengths=out_lengths[:k].astype(np.int64))
 
 
 Engine = AggregationEngine | NativeAggregationEngine

@@ -8,6 +8,10 @@ Admission is configured from a JSON file or at run time over a ZeroMQ control so
 (JSON requests, see docs/protocol.md), which also serves counters on demand. For
 tests it can drop, duplicate and reorder packets with a seeded generator.
 
+Each job has its own lane count (``lanes`` of its job object; by default the aggregator's
+``lanes``), up to ``max_lanes``: the largest packet it takes, which ``ping`` states so that a
+controller can size a group's packets to it and to the path MTU (docs/control.md).
+
 Two engines serve the same protocol: ``engine="native"`` runs the whole UDP data path in C
 (host/csrc/server.c) in a thread of its own, while this thread answers the control socket;
 ``engine="numpy"`` runs it here, in Python (the specification). ``"auto"``: native where
@@ -43,6 +47,11 @@ log = logging.getLogger("passing.aggregator")
 CONTROL_VERSION = 3  # 3: CURVE, the controller's key only; 2: a job object carries its generation
 DEFAULT_SLOTS = 4096
 SEND_TIMEOUT = 1.0  # s a full send buffer may hold up a batch of RESULTs (server.c: SEND_TIMEOUT_MS)
+# The largest packet a software aggregator takes by default: 1024 lanes (4 112-byte packets) was the
+# fastest 8 MiB allreduce on loopback here (docs/benchmarks.md); memory: slots x 2 x lanes x 4 bytes,
+# touched only where jobs use it.
+DEFAULT_MAX_LANES = 1024
+MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4
 
 
 @dataclass
@@ -151,7 +160,7 @@ def worker_origin(text: str) -> int:
 
 
 def job_from_json(obj: dict[str, Any]) -> JobSpec:
-    """{"job": 1, "base": 0, "pool": 256, "workers": ["10.0.0.1:20000", ...], "generation": 7?}"""
+    """{"job": 1, "base": 0, "pool": 256, "workers": ["10.0.0.1:20000", ...], "generation": 7?, "lanes": 364?}"""
     if not isinstance(obj, dict):
         raise ConfigError("a job entry must be a JSON object")
     try:
@@ -164,6 +173,7 @@ def job_from_json(obj: dict[str, Any]) -> JobSpec:
             job=rpc.integer(obj, "job", 0, (1 << 16) - 1), base=rpc.integer(obj, "base", 0, 1 << 31, default=0),
             pool=rpc.integer(obj, "pool", 1, 1 << 31), sources=sources,
             generation=rpc.integer(obj, "generation", 0, wire.GENERATIONS - 1, default=None),
+            lanes=rpc.integer(obj, "lanes", 1, (MAX_DATAGRAM - wire.HEADER_SIZE) // 4, default=None),
         )
     except KeyError as e:
         raise ConfigError(f"job entry lacks {e}") from None
@@ -173,27 +183,30 @@ def job_from_json(obj: dict[str, Any]) -> JobSpec:
 
 def job_to_json(spec: JobSpec) -> dict[str, Any]:
     return {
-        "job": spec.job, "base": spec.base, "pool": spec.pool, "generation": spec.generation,
+        "job": spec.job, "base": spec.base, "pool": spec.pool, "generation": spec.generation, "lanes": spec.lanes,
         "workers": ["{}:{}".format(*unpack_address(s)) for s in spec.sources],
     }
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
-    """The aggregator config file: {"lanes": 64, "slots": 4096, "jobs": [...]}."""
+    """The aggregator config file: {"lanes": 64, "max_lanes": 1024, "slots": 4096, "jobs": [...]}."""
     try:
         config = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read aggregator config {path}: {e}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: the config must be a JSON object")
-    unknown = set(config) - {"lanes", "slots", "jobs"}
+    unknown = set(config) - {"lanes", "max_lanes", "slots", "jobs"}
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}")
     return config
 
 
 class SoftwareAggregator:
-    """A UDP aggregation service. ``serve()`` runs until ``stop()`` or a signal."""
+    """A UDP aggregation service. ``serve()`` runs until ``stop()`` or a signal.
+
+    ``lanes``: the lane count of a job that states none; ``max_lanes``: the largest it takes (at
+    least ``lanes``)."""
 
     def __init__(
         self,
@@ -207,17 +220,22 @@ class SoftwareAggregator:
         offload: bool = True,
         engine: str = "auto",
         keys: ServerKeys | None = None,
+        max_lanes: int = DEFAULT_MAX_LANES,
     ) -> None:
         """``keys``: the control socket's CURVE key pair and the controller's public key, the only
         client it admits (default: the key directory's, docs/security.md)."""
+        if lanes < 1 or wire.packet_size(max(lanes, max_lanes)) > MAX_DATAGRAM:
+            raise ConfigError(f"lanes {lanes}, max_lanes {max_lanes}: a packet must fit one UDP datagram "
+                              f"({MAX_DATAGRAM} bytes: at most {(MAX_DATAGRAM - wire.HEADER_SIZE) // 4} lanes)")
         if control and keys is None:
             keys = ServerKeys.aggregator()  # before anything is bound: a clear error, nothing to undo
-        self.engine = make_engine(slots, lanes, engine=engine)
+        self.lanes = lanes
+        self.engine = make_engine(slots, max(lanes, max_lanes), engine=engine)
         for spec in jobs or []:
-            self.engine.add_job(spec)
+            self.add_job(spec)
         if isinstance(listen, str):
             listen = parse_endpoint(listen, wire.UDP_PORT)
-        self.socket = BatchSocket(listen, lanes=lanes, offload=offload)
+        self.socket = BatchSocket(listen, lanes=self.engine.lanes, offload=offload)
         self.ingress = ingress or Impairment()
         self.egress = egress or Impairment()
         self.native: NativeDataPath | None = None
@@ -254,6 +272,12 @@ class SoftwareAggregator:
     @property
     def address(self) -> tuple[str, int]:
         return self.socket.address
+
+    def add_job(self, spec: JobSpec) -> JobSpec:
+        """Admit a job; one without lanes gets this aggregator's ``lanes``."""
+        if spec.lanes is None:
+            spec.lanes = self.lanes
+        return self.engine.add_job(spec)
 
     @property
     def engine_name(self) -> str:
@@ -338,11 +362,16 @@ class SoftwareAggregator:
             return
         rows = self.egress.apply(len(out)) if self.egress.active else np.arange(len(out))
         rows = rows[np.argsort(out.dest[rows], kind="stable")]  # one run per worker: GSO sends it as one
-        dest = out.dest[rows]
+        sizes = out.lengths[rows]
+        for size in np.unique(sizes):  # one packet size per send (a job's RESULTs are its packets' size)
+            these = rows[sizes == size]
+            self._send_rows(out.packets, out.dest[these], these, int(size))
+
+    def _send_rows(self, packets: np.ndarray, dest: np.ndarray, rows: np.ndarray, size: int) -> None:
         at = 0
         while at < len(rows):
             try:
-                self.socket.send_batch(out.packets, dest[at:], rows[at:], timeout=SEND_TIMEOUT)
+                self.socket.send_batch(packets, dest[at:], rows[at:], timeout=SEND_TIMEOUT, size=size)
                 return
             except TimeoutError as e:  # a buffer that stayed full loses the rest of the batch (counted)
                 self._send_failed(e.errno or errno.ETIMEDOUT)
@@ -429,7 +458,10 @@ class SoftwareAggregator:
                               f"(want {CONTROL_VERSION})")
         cmd = request.get("cmd")
         if cmd == "ping":
-            return {"ok": True, "lanes": self.engine.lanes, "slots": self.engine.slots, "engine": self.engine_name,
+            # max_lanes: the largest packet it takes (a controller sizes groups by it)
+            return {"ok": True, "lanes": self.lanes, "max_lanes": self.engine.lanes,
+                    "max_datagram": wire.packet_size(self.engine.lanes), "slots": self.engine.slots,
+                    "engine": self.engine_name,
                     "control": {"refused": self.control_refused, "internal_errors": self.control_internal_errors}}
         if cmd == "stats":
             job = rpc.integer(request, "job", 0, (1 << 16) - 1, default=None)
@@ -439,9 +471,9 @@ class SoftwareAggregator:
         if cmd == "jobs":
             return {"ok": True, "jobs": [job_to_json(s) for s in self.engine.jobs()]}
         if cmd == "add_job":
-            spec = self.engine.add_job(job_from_json(request.get("job")))
-            log.info("admitted job %d generation %d: slots %d..%d, %d workers", spec.job, spec.generation,
-                     spec.base, spec.base + spec.pool - 1, spec.workers)
+            spec = self.add_job(job_from_json(request.get("job")))
+            log.info("admitted job %d generation %d: slots %d..%d, %d workers, %d lanes", spec.job,
+                     spec.generation, spec.base, spec.base + spec.pool - 1, spec.workers, spec.lanes)
             return {"ok": True, "job": job_to_json(spec)}
         if cmd == "remove_job":
             spec = self.engine.remove_job(rpc.integer(request, "job", 0, (1 << 16) - 1))

@@ -23,7 +23,15 @@ import numpy as np
 
 from . import control, metrics, native, quantize, wire
 from .aggregation import ConfigError
-from .aggregator import ControlClient, Impairment, SoftwareAggregator, job_from_json, load_config
+from .aggregator import (
+    DEFAULT_MAX_LANES,
+    DEFAULT_SLOTS,
+    ControlClient,
+    Impairment,
+    SoftwareAggregator,
+    job_from_json,
+    load_config,
+)
 from .keys import ClientKeys, ServerKeys
 from .stream import Group, PassingError
 from .transport import parse_endpoint
@@ -41,9 +49,12 @@ def aggregator_main(argv: list[str] | None = None) -> int:
                    help="UDP address (port 0: any free port; default %(default)s: give the data network's address)")
     s.add_argument("--control", default="tcp://127.0.0.1:9878",
                    help="ZeroMQ control endpoint ('none' to disable; default %(default)s)")
-    s.add_argument("--config", help="JSON file: {lanes, slots, jobs: [{job, base, pool, workers}]}")
-    s.add_argument("--slots", type=int, help=f"slots of state (default {4096})")
-    s.add_argument("--lanes", type=int, help=f"int32 values per packet (default {wire.DEFAULT_LANES})")
+    s.add_argument("--config", help="JSON file: {lanes, max_lanes, slots, jobs: [{job, base, pool, workers, lanes}]}")
+    s.add_argument("--slots", type=int, help=f"slots of state (default {DEFAULT_SLOTS})")
+    s.add_argument("--lanes", type=int,
+                   help=f"int32 values per packet of a job that states none (default {wire.DEFAULT_LANES})")
+    s.add_argument("--max-lanes", type=int,
+                   help=f"the largest packet a job may use, in lanes (default {DEFAULT_MAX_LANES}, at least --lanes)")
     s.add_argument("--drop-ingress", type=float, default=0.0, help="probability of dropping a received packet")
     s.add_argument("--drop-egress", type=float, default=0.0, help="probability of dropping a sent RESULT")
     s.add_argument("--duplicate", type=float, default=0.0, help="probability of duplicating a packet, each way")
@@ -64,7 +75,8 @@ def aggregator_main(argv: list[str] | None = None) -> int:
             c.add_argument("--job", type=int)
         if name == "add-job":
             c.add_argument("spec", help='JSON: {"job": 1, "base": 0, "pool": 256, "workers": ["ip:port", ...], '
-                                        '"generation": N (optional: the next one of this job id)}')
+                                        '"generation": N (optional: the next one of this job id), '
+                                        '"lanes": L (optional: the aggregator\'s --lanes)}')
         if name == "remove-job":
             c.add_argument("job", type=int)
     args = p.parse_args(argv)
@@ -101,8 +113,9 @@ def _serve(args: argparse.Namespace) -> int:
     server = SoftwareAggregator(
         listen=args.listen,
         control=None if args.control == "none" else args.control,
-        slots=args.slots or config.get("slots", 4096),
+        slots=args.slots or config.get("slots", DEFAULT_SLOTS),
         lanes=args.lanes or config.get("lanes", wire.DEFAULT_LANES),
+        max_lanes=args.max_lanes or config.get("max_lanes", DEFAULT_MAX_LANES),
         jobs=[job_from_json(j) for j in config.get("jobs", [])],
         ingress=Impairment(args.drop_ingress, args.duplicate, args.reorder, rng),
         egress=Impairment(args.drop_egress, args.duplicate, args.reorder, rng),
@@ -120,7 +133,8 @@ def _serve(args: argparse.Namespace) -> int:
     server.install_signal_handlers()
     host, port = server.address
     print(json.dumps({"event": "ready", "data": f"{host}:{port}", "control": server.control_endpoint,
-                      "lanes": server.engine.lanes, "slots": server.engine.slots, "engine": server.engine_name,
+                      "lanes": server.lanes, "max_lanes": server.engine.lanes, "slots": server.engine.slots,
+                      "engine": server.engine_name,
                       "metrics": exporter.address if exporter else None}), flush=True)
     try:
         server.serve()

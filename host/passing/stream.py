@@ -172,6 +172,8 @@ class Group:
         seed = drop_seed if drop_seed is not None else np.random.SeedSequence().entropy
         self._native_rng = np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64)
         self._agg_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
+        # per shard: the stream position of its next packet, unwrapped (psn = position mod 2^32; slot and
+        # set come from the position, so every pool size keeps p and p + pool on one slot across the wrap)
         self._next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
         self._failed: str | None = None  # after a failed call the psn streams are out of step
         # Failover (docs/control.md): silent for failover.after s, the group asks the controller to
@@ -314,9 +316,15 @@ class Group:
         return True
 
     def _move_to(self, answer: dict[str, Any]) -> None:
-        """The group's new allocation (the controller's move answer): same socket, same workers."""
-        if int(answer["lanes"]) != self.lanes:
-            raise PassingError(f"job {self.job}: moved to an aggregator of {answer['lanes']} lanes, not {self.lanes}")
+        """The group's new allocation (the controller's move answer): same address, same workers; a socket
+        sized for the new aggregator's packets when their lane count differs (a PS of another MTU)."""
+        lanes = int(answer["lanes"])
+        if lanes != self.lanes:
+            address, stats, offload = self.socket.address, self.socket.stats, self.socket.gso
+            self.socket.close()  # what it still holds is the old allocation's: ignored anyway
+            self.socket = BatchSocket(address, lanes=lanes, offload=offload)
+            self.socket.stats = stats
+            self.lanes = lanes
         self.job, self.generation = int(answer["job_id"]), int(answer["generation"])
         self.aggregators = [Aggregator(a["host"], int(a["port"]), int(a["pool"])) for a in answer["aggregators"]]
         self._agg_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
@@ -445,7 +453,7 @@ class Group:
         n = len(self.aggregators)
         keep = dict(  # the arrays the call points into, alive until it returns
             aggregator=self._agg_ids.astype(np.int64), pool=np.array([a.pool for a in self.aggregators], np.uint32),
-            next_psn=self._next_psn.astype(np.uint32), start=np.asarray(starts, np.uint64),
+            next_psn=self._next_psn.astype(np.uint64), start=np.asarray(starts, np.uint64),
             count=np.asarray(counts, np.uint64), scale=np.asarray(scales if scales is not None else [1.0] * n, float),
             overflow=np.zeros(n, np.uint8),
         )
@@ -462,7 +470,7 @@ class Group:
             # ctypes keeps no reference: `keep` holds the callback until the call returns
             keep["on_silence"] = native.SILENCE_CALLBACK(lambda _ctx: int(self._on_silence()))
             call.silence, call.silence_every, call.on_silence = self.failover.after, SILENCE_EVERY, keep["on_silence"]
-        for name, ctype in (("aggregator", ctypes.c_int64), ("pool", ctypes.c_uint32), ("next_psn", ctypes.c_uint32),
+        for name, ctype in (("aggregator", ctypes.c_int64), ("pool", ctypes.c_uint32), ("next_psn", ctypes.c_uint64),
                             ("start", ctypes.c_uint64), ("count", ctypes.c_uint64), ("scale", ctypes.c_double)):
             setattr(call, name, keep[name].ctypes.data_as(ctypes.POINTER(ctype)))
         report = native.StreamReport(overflow=keep["overflow"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
@@ -654,7 +662,7 @@ class Group:
                 if self.failover is not None:
                     next_due = min(next_due, silence_check)
 
-        self._next_psn = (self._next_psn + counts) & 0xFFFFFFFF
+        self._next_psn = self._next_psn + counts
         out = [results[s : s + c] for s, c in zip(starts, counts)]
         flagged = (result_flags & wire.FLAG_OVERFLOW) != 0
         if op == wire.SUM:

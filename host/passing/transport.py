@@ -118,10 +118,12 @@ def _row_addresses(array: np.ndarray, count: int) -> np.ndarray:
 
 
 class BatchSocket:
-    """A non-blocking UDP socket that moves batches of fixed-size PASSING packets.
+    """A non-blocking UDP socket that moves batches of PASSING packets.
 
-    ``lanes`` fixes the packet size: datagrams of any other size are still received,
-    reported with their true length, for the caller to count as malformed.
+    ``lanes`` fixes the receive rows' size, the largest packet expected: each received
+    datagram gets a row of its own with its bytes at the start, and its true length (a
+    longer one shows as longer than the row, for the caller to count as malformed). Sends
+    take any packet size up to the row size.
     ``offload=False`` turns GSO/GRO off (one kernel datagram per packet everywhere).
     """
 
@@ -145,7 +147,6 @@ class BatchSocket:
         self.stats = TransportStats()
         self.gro = offload and self._try_gro()
         self.gso = offload  # a message the kernel refuses goes as plain datagrams; GSO stays on
-        self.max_segments = max(1, min(MAX_SEGMENTS, GSO_MAX_BYTES // self.size))
 
         # Receive side: `batch` message buffers the kernel fills in place. A buffer is a
         # whole number of packet rows, so the segments of a coalesced buffer are rows.
@@ -166,14 +167,14 @@ class BatchSocket:
         # Send side: one iovec per packet, messages grouping consecutive packets.
         self.tx_packets = 4096
         self._tx_iov = np.zeros(self.tx_packets, dtype=IOVEC)
-        self._tx_iov["len"] = self.size
         self._tx_names = np.zeros(1024, dtype=SOCKADDR_IN)  # UIO_MAXIOV messages per sendmmsg
         self._tx_names["family"] = AF_INET
         self._tx_msgs = np.zeros(1024, dtype=MMSGHDR)
         self._tx_msgs["name"] = _row_addresses(self._tx_names, 1024)
         self._tx_msgs["namelen"] = SOCKADDR_IN.itemsize
         self._tx_cmsg = np.zeros(1, dtype=CMSG)
-        self._tx_cmsg[0] = (16 + 2, SOL_UDP, UDP_SEGMENT, self.size, 0)  # CMSG_LEN(2); data: u16 segment size
+        self._tx_cmsg[0] = (16 + 2, SOL_UDP, UDP_SEGMENT, self.size, 0)  # CMSG_LEN(2); data: u16 segment size,
+        # which each send sets to its packets' size
         self._poll = select.poll()
         self._poll.register(self.fd, select.POLLIN)
 
@@ -235,33 +236,47 @@ class BatchSocket:
         # and only its length matters, so its row index may point anywhere in the buffer.
         rows = msg * self.rows_per_msg + np.where(segment[msg] == self.size, j, 0)
         packets = self._rx[rows].view(self.dtype).reshape(-1)
-        # ... but the shorter last segment of a buffer of longer ones may be a whole packet: it
-        # starts at its own byte offset, in general on no row boundary, and is copied from there.
-        odd = np.flatnonzero((seg_len == self.size) & (segment[msg] != self.size))
-        if odd.size:
-            at = msg[odd] * (self.rows_per_msg * self.size) + j[odd] * segment[msg[odd]]
-            packets.view(np.uint8).reshape(-1, self.size)[odd] = self._rx.reshape(-1)[
-                at[:, None] + np.arange(self.size)]
+        odd = (count > 1) & (segment != self.size)  # coalesced datagrams of another size: off the row boundaries
+        if odd.any():
+            self._place_segments(packets, count, segment, odd)
         self.stats.packets_received += msg.size
         self.stats.bytes_received += int(length.sum())
         return packets, seg_len, source[msg]
 
+    def _place_segments(self, packets: np.ndarray, count: np.ndarray, segment: np.ndarray, odd: np.ndarray) -> None:
+        """Copy the segments of the coalesced messages ``odd`` (of a size other than the rows') into
+        their rows of ``packets``: one strided copy per message."""
+        raw = packets.view(np.uint8).reshape(len(packets), self.size)
+        buffer = self._rx.reshape(-1)
+        msg_bytes = self.rows_per_msg * self.size  # room for 64 KiB and two rows more: every view stays inside
+        first = np.cumsum(count) - count
+        for i in np.flatnonzero(odd):
+            c, step = int(count[i]), int(segment[i])
+            width = min(step, self.size)  # a longer datagram is malformed: its length says so, its row is cut
+            segments = np.lib.stride_tricks.as_strided(buffer[i * msg_bytes:], shape=(c, width), strides=(step, 1))
+            raw[first[i] : first[i] + c, :width] = segments
+
     def send_batch(self, packets: np.ndarray, dest: np.ndarray | int, rows: np.ndarray | None = None,
-                   timeout: float = 5.0) -> None:
+                   timeout: float = 5.0, size: int | None = None) -> None:
         """Send ``packets[rows]`` (all when rows is None), each to its packed ``dest``.
 
-        The datagrams are read in place from ``packets`` (a contiguous array of this
-        socket's packet dtype), nothing is copied. Consecutive packets to the same
-        destination share a GSO message; one the kernel refuses is resent as plain
-        datagrams (``stats.gso_fallbacks``), and GSO stays on. Blocks while the socket
-        buffer is full, up to ``timeout`` seconds, then raises TimeoutError; a packet the
-        kernel refuses raises SendError, which says how many packets left before it.
+        The datagrams are read in place from ``packets`` (a contiguous packet array), nothing
+        is copied: the first ``size`` bytes of each row (default: the whole row, at most this
+        socket's row size). Consecutive packets to the same destination share a GSO message;
+        one the kernel refuses is resent as plain datagrams (``stats.gso_fallbacks``), and GSO
+        stays on. Blocks while the socket buffer is full, up to ``timeout`` seconds, then raises
+        TimeoutError; a packet the kernel refuses raises SendError, which says how many packets
+        left before it.
         """
-        if packets.dtype.itemsize != self.size or not packets.flags.c_contiguous:
-            raise ValueError(f"packets must be a contiguous array of {self.size}-byte packets")
+        size = packets.dtype.itemsize if size is None else size
+        if not packets.flags.c_contiguous or not 0 < size <= min(packets.dtype.itemsize, self.size):
+            raise ValueError(f"packets must be a contiguous packet array, sent {size} bytes of each row "
+                             f"(at most {self.size})")
         count = len(packets) if rows is None else len(rows)
         if count == 0:
             return
+        max_segments = max(1, min(MAX_SEGMENTS, GSO_MAX_BYTES // size))
+        self._tx_cmsg["data"] = size  # GSO cuts each message into datagrams of this size
         rows = np.arange(count) if rows is None else np.asarray(rows)
         dest = np.broadcast_to(np.asarray(dest, dtype=np.int64), (count,))
         base = _addr(packets)
@@ -269,19 +284,20 @@ class BatchSocket:
         while done < count:
             k = min(self.tx_packets, count - done)
             chunk = slice(done, done + k)
-            self._tx_iov["base"][:k] = base + rows[chunk].astype(np.uint64) * self.size
-            first, per_msg = self._messages(dest[chunk])
+            self._tx_iov["base"][:k] = base + rows[chunk].astype(np.uint64) * packets.dtype.itemsize
+            self._tx_iov["len"][:k] = size
+            first, per_msg = self._messages(dest[chunk], max_segments)
             try:
                 sent = self._sendmmsg(dest[chunk][first], first, per_msg, timeout)
             except SendError as e:
                 self.stats.packets_sent += e.sent
-                self.stats.bytes_sent += e.sent * self.size
+                self.stats.bytes_sent += e.sent * size
                 raise SendError(e.errno, e.strerror, done + e.sent) from None
             done += sent
             self.stats.packets_sent += sent
-            self.stats.bytes_sent += sent * self.size
+            self.stats.bytes_sent += sent * size
 
-    def _messages(self, dest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _messages(self, dest: np.ndarray, max_segments: int) -> tuple[np.ndarray, np.ndarray]:
         """Cut a chunk into messages: runs of one destination, at most max_segments long."""
         i = np.arange(dest.size)
         change = np.r_[True, dest[1:] != dest[:-1]]
@@ -289,7 +305,7 @@ class BatchSocket:
             first = i
         else:
             run_start = np.maximum.accumulate(np.where(change, i, 0))
-            first = np.flatnonzero(change | ((i - run_start) % self.max_segments == 0))
+            first = np.flatnonzero(change | ((i - run_start) % max_segments == 0))
         ends = np.r_[first[1:], dest.size]
         return first[:1024], (ends - first)[:1024]  # at most UIO_MAXIOV messages per sendmmsg
 

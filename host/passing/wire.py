@@ -118,9 +118,13 @@ def encode(
     return batch
 
 
-def slot_and_set(psn: np.ndarray | int, pool: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where psn p lives: slot p mod pool, set (p div pool) mod 2."""
-    p = np.asarray(psn, dtype=np.int64)
+def slot_and_set(position: np.ndarray | int, pool: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where the packet at stream position p lives: slot p mod pool, set (p div pool) mod 2.
+
+    p is the group's unwrapped packet counter (0, 1, 2, ... over the allocation's life; its psn
+    on the wire is p mod 2^32): every pool size gives p and p + pool the same slot, across the
+    psn's wrap too (docs/protocol.md, The stream)."""
+    p = np.asarray(position, dtype=np.int64)
     return p % pool, (p // pool) % 2
 
 
@@ -133,6 +137,13 @@ def decode(buffer: bytes | bytearray | memoryview | np.ndarray, lanes: int = DEF
     if batch["hdr"]["version"][0] != VERSION:
         raise WireError(f"unsupported version {batch['hdr']['version'][0]} (this is version {VERSION})")
     return batch
+
+
+def lanes_of(lengths: np.ndarray, max_lanes: int) -> np.ndarray:
+    """The lane count of each datagram length that is a whole packet of 1..max_lanes lanes; 0 otherwise."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    lanes = (lengths - HEADER_SIZE) // 4
+    return np.where((lengths - HEADER_SIZE) % 4 == 0, np.where((lanes >= 1) & (lanes <= max_lanes), lanes, 0), 0)
 
 
 def well_formed(batch: np.ndarray, lengths: np.ndarray, lanes: int, type: int) -> np.ndarray:

@@ -31,6 +31,7 @@ class Job:
     base: int
     pool: int
     generation: int = 0  # which allocation of this job id (docs/protocol.md)
+    lanes: int | None = None  # int32 values of its packets; None: the target's (a switch has no other)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Send:
     slot: int | None = None  # default: psn mod pool
     set: int | None = None  # default: (psn div pool) mod 2
     generation: int | None = None  # default: the generation of the job's allocation now
+    lanes: int | None = None  # default: the lane count of the job's allocation
     expect: tuple[Result, ...] = ()
     counters: dict[str, int] = field(default_factory=dict)  # expected change of totals
 
@@ -75,6 +77,7 @@ class Scenario:
     jobs: tuple[Job, ...]
     steps: tuple[Send | Admit | Remove, ...]
     switch_only: bool = False  # e.g. plain L2 forwarding: no software equivalent
+    software_only: bool = False  # e.g. lanes per allocation: a switch has one lane count
 
 
 def _both(job: Job) -> tuple[int, ...]:
@@ -210,6 +213,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         Send(0, 0, (9999,), job=1, origin=(2, 0), counters={"rejected": 1}),
         Send(1, 0, (2,), expect=(Result((0, 1), 0, (3,)),), counters=DONE),
     )),
+    # Lanes per allocation (a software aggregator): each job's packets and RESULTs have its own lane
+    # count; a packet of another length is not the job's, and is rejected without touching its state.
+    Scenario("lanes_per_allocation", (J2, Job(job=2, workers=2, base=4, pool=4, lanes=2)), (
+        Send(0, 0, (1, 2), job=2, counters=AGG),
+        Send(1, 0, (1,), job=2, lanes=3, counters={"rejected": 1}),  # 3 lanes: neither job's
+        Send(1, 0, (10, 20), job=2, expect=(Result((0, 1), 0, (11, 22), job=2),), counters=DONE),  # 2 lanes back
+        Send(0, 0, (1,), lanes=2, counters={"rejected": 1}),  # job 2's lane count, for job 1
+        *_round(0, (1, 2, 3), (2, 4, 6), (3, 6, 9)),  # job 1 at the target's lane count, untouched
+        *_round(1, (5, 6), (7, 8), (12, 14), job=2),
+    ), software_only=True),
     Scenario("normal_forwarding", (), (), switch_only=True),
 )
 

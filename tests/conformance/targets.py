@@ -33,7 +33,7 @@ class EngineTarget:
 
     def admit(self, job: Job) -> None:
         sources = [self._origin((job.job, w)) for w in range(job.workers)]
-        self.engine.add_job(JobSpec(job.job, job.base, job.pool, sources, generation=job.generation))
+        self.engine.add_job(JobSpec(job.job, job.base, job.pool, sources, generation=job.generation, lanes=job.lanes))
 
     def remove(self, job: int) -> None:
         self.engine.remove_job(job)
@@ -45,7 +45,7 @@ class EngineTarget:
         batch.view(np.uint8)[: min(size, raw.size)] = raw[:size]
         out = self.engine.process(batch, np.array([self._origin(origin)]), np.array([raw.size]))
         by_id = {v: k for k, v in self.origins.items()}
-        self.outbox += [(by_id[int(d)], p.tobytes()) for d, p in zip(out.dest, out.packets)]
+        self.outbox += [(by_id[int(d)], p.tobytes()[:n]) for d, p, n in zip(out.dest, out.packets, out.lengths)]
 
     def collect(self) -> list[tuple[Origin, bytes]]:
         out, self.outbox = self.outbox, []
@@ -86,7 +86,7 @@ class UdpAggregatorTarget:
     def admit(self, job: Job) -> None:
         workers = ["{}:{}".format(*self._socket((job.job, w)).getsockname()) for w in range(job.workers)]
         self.control.request("add_job", job={"job": job.job, "base": job.base, "pool": job.pool, "workers": workers,
-                                             "generation": job.generation})
+                                             "generation": job.generation, "lanes": job.lanes})
 
     def remove(self, job: int) -> None:
         self.control.request("remove_job", job=job)

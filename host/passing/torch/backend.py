@@ -2,7 +2,9 @@
 
 all_reduce of one float32 tensor with SUM or AVG goes through PASSING; everything else
 (other collectives, ops, dtypes, several tensors) goes to the gloo backend registered
-for the device, and each kind of fallback is logged once. Collectives run in issue
+for the device, and each kind of fallback is logged once. A group whose ranks are all on
+one server needs no network stage: its all_reduce is gloo's (NCCL's) own, and it contacts no
+controller. Collectives run in issue
 order on one thread per group, so async_op=True overlaps them with the caller.
 """
 
@@ -201,6 +203,9 @@ class ProcessGroupPassing(ProcessGroup):
         self.keys: ClientKeys | None = None  # this rank's key toward the controller
         if self.scheme.aggregator is None:
             return
+        if self.scheme.in_host and self.layout.servers == 1:
+            self._in_host_only(rank)
+            return
         try:
             self._connect(store, rank, timeout, name)
         except BaseException:
@@ -240,6 +245,18 @@ class ProcessGroupPassing(ProcessGroup):
         log.info("passing: rank %d: job %s group %d worker %d of %d on %s (%s)", rank, job, group, worker, workers,
                  self.mode, self.reason)
 
+    def _in_host_only(self, rank: int) -> None:
+        """Every rank is on one server: the in-host stage alone produces the sum, so all_reduce is
+        gloo's (NCCL's) among them, with no controller and no aggregator; rank 0 says so once."""
+        global _in_host_logged
+        self.mode = IN_HOST
+        self.reason = (f"one server: its {self.layout.ranks_per_server} rank(s) are the whole process group, so "
+                       f"the in-host all_reduce (gloo; NCCL for CUDA) is the sum and there is no network stage "
+                       f"(scheme {self.options.scheme}; no controller contacted, no aggregator started)")
+        if rank == 0 and not _in_host_logged:
+            _in_host_logged = True
+            log.warning("passing: %s", self.reason)
+
     def _start_embedded(self, store: dist.Store, rank: int) -> None:
         """Rank 0 starts the embedded controller and aggregator and publishes the endpoint in the
         group's store; every rank then uses it as its controller."""
@@ -247,7 +264,7 @@ class ProcessGroupPassing(ProcessGroup):
         if rank == 0:
             try:
                 address = str(self.options.host) if self.options.host else embedded.rank0_address(store)
-                self.embedded = embedded.Embedded(address, float(self.options.join_timeout))
+                self.embedded = embedded.Embedded(address, float(self.options.join_timeout), self.options.mtu)
             except BaseException as e:  # the other ranks wait for the key: give them the error
                 embedded.publish(store, {"error": f"{type(e).__name__}: {e}"})
                 raise
@@ -312,6 +329,8 @@ class ProcessGroupPassing(ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = dist.AllreduceOptions() if opts is None else opts
+        if self.mode == IN_HOST:
+            return self._in_host_allreduce(tensors, opts)
         why = self._unsupported(tensors, opts)
         if why:
             if why not in self._fallbacks_logged:
@@ -319,6 +338,30 @@ class ProcessGroupPassing(ProcessGroup):
                 log.warning("passing: all_reduce of %s goes to gloo/NCCL (logged once)", why)
             return self._get_backend(tensors[0].device).allreduce(tensors, opts)
         return self.submit(tensors[0], "avg" if opts.reduceOp.op == ReduceOp.AVG else "sum")
+
+    def _in_host_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """One server: gloo's (NCCL's) own all_reduce among its ranks, so its very bits. gloo has no
+        AVG: a float AVG on the CPU is gloo's SUM divided by the world size, as PASSING's AVG is."""
+        backend = self._get_backend(tensors[0].device)
+        t = tensors[0]
+        if opts.reduceOp.op != ReduceOp.AVG or len(tensors) != 1 or not t.is_floating_point() or \
+                t.device.type != "cpu":
+            return backend.allreduce(tensors, opts)
+        summed = dist.AllreduceOptions()  # SUM
+        summed.timeout = opts.timeout
+        work, result = backend.allreduce(tensors, summed), PassingWork()
+
+        def divide(done: torch.futures.Future) -> None:
+            try:
+                done.wait()
+                t.div_(self.size())
+            except BaseException as e:  # handed to whoever waits on the work
+                result.fail(e)
+                return
+            result.future.set_result([t])
+
+        work.get_future().then(divide)
+        return result
 
     def submit(self, tensor: torch.Tensor, op: str) -> PassingWork:
         """Allreduce ``tensor`` in place, in issue order; the work's future's value is [tensor]."""
@@ -385,8 +428,10 @@ def _close(membership: Membership, embedded_services: embedded.Embedded | None) 
         embedded_services.close()
 
 
+IN_HOST = "in-host"  # pg.mode of a group on one server: no network stage
 _inherited_options: Options | None = None  # the default group's, for subgroups made without pg_options
 _embedded_logged = False  # the embedded mode is announced once per process
+_in_host_logged = False  # and so is a group that needs no network stage
 
 
 def create(backend_options: Any, pg_options: Any) -> ProcessGroupPassing:

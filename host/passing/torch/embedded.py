@@ -4,7 +4,9 @@ A process group's rank 0 starts a PS-only controller (the real one, ``passing_co
 and a software aggregator in threads of its own process, bound to the address the other
 ranks reach it at, and publishes the controller's endpoint in the group's store. Every
 rank then joins through it as through an external controller, so the in-host stage and the
-schemes work unchanged; the groups aggregate on the software aggregator (PS mode).
+schemes work unchanged; the groups aggregate on the software aggregator (PS mode), in packets
+as large as it takes and the path MTU allows: the MTU of rank 0's interface with that address
+(``PASSING_MTU`` overrides it), 65536 on loopback.
 
 It makes its own CURVE keys, in memory only (docs/security.md): the controller's, the
 aggregator's (which admits the controller's only) and one worker key that the ranks get
@@ -13,10 +15,12 @@ through the group's store, the one channel they already trust with each other.
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import json
 import logging
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -65,6 +69,28 @@ def rank0_address(store: dist.Store) -> str:
     return _source_toward("192.0.2.1") or "127.0.0.1"  # TEST-NET-1: routed by the default route, never sent to
 
 
+SIOCGIFADDR, SIOCGIFMTU = 0x8915, 0x8921  # Linux ioctls: an interface's IPv4 address, its MTU
+LOOPBACK_MTU, DEFAULT_MTU = 65536, 1500
+
+
+def interface_mtu(address: str) -> int:
+    """The MTU of the interface that holds IPv4 ``address`` (its primary address): what the path
+    from the other ranks to rank 0 carries at most; 65536 for a loopback address, 1500 when no
+    interface has it."""
+    if _is_loopback_literal(address):
+        return LOOPBACK_MTU
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("16s16x", name.encode()[:15])
+            try:
+                if socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFADDR, request)[20:24]) != address:
+                    continue
+                return int(struct.unpack("16si12x", fcntl.ioctl(s.fileno(), SIOCGIFMTU, request))[1])
+            except OSError:  # no IPv4 address on it
+                continue
+    return DEFAULT_MTU
+
+
 def _is_loopback_literal(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -75,7 +101,7 @@ def _is_loopback_literal(host: str) -> bool:
 class Embedded:
     """A PS-only controller and a software aggregator serving from threads of this process."""
 
-    def __init__(self, address: str, join_timeout: float) -> None:
+    def __init__(self, address: str, join_timeout: float, mtu: int | None = None) -> None:
         try:
             from passing_controller.keys import ServerKeys
             from passing_controller.service import Controller
@@ -93,9 +119,11 @@ class Embedded:
             raise OptionError(f"embedded aggregator: cannot listen on {address} ({e}); set PASSING_HOST "
                               f"to an address of this host") from None
         data = "{}:{}".format(*self.aggregator.address)
+        self.mtu = mtu or interface_mtu(address)
         try:
             topology = Topology.from_dict({"ps": [{"data": data, "control": self.aggregator.control_endpoint,
-                                                   "public_key": self.keys.public("aggregator").decode()}]})
+                                                   "public_key": self.keys.public("aggregator").decode(),
+                                                   "mtu": self.mtu}]})
             public, secret = self.keys.pairs["controller"]
             controller_keys = ServerKeys(public, secret, {self.keys.public("worker"): "worker"})
             self.controller = Controller(topology, None, ":memory:", f"tcp://{address}:*", controller_keys,

@@ -54,10 +54,11 @@ class Options:
     failover_after: float | None = None  # PASSING_FAILOVER_AFTER: silent this long, move the group (0: never;
     # default: 5 s, or half the timeout when that is shorter)
     report_interval: float | None = None  # PASSING_REPORT_INTERVAL: s between reports to the controller (0: at leave)
+    mtu: int | None = None  # PASSING_MTU: path MTU to rank 0's embedded aggregator (default: its interface's)
 
     DEFAULTS = {"controller": None, "scheme": "passing", "scale": "auto", "on_overflow": "raise",
                 "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 0.02, "host": None, "server": None,
-                "job": None, "engine": "auto", "failover_after": None, "report_interval": 10.0}
+                "job": None, "engine": "auto", "failover_after": None, "report_interval": 10.0, "mtu": None}
 
     def resolve(self, environ: dict[str, str] | None = None) -> Options:
         """A copy with every field filled in, checked."""
@@ -83,7 +84,7 @@ class Options:
     @staticmethod
     def _parse(name: str, raw: str) -> Any:
         try:
-            if name == "pool":
+            if name in ("pool", "mtu"):
                 return int(raw)
             if name in ("timeout", "join_timeout", "rto", "failover_after", "report_interval"):
                 return float(raw)
@@ -104,6 +105,8 @@ class Options:
             raise OptionError(f"on_overflow must be 'raise' or 'auto'; got {self.on_overflow!r}")
         if self.pool is not None and not 1 <= self.pool <= 1 << 16:
             raise OptionError(f"pool must be 1..65536; got {self.pool}")
+        if self.mtu is not None and not 68 <= self.mtu <= 65536:
+            raise OptionError(f"mtu must be 68..65536 (bytes of an IPv4 packet); got {self.mtu}")
         for name in ("timeout", "join_timeout", "rto"):
             if not getattr(self, name) > 0:
                 raise OptionError(f"{name} must be positive; got {getattr(self, name)}")
