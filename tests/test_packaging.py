@@ -29,12 +29,16 @@ def test_the_embedded_path_imports_no_switch_control():
         pytest_torch = __import__("importlib").util.find_spec("torch")
         from passing_controller import cli, service, topology  # the PS-only controller, and its CLI
         from passing.aggregator import SoftwareAggregator
+        from passing.keys import Ephemeral
+        from passing_controller.keys import ServerKeys
         from passing_controller.service import Controller
         from passing_controller.topology import Topology
-        agg = SoftwareAggregator(listen=("127.0.0.1", 0), control="tcp://127.0.0.1:*")
+        keys = Ephemeral()
+        agg = SoftwareAggregator(listen=("127.0.0.1", 0), control="tcp://127.0.0.1:*", keys=keys.aggregator())
         topo = Topology.from_dict({{"ps": [{{"data": "127.0.0.1:%d" % agg.address[1],
                                             "control": agg.control_endpoint}}]}})
-        ctl = Controller(topo, None, ":memory:", "tcp://127.0.0.1:*")
+        ctl = Controller(topo, None, ":memory:", "tcp://127.0.0.1:*",
+                         ServerKeys(*keys.pairs["controller"], {{keys.public("worker"): "worker"}}))
         ctl.close(); agg.close()
         if pytest_torch is not None:
             from passing.torch import embedded  # noqa: F401  the backend's embedded mode
@@ -52,6 +56,8 @@ def test_a_switch_without_the_extra_names_it():
     done = run("""
         import sys
         sys.modules["p4runtime_sh"] = None  # import p4runtime_sh now raises ImportError
+        import zmq
+        from passing_controller.keys import ServerKeys
         from passing_controller.p4runtime import SwitchSupportMissing
         from passing_controller.service import Controller
         from passing_controller.topology import Topology
@@ -59,7 +65,8 @@ def test_a_switch_without_the_extra_names_it():
                                               "aggregation_ip": "10.0.0.254"},
                                    "hosts": [{"name": "h1", "mac": "02:00:00:00:00:01", "ip": "10.0.0.1", "port": 1}]})
         try:
-            Controller(topo, None, ":memory:", "tcp://127.0.0.1:*")
+            keys = ServerKeys(*zmq.curve_keypair(), {b"x" * 40: "worker"})
+            Controller(topo, None, ":memory:", "tcp://127.0.0.1:*", keys)
         except SwitchSupportMissing as e:
             print("REFUSED", e)
         from passing_controller import cli
