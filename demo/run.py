@@ -131,9 +131,12 @@ def on_bmv2() -> int:
                                                                          str(device_config)])
             print(f"demo: controller ready, switch {ready['switch']}", flush=True)
             try:
-                # BMv2 adds ~1 k packets/s: a narrower MLP keeps an epoch to seconds
+                # BMv2 adds ~1 k packets/s: a narrower MLP keeps an epoch to seconds. Its queues hold 64
+                # packets per port: windows of 16 (a server's 2 ranks, 2 groups) keep every burst within them,
+                # where a full 256-packet window is dropped in part (real loss, recovered, but loss)
                 procs = launch_ranks(
-                    [*TRAIN, "--epochs", "3", "--hidden", "32"], SERVERS, RANKS, {"PASSING_CONTROLLER": controller},
+                    [*TRAIN, "--epochs", "3", "--hidden", "32"], SERVERS, RANKS,
+                    {"PASSING_CONTROLLER": controller, "PASSING_POOL": "16"},
                     popen_for_server=lambda s: net.net.get(net.hosts[s].name).popen,
                     env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": f"{net.hosts[s].name}-eth0"},
                     master_host=net.hosts[0].ip)

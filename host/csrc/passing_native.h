@@ -156,9 +156,17 @@ typedef struct {
     void *output;                /* same kind; may be input itself */
     uint64_t elements;
     const double *scale;         /* per shard, float input: x * scale rounded to int32 */
-    /* loss recovery, in seconds; srtt/rttvar carry the estimate from call to call */
+    /* loss recovery, in seconds; srtt/rttvar carry the round-trip estimate from call to call,
+     * start_srtt/start_rttvar[2] the first-RESULT delay of a pass, [1] of the openings (the first
+     * pass of an allreduce: its peers may start the call later), [0] of the passes that follow one
+     * (srtt < 0: none measured yet). opening: which kind this pass is. rto_min: the wait before a
+     * probe while the estimate it needs is not measured (RFC 6298's initial RTO); max_rto: the
+     * most a pass's first probe waits. */
     double rto_min, max_rto, timeout;
     double *srtt, *rttvar;
+    double *start_srtt, *start_rttvar;
+    double *last_loss;           /* in/out: when the group last saw evidence of loss (CLOCK_MONOTONIC s; < 0: never) */
+    int32_t opening;
     int32_t gso;                 /* in: try UDP GSO (a message the kernel refuses goes as plain
                                     datagrams, GSO stays on); out: as in */
     /* test impairment: drop this fraction each way, here */

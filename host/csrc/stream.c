@@ -10,18 +10,37 @@
  * the shard's scale) into the window, and RESULTs are written straight into the output.
  *
  * Loss recovery keeps the window moving under random loss, where one lost packet must
- * cost one retransmission of that packet and not stall the stream:
- *  - every packet has its own timer: the smoothed RTT estimate (RFC 6298, Karn's rule)
- *    plus a back-off of its own that doubles only when that packet times out again;
- *  - a shard silent for two round trips (nothing sent, nothing answered) resends its
- *    latest-sent packet (a tail loss probe, RFC 8985): its answer lets RACK judge the
- *    ones before it, so the end of a call does not wait for timers;
- *  - a packet is resent early, before its timer, once a packet transmitted after it has
+ * cost one retransmission of that packet and not stall the stream, and resends nothing
+ * while the stream only waits: a RESULT comes when every worker has sent its packet, so a
+ * slow peer (one that starts its call later, or is descheduled) delays RESULTs as a loss
+ * would, and a per-packet timer would resend the whole window for it.
+ *  - Evidence (RACK, RFC 8985): a packet is resent once a packet transmitted after it has
  *    been answered and it has been out for longer than that packet's round trip plus a
- *    reordering allowance (RACK, RFC 8985: time order, so retransmissions give evidence
- *    too and a stalled window still recovers). Rounds complete in transmission order on
- *    an in-order path, since every worker sends in psn order; a round stalled by a peer's
- *    loss costs each waiting worker about one resend per round trip, not one per RESULT. */
+ *    reordering allowance (time order, so retransmissions give evidence too and a stalled
+ *    window still recovers). Rounds complete in transmission order on an in-order path,
+ *    since every worker sends in psn order; a round stalled by a peer's loss costs each
+ *    waiting worker about one resend per round trip, not one per RESULT.
+ *  - Silence (a probe): a shard that has neither sent nor been answered for a while resends
+ *    its latest-sent packet, whose answer lets RACK judge the ones before it, and the one
+ *    out the longest, whose round holds every worker's window (if its resend by RACK was lost
+ *    as well, nothing later can be answered); each unanswered probe doubles the next wait
+ *    (up to max_rto). The while: with one packet
+ *    in flight (the end of a pass), the smoothed round trip plus four deviations (RFC 6298's
+ *    timeout); with k, none of which is answered, either all k were lost, which gets less
+ *    likely with each one, or the peers have stopped sending: that doubled for each packet
+ *    beyond the first, up to as long as the peers usually take to start a call (below). There
+ *    is no per-packet timer: every unanswered packet is either older than an answered one
+ *    (RACK) or among those a probe stands for.
+ *  - On a path that has shown no loss for a while (no RACK resend, no resend answered right
+ *    away) silence is all but surely waiting, and a lateness has a long tail: a probe waits
+ *    rto_min (1 s by default) at least, so a loss-free run resends nothing, and the first loss
+ *    after a quiet spell costs at most that once; evidence of loss brings the estimates in.
+ *  - The start of a pass (before its first RESULT) waits for the peers to start the same
+ *    pass, and the opening pass of an allreduce for them to start the call, which can take
+ *    far longer than a round trip (a skew of compute, a busy switch): its first probe waits
+ *    for the smoothed first-RESULT delay of earlier passes of its kind (openings, or the
+ *    passes that follow one) plus four deviations (RFC 6298; Karn's rule discards only a
+ *    RESULT that came within a probe's wait of a resend), `rto_min` before one is measured. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <math.h>
@@ -35,20 +54,18 @@
 
 #define REORDER_FRACTION 0.25 /* reordering allowance: a quarter of the round trip (RFC 8985) */
 #define REORDER_MIN_S 200e-6 /* and at least this: RESULTs come in batches */
-#define PROBE_MIN_S 1e-3     /* a tail loss probe waits at least this (RFC 8985's PTO: 2 x SRTT) */
+#define PROBE_MIN_S 1e-3     /* a probe waits at least this */
 #define MAX_WAIT_S 0.05      /* the longest single wait: timers are checked at least this often */
 #define RECV_BATCH 64        /* messages per recvmmsg */
 #define SEND_TIMEOUT_MS 5000 /* a send buffer full this long is an error */
-/* A packet's own timer doubles at each of its timeouts, up to 8 x the RTO: random loss is
- * not congestion (the window is fixed), and a dead aggregator is told by `timeout`. */
-#define MAX_BACKOFF_DOUBLINGS 3
+#define LOSS_MEMORY_S 10.0    /* evidence of loss this recent makes a probe wait what the estimates say */
+#define MAX_PROBE_DOUBLINGS 6 /* unanswered probes double the wait, up to 64 x (and max_rto): a dead aggregator is told by `timeout` */
 
 typedef struct {
     uint64_t offset;   /* packet offset within the shard */
-    double first_sent, last_sent, deadline;
+    double first_sent, last_sent;
     uint64_t xmit;     /* order of its latest transmission among the call's (ties of time broken) */
     uint32_t retries;  /* transmissions after the first */
-    uint32_t timeouts; /* of them, by its timer: each doubles its back-off */
     uint8_t inflight;
 } window_slot;
 
@@ -58,7 +75,8 @@ typedef struct {
     uint64_t sent, done;       /* packets sent for the first time / answered */
     uint64_t rack_xmit;        /* the latest-transmitted answered packet's xmit (0: none yet) */
     double last_activity;      /* the shard's latest transmission or answer */
-    uint32_t probes;           /* tail loss probes since the last answer: each doubles the next wait */
+    double started;            /* when this pass sent its first packet */
+    uint32_t probes;           /* probes since the last answer: each doubles the next wait */
     double rack_rtt;           /* that packet's round trip */
     uint64_t base;             /* stream position of the shard's first packet in this call */
     int64_t aggregator;
@@ -76,6 +94,9 @@ typedef struct {
     size_t packet_size;
     pn_udp udp;
     double srtt, rttvar;
+    double start_srtt[2], start_rttvar[2]; /* a pass's first-RESULT delay, [1] openings, [0] others (< 0: none yet) */
+    int kind;                     /* of this pass: 1 an opening, 0 a pass that follows one */
+    double last_loss;             /* when the group last saw evidence of loss (< 0: never) */
     uint64_t xmit;                /* transmissions so far */
     const uint8_t **send_packets; /* sends queued in one loop iteration */
     int64_t *send_dest;
@@ -238,17 +259,6 @@ static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) 
     return p;
 }
 
-static double rto(const stream_state *st) {
-    double r = st->srtt + 4.0 * st->rttvar;
-    if (r < st->c->rto_min) r = st->c->rto_min;
-    return r < st->c->max_rto ? r : st->c->max_rto;
-}
-
-static double backed_off(const stream_state *st, uint32_t timeouts) {
-    double r = rto(st) * (double)(1u << (timeouts < MAX_BACKOFF_DOUBLINGS ? timeouts : MAX_BACKOFF_DOUBLINGS));
-    return r < st->c->max_rto ? r : st->c->max_rto;
-}
-
 static void queue_send(stream_state *st, const uint8_t *packet, int64_t dest) {
     /* A slot is queued at most twice per loop iteration (its first transmission, then
      * never again until flushed), so this cannot fill up; if it ever did, the packet's timer
@@ -293,34 +303,75 @@ static void send_first(stream_state *st, shard_state *s, uint64_t offset, double
     s->sent++;
     s->last_activity = now;
     window_slot *w = &s->slots[offset % s->pool];
-    *w = (window_slot){.offset = offset, .xmit = ++st->xmit, .first_sent = now, .last_sent = now,
-                       .deadline = now + rto(st), .inflight = 1};
+    *w = (window_slot){.offset = offset, .xmit = ++st->xmit, .first_sent = now, .last_sent = now, .inflight = 1};
     queue_send(st, build_packet(st, s, offset), s->aggregator);
 }
 
+/* Resend a packet: early (RACK: a later packet was answered, evidence of loss) or as a probe (silence). */
 static void retransmit(stream_state *st, shard_state *s, window_slot *w, double now, int early) {
+    if (early) st->last_loss = now;
     uint8_t *p = s->packets + (size_t)(w->offset % s->pool) * st->packet_size;
     p[3] |= PN_FLAG_RETRANSMIT;
     w->retries++;
-    if (!early) w->timeouts++;
     w->last_sent = now;
     w->xmit = ++st->xmit;
     s->last_activity = now;
-    w->deadline = now + backed_off(st, w->timeouts);
     st->r->retransmissions++;
     if (early) st->r->early_retransmissions++;
     queue_send(st, p, s->aggregator);
 }
 
-/* How long a shard may stay silent (nothing sent, nothing answered) before a probe. */
+/* How long a shard may stay silent (nothing sent, nothing answered) before a probe: the smoothed
+ * round trip plus four deviations, RFC 6298's timeout (rto_min before one is measured). The probe
+ * is the only timer, so it takes the timer's margin: a slow peer varies the round trip too. */
 static double probe_timeout(const stream_state *st) {
-    double pto = 2.0 * st->srtt;
+    double pto = st->srtt < 0 ? st->c->rto_min : st->srtt + 4.0 * st->rttvar;
     return pto > PROBE_MIN_S ? pto : PROBE_MIN_S;
 }
 
-static void rtt_sample(stream_state *st, double rtt) {
-    st->rttvar = 0.75 * st->rttvar + 0.25 * fabs(st->srtt - rtt);
-    st->srtt = 0.875 * st->srtt + 0.125 * rtt;
+/* How long passes of a kind take to start (their first RESULT: the peers' usual lateness), as
+ * measured on earlier ones, never less than a probe's wait. */
+static double start_timeout(const stream_state *st, int kind) {
+    double pto = probe_timeout(st);
+    double t = st->start_srtt[kind] < 0 ? st->c->rto_min : st->start_srtt[kind] + 4.0 * st->start_rttvar[kind];
+    if (t > st->c->max_rto) t = st->c->max_rto;
+    return t > pto ? t : pto;
+}
+
+/* How long a shard may stay silent before a probe. Before its pass's first RESULT: as long as
+ * passes of its kind take to start. After it, with k packets in flight, none answered: either
+ * every one of them (or its RESULT) was lost, which gets less likely with each one, or the peers
+ * stopped sending (descheduled, busy between two calls), so a probe's wait doubled for each packet
+ * beyond the first, up to as long as an opening takes to start (the peers' lateness). */
+static double estimated_silence(const stream_state *st, const shard_state *s) {
+    if (s->done == 0) return start_timeout(st, st->kind);
+    double pto = probe_timeout(st);
+    uint64_t k = s->sent - s->done;
+    double longer = pto * (double)(UINT64_C(1) << (k - 1 < 30 ? k - 1 : 30));
+    double lateness = start_timeout(st, 1);
+    return longer < lateness ? longer : (lateness > pto ? lateness : pto);
+}
+
+/* The estimates hold while the path loses packets; on a path that has shown no loss for
+ * LOSS_MEMORY_S, silence is all but surely waiting (for a late or descheduled peer, whose
+ * lateness has a long tail), so a probe waits rto_min at least: a loss-free run resends nothing,
+ * and the first loss after a quiet spell costs at most rto_min once. */
+static double silence_timeout(const stream_state *st, const shard_state *s, double now) {
+    double wait = estimated_silence(st, s);
+    int quiet = st->last_loss < 0 || now - st->last_loss > LOSS_MEMORY_S;
+    return quiet && wait < st->c->rto_min ? st->c->rto_min : wait;
+}
+
+/* RFC 6298 smoothing of one estimate (a round trip, or a pass's first-RESULT delay); the first
+ * sample (srtt < 0: none yet) sets it. */
+static void smooth(double *srtt, double *rttvar, double sample) {
+    if (*srtt < 0) {
+        *srtt = sample;
+        *rttvar = sample / 2;
+        return;
+    }
+    *rttvar = 0.75 * *rttvar + 0.25 * fabs(*srtt - sample);
+    *srtt = 0.875 * *srtt + 0.125 * sample;
 }
 
 /* A datagram from the socket: a RESULT of this call goes into the output, and the window
@@ -344,6 +395,13 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
         window_slot *w = &s->slots[offset % s->pool];
         if (!w->inflight || w->offset != offset) return 0; /* answered already */
         w->inflight = 0;
+        /* the peers' lateness: the delay to the pass's first RESULT. Karn's rule, as narrow as it can
+         * be: a RESULT long after this packet's latest resend was not its answer (the peers were late,
+         * the resends spurious), so only one within a probe's wait of it is ambiguous; discarding every
+         * resent one would keep exactly the long delays out */
+        int resent = w->retries > 0 && now - w->last_sent <= probe_timeout(st); /* answered right after a resend */
+        if (s->done == 0 && !resent) smooth(&st->start_srtt[st->kind], &st->start_rttvar[st->kind], now - s->started);
+        if (resent) st->last_loss = now; /* the resend was (most likely) needed: evidence of loss */
         s->done++;
         s->last_activity = now;
         s->probes = 0;
@@ -351,7 +409,7 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
             s->rack_xmit = w->xmit;
             s->rack_rtt = now - w->last_sent;
         }
-        if (w->retries == 0) rtt_sample(st, now - w->first_sent); /* Karn: unambiguous samples only */
+        if (w->retries == 0) smooth(&st->srtt, &st->rttvar, now - w->first_sent); /* Karn: unambiguous samples only */
         if (h.flags & PN_FLAG_OVERFLOW) st->r->overflow[k] = 1;
         uint64_t first = (s->start + offset) * c->lanes;
         uint32_t n = first + c->lanes <= c->elements ? c->lanes : (uint32_t)(c->elements - first);
@@ -366,7 +424,7 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
     return 0;
 }
 
-/* Timers and early retransmissions; returns the earliest deadline left, or PN_ETIMEOUT. */
+/* RACK and probes; returns the earliest time one may be due, or PN_ETIMEOUT. */
 static int check_timers(stream_state *st, double now, double *next_deadline) {
     const pn_stream_call *c = st->c;
     double next = now + MAX_WAIT_S;
@@ -376,6 +434,7 @@ static int check_timers(stream_state *st, double now, double *next_deadline) {
         double allowance = s->rack_rtt * REORDER_FRACTION;
         double overdue = s->rack_rtt + (allowance > REORDER_MIN_S ? allowance : REORDER_MIN_S);
         window_slot *latest = NULL; /* the in-flight packet transmitted last */
+        window_slot *oldest = NULL; /* and the one out the longest (lowest offset) */
         for (uint32_t i = 0; i < s->pool; i++) {
             window_slot *w = &s->slots[i];
             if (!w->inflight) continue;
@@ -385,21 +444,27 @@ static int check_timers(stream_state *st, double now, double *next_deadline) {
                 st->r->error_retries = w->retries;
                 return PN_ETIMEOUT;
             }
-            int later_answered = s->rack_xmit > w->xmit;
-            if (later_answered && now >= w->last_sent + overdue) retransmit(st, s, w, now, 1);
-            else if (w->deadline <= now) retransmit(st, s, w, now, 0);
-            double due = w->deadline;
-            if (later_answered && w->last_sent + overdue < due) due = w->last_sent + overdue;
-            if (due < next) next = due;
+            if (s->rack_xmit > w->xmit) { /* a later packet was answered: this one is overdue after a while */
+                if (now >= w->last_sent + overdue) retransmit(st, s, w, now, 1);
+                if (w->last_sent + overdue < next) next = w->last_sent + overdue;
+            }
             if (!latest || w->xmit > latest->xmit) latest = w;
+            if (!oldest || w->offset < oldest->offset) oldest = w;
         }
-        /* Tail loss probe: nothing sent or answered for a while, and nothing later to tell a
-         * loss: resend the latest-sent packet; its answer lets RACK judge the ones before it. */
-        /* a peer that is only slow makes a shard silent too: each unanswered probe doubles the wait */
-        double pto = probe_timeout(st) * (double)(1u << (s->probes < 6 ? s->probes : 6));
+        /* Probe: nothing sent or answered for a while, and nothing later to tell a loss: resend
+         * the packet out the longest, and the latest-sent one. The oldest round holds every
+         * worker's window (self-clocking): when a resend of it was lost too, nothing later may
+         * ever be answered (the peers cannot send past it), so only resending it unblocks them.
+         * The latest one's answer lets RACK judge the ones before it. A peer that is only slow
+         * makes a shard silent too: each unanswered probe doubles the wait. */
+        double wait = silence_timeout(st, s, now);
+        double pto = wait * (double)(1u << (s->probes < MAX_PROBE_DOUBLINGS ? s->probes : MAX_PROBE_DOUBLINGS));
+        double most = wait > c->max_rto ? wait : c->max_rto; /* the doublings stop at max_rto */
+        if (pto > most) pto = most;
         double probe_at = s->last_activity + pto;
         if (latest && now >= probe_at) {
-            retransmit(st, s, latest, now, 1);
+            if (oldest != latest) retransmit(st, s, oldest, now, 0);
+            retransmit(st, s, latest, now, 0);
             s->probes++;
             probe_at = now + 2 * pto;
         }
@@ -427,6 +492,7 @@ static int validate(const pn_stream_call *c, const pn_stream_report *r) {
         c->job > 0xFFFF || c->generation >= PN_GENERATIONS || c->worker >= PN_MAX_WORKERS ||
         (c->op != PN_OP_SUM && c->op != PN_OP_MAX) || (c->kind != PN_IN_F32 && c->kind != PN_IN_I32) ||
         !c->aggregator || !c->pool || !c->next_psn || !c->start || !c->count || !c->srtt || !c->rttvar ||
+        !c->start_srtt || !c->start_rttvar || !c->last_loss ||
         !c->rng || !(c->timeout > 0) || !(c->rto_min > 0) || !(c->max_rto >= c->rto_min) || c->drop < 0 ||
         c->drop >= 1 || !(c->silence >= 0) || (c->silence > 0 && (!c->on_silence || !(c->silence_every > 0))))
         return PN_EINVAL;
@@ -445,7 +511,9 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     int rc = validate(c, r);
     if (rc != PN_OK) return rc;
     stream_state st = {.c = c, .r = r, .packet_size = pn_packet_size(c->lanes), .srtt = *c->srtt,
-                       .rttvar = *c->rttvar};
+                       .rttvar = *c->rttvar, .kind = c->opening != 0,
+                       .start_srtt = {c->start_srtt[0], c->start_srtt[1]},
+                       .start_rttvar = {c->start_rttvar[0], c->start_rttvar[1]}, .last_loss = *c->last_loss};
     st.udp.fd = -1;
     uint64_t window = 0;
     st.shards = calloc(c->shards, sizeof *st.shards);
@@ -486,15 +554,16 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     for (uint32_t k = 0; k < c->shards; k++) {
         shard_state *s = &st.shards[k];
         remaining += s->count;
+        s->started = now;
         for (uint32_t i = 0; i < s->pool; i++) send_first(&st, s, i, now);
     }
     rc = flush_sends(&st);
     uint32_t capacity = pn_udp_capacity(&st.udp);
     pn_datagram *got = malloc(capacity * sizeof *got);
     if (!got) rc = PN_ENOMEM;
-    /* the first wake-up: the earliest of the timers and the tail loss probe (a call of one
-     * packet, such as the MAX round, has nothing else to tell a loss) */
-    double next_deadline = now + fmin(rto(&st), probe_timeout(&st));
+    /* the first wake-up: the first probe's time (a call of one packet, such as the MAX round,
+     * has nothing else to tell a loss) */
+    double next_deadline = now;  /* the loop computes the first probe's time before it waits */
     double last_answer = now; /* the latest RESULT that answered a packet (or the call's start) */
     double silence_check = now + c->silence;
     while (rc == PN_OK && remaining) {
@@ -547,8 +616,11 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
         for (uint32_t k = 0; k < c->shards; k++) c->next_psn[k] = st.shards[k].base + st.shards[k].count;
     }
     free(got);
+    *c->last_loss = st.last_loss;
     *c->srtt = st.srtt;
     *c->rttvar = st.rttvar;
+    c->start_srtt[st.kind] = st.start_srtt[st.kind];
+    c->start_rttvar[st.kind] = st.start_rttvar[st.kind];
     c->gso = st.udp.gso;
     free_state(&st);
     return rc;

@@ -63,7 +63,9 @@ class StreamCall(ctypes.Structure):
         ("start", _u64p), ("count", _u64p),
         ("kind", ctypes.c_int32), ("input", _p), ("output", _p), ("elements", ctypes.c_uint64), ("scale", _dp),
         ("rto_min", ctypes.c_double), ("max_rto", ctypes.c_double), ("timeout", ctypes.c_double),
-        ("srtt", _dp), ("rttvar", _dp), ("gso", ctypes.c_int32), ("drop", ctypes.c_double), ("rng", _u64p),
+        ("srtt", _dp), ("rttvar", _dp), ("start_srtt", _dp), ("start_rttvar", _dp), ("last_loss", _dp),
+        ("opening", ctypes.c_int32),
+        ("gso", ctypes.c_int32), ("drop", ctypes.c_double), ("rng", _u64p),
         ("silence", ctypes.c_double), ("silence_every", ctypes.c_double), ("on_silence", SILENCE_CALLBACK),
         ("silence_ctx", _p),
     ]

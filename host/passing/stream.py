@@ -7,16 +7,27 @@ psn p uses slot p mod pool, and p + pool is sent only once the RESULT of p is in
 most ``pool`` packets are in flight and the aggregator's two sets per slot always hold
 every round someone may still ask for.
 
-Loss recovery keeps the window moving under random loss: every packet has its own timer
-(the smoothed RTT estimate, and a back-off of its own that doubles only when that packet
-times out again), and a packet is resent early, before its timer, once a packet
-transmitted after it has been answered and it has been out for longer than that packet's
-round trip plus a reordering allowance (RACK, RFC 8985). Rounds complete in
-transmission order on an in-order path, since every worker sends in psn order, so this
-is evidence of loss; retransmissions give evidence too, so a stalled window recovers. A
-shard silent for two round trips resends its latest-sent packet (a tail loss probe), so
-the end of a call does not wait for timers either. A packet unanswered for ``timeout``
-seconds ends the call with AggregatorUnreachable.
+Loss recovery keeps the window moving under random loss, and resends nothing while the
+stream only waits for a slow peer (a RESULT comes when every worker has sent its packet, so
+a peer that starts its call later, or is descheduled, delays RESULTs as a loss would). A
+packet is resent once a packet transmitted after it has been answered and it has been out
+for longer than that packet's round trip plus a reordering allowance (RACK, RFC 8985).
+Rounds complete in transmission order on an in-order path, since every worker sends in psn
+order, so this is evidence of loss; retransmissions give evidence too, so a stalled window
+recovers. A shard silent (nothing sent, nothing answered) for a while resends (a probe) its
+latest-sent packet, whose answer lets RACK judge the ones before it, and the one out the
+longest, whose round holds every worker's window (if a resend of it was lost as well,
+nothing later can be answered); each
+unanswered probe doubles the next wait (up to ``max_rto``). The while: with one packet in
+flight (the end of a pass), the smoothed round trip plus four deviations (RFC 6298's timeout);
+with k, none of them answered, either all k were lost, which gets less likely with each one,
+or the peers have stopped sending: that doubled for each packet beyond the first, up to as
+long as the peers usually take to start a call (below). There is no per-packet timer. Before the first
+RESULT of a pass the stream waits for its peers to start that pass (the first pass of an
+allreduce, for them to start the call): its first probe waits for the smoothed first-RESULT
+delay of earlier passes of that kind plus four deviations (``rto`` before one is measured:
+RFC 6298's initial timer, 1 s).
+A packet unanswered for ``timeout`` seconds ends the call with AggregatorUnreachable.
 
 Two engines implement the stream: the native one (host/csrc/stream.c, through
 passing.native) and ``_stream`` below in numpy, the executable specification it is tested
@@ -84,8 +95,10 @@ OPS = ("sum", "avg")
 NONFINITE_SHIFT = 6  # bits per count in the non-finite class round: up to 32 workers, + 1
 REORDER_FRACTION = 0.25  # RACK's reordering allowance: a quarter of the round trip (RFC 8985)
 REORDER_MIN = 200e-6  # and at least this: RESULTs come in batches
-PROBE_MIN = 1e-3  # a tail loss probe waits at least this (RFC 8985's PTO: 2 x SRTT)
+PROBE_MIN = 1e-3  # a probe waits at least this
+MAX_PROBE_DOUBLINGS = 6  # unanswered probes double the wait, up to 64 x and max_rto; `timeout` tells a dead one
 SILENCE_EVERY = 0.5  # once silent for failover.after: how often to ask the controller again
+LOSS_MEMORY = 10.0  # s: evidence of loss this recent makes a probe wait what the estimates say, not `rto`
 INT32_MAX, INT32_MIN = np.iinfo(np.int32).max, np.iinfo(np.int32).min
 
 
@@ -130,7 +143,7 @@ class Group:
         bind: str | tuple[str, int] | BatchSocket = ("0.0.0.0", 0),
         scale: str | float = "auto",
         on_overflow: str = "raise",
-        rto: float = 0.02,
+        rto: float = 1.0,
         max_rto: float = 1.0,
         timeout: float = 30.0,
         offload: bool = True,
@@ -164,8 +177,17 @@ class Group:
             if not 1 <= a.pool <= 1 << 16:
                 raise ValueError(f"pool must be 1..65536, got {a.pool}")
         self.scale, self.on_overflow = scale, on_overflow
+        if not 0 < rto <= max_rto:
+            raise ValueError(f"need 0 < rto <= max_rto, got {rto} and {max_rto}")
         self.rto_min, self.max_rto, self.timeout = rto, max_rto, timeout
-        self._srtt, self._rttvar = rto, rto / 2
+        self._srtt, self._rttvar = -1.0, 0.0  # the round trip: set by the first sample (RFC 6298), -1 until then
+        # the first-RESULT delay of a pass (how late the peers start it), [1] of the openings (the first
+        # pass of an allreduce: the peers start the call), [0] of the passes that follow one; -1: unmeasured
+        self._start_srtt = np.full(2, -1.0)
+        self._start_rttvar = np.zeros(2)
+        self._opening = False  # the next pass is the first of an allreduce
+        self._last_loss = -1.0  # time.monotonic() of the latest evidence of loss (a RACK resend, a resend answered
+        # right away); -1: none
         self.native = native.use_native(engine)
         self.engine = "native" if self.native else "numpy"
         # the native engine's impairment generator (splitmix64 state)
@@ -332,6 +354,7 @@ class Group:
         self.moves += 1
 
     def _allreduce(self, flat: np.ndarray, out: np.ndarray, op: str) -> None:
+        self._opening = True  # its first pass waits for peers that may start later
         packets = -(-flat.size // self.lanes)
         bounds = np.linspace(0, packets, len(self.aggregators) + 1).astype(np.int64)
         starts, counts = bounds[:-1], np.diff(bounds)  # packets of each aggregator's contiguous block
@@ -429,8 +452,9 @@ class Group:
         """One pass of every shard's packets through its aggregator: packets [start, start + count)
         of ``flat`` (zero-padded to whole packets; float32 quantized with the shard's scale) in,
         their sums into ``out``. Returns per shard whether a RESULT overflowed."""
+        opening, self._opening = self._opening, False
         if self.native:
-            return self._pass_native(op, flat, out, starts, counts, scales)
+            return self._pass_native(op, flat, out, starts, counts, scales, opening)
         blocks, flags = [], []
         for i, (start, count) in enumerate(zip(starts, counts)):
             block = np.zeros(count * self.lanes, dtype=flat.dtype)
@@ -441,7 +465,7 @@ class Group:
                 block = q
                 flags.append(np.where(saturated.reshape(-1, self.lanes).any(axis=1), wire.FLAG_OVERFLOW, 0))
             blocks.append(block.reshape(-1, self.lanes))
-        sums, overflow = self._stream(blocks, op, flags if scales is not None else None)
+        sums, overflow = self._stream(blocks, op, flags if scales is not None else None, opening)
         for i, (start, s) in enumerate(zip(starts, sums)):
             part = out[start * self.lanes : (start * self.lanes + s.size)]
             values = s.reshape(-1)[: part.size]
@@ -449,7 +473,7 @@ class Group:
         return overflow
 
     def _pass_native(self, op: int, flat: np.ndarray, out: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-                     scales: list[float] | None) -> list[bool]:
+                     scales: list[float] | None, opening: bool) -> list[bool]:
         n = len(self.aggregators)
         keep = dict(  # the arrays the call points into, alive until it returns
             aggregator=self._agg_ids.astype(np.int64), pool=np.array([a.pool for a in self.aggregators], np.uint32),
@@ -458,12 +482,17 @@ class Group:
             overflow=np.zeros(n, np.uint8),
         )
         srtt, rttvar = ctypes.c_double(self._srtt), ctypes.c_double(self._rttvar)
+        last_loss = ctypes.c_double(self._last_loss)
+
         call = native.StreamCall(
             fd=self.socket.fd, lanes=self.lanes, job=self.job, generation=self.generation, worker=self.worker, op=op,
             shards=n, kind=native.IN_F32 if flat.dtype == np.float32 else native.IN_I32,
             input=native.address(flat), output=native.address(out), elements=flat.size,
             rto_min=self.rto_min, max_rto=self.max_rto, timeout=self.timeout, srtt=ctypes.pointer(srtt),
-            rttvar=ctypes.pointer(rttvar), gso=int(self.socket.gso), drop=self.drop,
+            rttvar=ctypes.pointer(rttvar), start_srtt=self._start_srtt.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+            start_rttvar=self._start_rttvar.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
+            last_loss=ctypes.pointer(last_loss), opening=int(opening),
+            gso=int(self.socket.gso), drop=self.drop,
             rng=self._native_rng.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
         )
         if self.failover is not None:
@@ -476,6 +505,7 @@ class Group:
         report = native.StreamReport(overflow=keep["overflow"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
         rc = native.lib().pn_stream_run(ctypes.byref(call), ctypes.byref(report))
         self._srtt, self._rttvar, self.socket.gso = srtt.value, rttvar.value, bool(call.gso)
+        self._last_loss = last_loss.value
         stats = self.socket.stats
         stats.packets_sent += report.packets_sent
         stats.bytes_sent += report.bytes_sent
@@ -504,9 +534,10 @@ class Group:
         )
 
     def _stream(
-        self, blocks: list[np.ndarray], op: int, flags: list[np.ndarray] | None = None
+        self, blocks: list[np.ndarray], op: int, flags: list[np.ndarray] | None = None, opening: bool = False
     ) -> tuple[list[np.ndarray], list[bool]]:
-        """Aggregate one (n_i, lanes) int32 block per aggregator; all shards at once.
+        """Aggregate one (n_i, lanes) int32 block per aggregator; all shards at once. ``opening``:
+        the first pass of an allreduce (its peers may start it later).
 
         Returns each shard's summed rows and whether any of its RESULTs carried OVERFLOW.
         """
@@ -541,7 +572,6 @@ class Group:
         first_sent = np.zeros(total)
         last_sent = np.zeros(total)
         retries = np.zeros(total, dtype=np.int64)  # transmissions after the first
-        timeouts = np.zeros(total, dtype=np.int64)  # of them, by the packet's own timer: each doubles its back-off
         xmit = np.zeros(total, dtype=np.int64)  # order of each packet's latest transmission (ties of time broken)
         transmissions = 0
         rack_xmit = np.zeros(len(blocks), dtype=np.int64)  # per shard: the latest-transmitted answered packet's
@@ -554,18 +584,17 @@ class Group:
         first_sent[inflight] = last_sent[inflight] = now
         xmit[inflight] = np.arange(1, inflight.size + 1)
         transmissions = inflight.size
-        deadline = np.full(inflight.size, now + self._rto())
-        # the first wake-up: the earliest timer or the tail loss probe (a call of one packet, such as
-        # the MAX round, has nothing else to tell a loss)
-        next_due = min(float(deadline.min()), now + self._probe_timeout())
+        started = now  # every shard's first transmission
+        answered = np.zeros(len(blocks), dtype=bool)  # per shard: some packet of this pass answered
+        next_due = now  # the loop computes the first probe's time before it waits
         last_activity = np.full(len(blocks), now)  # per shard: its latest transmission or answer
-        probes = np.zeros(len(blocks), dtype=np.int64)  # per shard: tail loss probes since its last answer
+        probes = np.zeros(len(blocks), dtype=np.int64)  # per shard: probes since its last answer
         remaining = total
         last_answer = now  # the latest RESULT that answered a packet (or the call's start)
         silence_check = now + (self.failover.after if self.failover is not None else 0.0)
 
-        def resend(positions: np.ndarray, early_count: int, now: float) -> None:
-            """Retransmit inflight[positions]; their timers restart with their own back-off."""
+        def resend(positions: np.ndarray, early: bool, now: float) -> None:
+            """Retransmit inflight[positions]: early (RACK: a later packet was answered) or as probes."""
             nonlocal transmissions
             rows = inflight[positions]
             packets["hdr"]["flags"][rows] |= wire.FLAG_RETRANSMIT
@@ -575,10 +604,10 @@ class Group:
             xmit[rows] = transmissions + 1 + np.arange(rows.size)
             transmissions += rows.size
             self.socket.stats.retransmissions += rows.size
-            self.socket.stats.early_retransmissions += early_count
+            self.socket.stats.early_retransmissions += rows.size if early else 0
             retries[rows] += 1
-            # up to 8 x: random loss is not congestion (the window is fixed); `timeout` tells a dead aggregator
-            deadline[positions] = now + np.minimum(self._rto() * 2.0 ** np.minimum(timeouts[rows], 3), self.max_rto)
+            if early:  # a later packet was answered: evidence of loss
+                self._last_loss = now
 
         while remaining:
             wait = next_due - time.monotonic() if inflight.size else 0.05
@@ -593,8 +622,20 @@ class Group:
                 rows, positions = self._match(view, lengths, sources, starts, counts)
                 rows, first = np.unique(rows, return_index=True)
                 new = ~done[rows]
-                rows, got = rows[new], view[positions[first[new]]]
+                rows, arrival = rows[new], positions[first[new]]
+                got = view[arrival]
                 if rows.size:
+                    # the peers' lateness: the delay to each shard's first RESULT. Karn's rule, as narrow as
+                    # it can be: a RESULT long after its packet's latest resend was not that resend's answer
+                    # (the peers were late), so only one answered right after a resend is ambiguous
+                    resent = (retries[rows] > 0) & (now - last_sent[rows] <= self._probe_timeout())
+                    for sh in np.unique(shard[rows][~answered[shard[rows]]]):
+                        mine = shard[rows] == sh
+                        if not resent[mine][np.argmin(arrival[mine])]:
+                            self._start_sample(opening, now - started)
+                    if resent.any():  # the resend was (most likely) needed: evidence of loss
+                        self._last_loss = now
+                    answered[shard[rows]] = True
                     results[rows] = got["payload"]
                     result_flags[rows] = got["hdr"]["flags"]
                     done[rows] = True
@@ -618,33 +659,31 @@ class Group:
                         transmissions += nxt.size
                     keep = ~done[inflight]
                     inflight = np.r_[inflight[keep], nxt]
-                    deadline = np.r_[deadline[keep], np.full(nxt.size, now + self._rto())]
+            late = now - first_sent[inflight] > self.timeout
+            if late.any():
+                r = int(inflight[late][0])
+                raise self._unreachable(int(shard[r]), int(psn[r]), int(retries[r]))
             # a packet sent later is answered and this one is overdue for that round trip: resend it now
             overdue = rack_rtt + np.maximum(rack_rtt * REORDER_FRACTION, REORDER_MIN)
             sh = shard[inflight]
             later_answered = rack_xmit[sh] > xmit[inflight]
-            early = later_answered & (now >= last_sent[inflight] + overdue[sh])
-            due = np.flatnonzero((deadline <= now) | early)
-            if due.size:
-                rows = inflight[due]
-                late = now - first_sent[rows] > self.timeout
-                if late.any():
-                    r = int(rows[late][0])
-                    raise self._unreachable(int(shard[r]), int(psn[r]), int(retries[r]))
-                timeouts[rows[~early[due]]] += 1  # a back-off for the packet that keeps failing, not for all
-                resend(due, int(early[due].sum()), now)
-            # tail loss probe: a shard silent for two round trips resends its latest-sent packet, whose
-            # answer lets RACK judge the ones before it; a peer that is only slow makes a shard silent
-            # too, so each unanswered probe doubles the wait
-            pto = self._probe_timeout() * 2.0 ** np.minimum(probes, 6)
+            early = np.flatnonzero(later_answered & (now >= last_sent[inflight] + overdue[sh]))
+            if early.size:
+                resend(early, True, now)
+            # probe: a shard silent for a while resends the packet out the longest (its round holds every
+            # worker's window: when a RACK resend of it was lost too, nothing later can be answered) and its
+            # latest-sent one, whose answer lets RACK judge the ones before it; a peer that is only slow makes
+            # a shard silent too, so each unanswered probe doubles the wait
+            pto = self._probe_waits(opening, answered, np.bincount(sh, minlength=len(blocks)), probes)
             probe_rows = []
             for sh_i in np.unique(sh):
                 if now >= last_activity[sh_i] + pto[sh_i]:
                     mine = np.flatnonzero(sh == sh_i)
-                    probe_rows.append(mine[np.argmax(xmit[inflight[mine]])])
+                    oldest, latest = mine[np.argmin(inflight[mine])], mine[np.argmax(xmit[inflight[mine]])]
+                    probe_rows += [oldest, latest] if oldest != latest else [latest]
                     probes[sh_i] += 1
             if probe_rows:
-                resend(np.array(probe_rows), len(probe_rows), now)
+                resend(np.array(probe_rows), False, now)
             if self.failover is not None and remaining:  # failover: silent this long, ask the controller
                 if now - last_answer < self.failover.after:
                     silence_check = last_answer + self.failover.after
@@ -652,10 +691,10 @@ class Group:
                     if self._on_silence():
                         raise _Silenced()
                     silence_check = time.monotonic() + SILENCE_EVERY
-            if inflight.size:  # wake for the earliest timer, RACK deadline or probe
+            if inflight.size:  # wake for the earliest RACK deadline or probe
                 live = np.unique(sh)
-                pto = self._probe_timeout() * 2.0 ** np.minimum(probes, 6)  # after this round's probes
-                next_due = min(float(deadline.min()), float(np.min(last_activity[live] + pto[live])))
+                pto = self._probe_waits(opening, answered, np.bincount(sh, minlength=len(blocks)), probes)
+                next_due = float(np.min(last_activity[live] + pto[live]))  # after this round's probes
                 rack_due = last_sent[inflight] + overdue[sh]
                 if later_answered.any():
                     next_due = min(next_due, float(rack_due[later_answered].min()))
@@ -694,16 +733,51 @@ class Group:
         return (starts[s] + offset)[positions], positions
 
     def _rtt_sample(self, rtt: float) -> None:
-        """RFC 6298 smoothing; the sample is the slowest clean RESULT of a receive batch."""
-        self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
-        self._srtt = 0.875 * self._srtt + 0.125 * rtt
+        """The sample is the slowest clean RESULT of a receive batch."""
+        self._srtt, self._rttvar = _smooth(self._srtt, self._rttvar, rtt)
+
+    def _start_sample(self, opening: bool, delay: float) -> None:
+        """The first-RESULT delay of a pass of this kind."""
+        k = int(opening)
+        self._start_srtt[k], self._start_rttvar[k] = _smooth(float(self._start_srtt[k]), float(self._start_rttvar[k]),
+                                                             delay)
 
     def _probe_timeout(self) -> float:
-        """How long a shard may stay silent (nothing sent, nothing answered) before a probe."""
-        return max(2.0 * self._srtt, PROBE_MIN)
+        """How long a shard may stay silent (nothing sent, nothing answered) before a probe: the smoothed
+        round trip plus four deviations, RFC 6298's timeout (``rto`` before one is measured). The probe is
+        the only timer, so it takes the timer's margin: a slow peer varies the round trip too."""
+        return max(self.rto_min if self._srtt < 0 else self._srtt + 4.0 * self._rttvar, PROBE_MIN)
 
-    def _rto(self) -> float:
-        return min(max(self._srtt + 4.0 * self._rttvar, self.rto_min), self.max_rto)
+    def _start_timeout(self, opening: bool) -> float:
+        """How long passes of a kind take to start (their first RESULT: the peers' usual lateness), as
+        measured on earlier ones (``rto`` before one is), at most ``max_rto``, at least a probe's wait."""
+        k = int(opening)
+        t = self.rto_min if self._start_srtt[k] < 0 else self._start_srtt[k] + 4.0 * self._start_rttvar[k]
+        return max(min(float(t), self.max_rto), self._probe_timeout())
+
+    def _probe_waits(self, opening: bool, answered: np.ndarray, inflight: np.ndarray, probes: np.ndarray) -> np.ndarray:
+        """Per shard, the silence before its next probe. Before its pass's first RESULT: as long as passes of
+        its kind take to start. After it, with k packets in flight, none answered: either all k (or their
+        RESULTs) were lost, which gets less likely with each one, or the peers stopped sending, so a probe's
+        wait doubled for each packet beyond the first, up to as long as an opening takes to start. Each
+        unanswered probe doubles it again, up to ``max_rto``."""
+        pto = self._probe_timeout()
+        longer = np.minimum(pto * 2.0 ** np.minimum(inflight - 1, 30), self._start_timeout(True))
+        wait = np.where(~answered, self._start_timeout(opening), np.maximum(longer, pto))
+        # The estimates hold while the path loses packets; on one that has shown no loss for LOSS_MEMORY s,
+        # silence is all but surely waiting (a late peer's lateness has a long tail), so a probe waits `rto`
+        # at least: a loss-free run resends nothing, and the first loss after a quiet spell costs that once.
+        if self._last_loss < 0 or time.monotonic() - self._last_loss > LOSS_MEMORY:
+            wait = np.maximum(wait, self.rto_min)
+        return np.minimum(wait * 2.0 ** np.minimum(probes, MAX_PROBE_DOUBLINGS), np.maximum(wait, self.max_rto))
+
+
+def _smooth(srtt: float, rttvar: float, sample: float) -> tuple[float, float]:
+    """RFC 6298 smoothing of an estimate (a round trip, or a pass's first-RESULT delay); the first sample
+    (srtt < 0: none yet) sets it."""
+    if srtt < 0:
+        return sample, sample / 2
+    return 0.875 * srtt + 0.125 * sample, 0.75 * rttvar + 0.25 * abs(srtt - sample)
 
 
 def _apply_nonfinite(out: np.ndarray, classes: np.ndarray) -> None:

@@ -93,7 +93,7 @@ class TransportStats:
     packets_received: int = 0
     bytes_received: int = 0
     retransmissions: int = 0
-    early_retransmissions: int = 0  # of them, resent before their timer because later packets were answered
+    early_retransmissions: int = 0  # of them, resent on evidence: a later packet was answered (the others: probes)
     foreign_results: int = 0  # RESULTs of another job id or generation, ignored
     gso_fallbacks: int = 0  # GSO messages the kernel refused, resent as plain datagrams
 

@@ -46,7 +46,7 @@ class Options:
     pool: int | None = None  # PASSING_POOL: slots per group (default: the controller's)
     timeout: float | None = None  # PASSING_TIMEOUT: seconds a packet may stay unanswered
     join_timeout: float | None = None  # PASSING_JOIN_TIMEOUT: seconds to wait for the group to join
-    rto: float | None = None  # PASSING_RTO: initial and minimum retransmission timer
+    rto: float | None = None  # PASSING_RTO: a pass's first wait before it resends, until the group has measured one
     host: str | None = None  # PASSING_HOST: this rank's IP for PASSING traffic
     server: str | None = None  # PASSING_SERVER: which server this rank is on
     job: str | None = None  # PASSING_JOB: job name at the controller (default: a fresh one per run)
@@ -57,7 +57,7 @@ class Options:
     mtu: int | None = None  # PASSING_MTU: path MTU to rank 0's embedded aggregator (default: its interface's)
 
     DEFAULTS = {"controller": None, "scheme": "passing", "scale": "auto", "on_overflow": "raise",
-                "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 0.02, "host": None, "server": None,
+                "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 1.0, "host": None, "server": None,
                 "job": None, "engine": "auto", "failover_after": None, "report_interval": 10.0, "mtu": None}
 
     def resolve(self, environ: dict[str, str] | None = None) -> Options:
