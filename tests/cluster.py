@@ -15,6 +15,7 @@ import numpy as np
 
 from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports, start_aggregator, worker_inputs
+from tests.zygote import CLI_PRELOAD, ForkedProcess, shared
 
 
 def run_threads(work: Callable[[int], object], count: int, timeout: float = 60) -> list:
@@ -85,7 +86,7 @@ class LocalCluster:
         return self.control(shard).request("stats")
 
     def start_worker(self, worker: int, size: int, dtype: str = "float32", seed: int = 0, extra: list[str] = ()
-                     ) -> subprocess.Popen:
+                     ) -> ForkedProcess:
         cmd = [sys.executable, "-m", "passing.cli", "allreduce", "--job", str(self.job),
                "--generation", str(self.generation), "--worker", str(worker),
                "--workers", str(self.workers), "--bind", self.worker_addresses[worker], "--pool", str(self.pool),
@@ -93,7 +94,8 @@ class LocalCluster:
                "--out", str(self.tmp / f"result-{worker}.npy"), "--no-check", "--engine", self.engine, *extra]
         for _, ready in self.aggregators:
             cmd += ["--aggregator", ready["data"]]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # forked from a process that imported passing already: a test starts many workers
+        return shared(CLI_PRELOAD).popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def run(self, size: int, dtype: str = "float32", seed: int = 0, extra: list[str] = (),
             timeout: float = 240) -> list[WorkerOutcome]:

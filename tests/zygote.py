@@ -144,17 +144,21 @@ class Zygote:
 
 
 TORCH_PRELOAD = ("tests.torch_worker", "demo.train", "sklearn.datasets")  # what the torch tests' ranks import
-_shared: Zygote | None = None
+CLI_PRELOAD = ("passing.cli",)  # passing-allreduce workers (tests/cluster.py)
+_shared: dict[tuple[str, ...], Zygote] = {}
+
+
+def shared(preload: tuple[str, ...]) -> Zygote:
+    """The test session's zygote for these modules (started at the first call, closed at exit)."""
+    if preload not in _shared:
+        _shared[preload] = Zygote(preload)
+        atexit.register(_shared[preload].close)
+    return _shared[preload]
 
 
 def torch_ranks(_server: int = 0) -> Callable[..., ForkedProcess]:
-    """The popen of the test session's one torch zygote (started at the first call, closed at exit):
-    ``launch_ranks(..., popen_for_server=torch_ranks)``."""
-    global _shared
-    if _shared is None:
-        _shared = Zygote(TORCH_PRELOAD)
-        atexit.register(_shared.close)
-    return _shared.popen
+    """The popen of the torch zygote: ``launch_ranks(..., popen_for_server=torch_ranks)``."""
+    return shared(TORCH_PRELOAD).popen
 
 
 # ---- the zygote process -------------------------------------------------------------------------
@@ -176,6 +180,7 @@ def _child(request: dict[str, Any]) -> None:
         os.environ.update(request["env"])
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         sys.argv = [request["module"], *request["argv"]]
+        sys.modules.pop(request["module"], None)  # run as __main__, as `python -m` does (runpy warns otherwise)
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
