@@ -97,25 +97,11 @@ QUEUE_BUDGET_S = 0.5  # pool is sized so that MAX_WINDOWS full windows queue for
 
 def pool_for(rate_mbit: float) -> int:
     """Packets in flight per worker at this link rate: the power of two (16..256) nearest to
-    what keeps the fullest link's queue near QUEUE_BUDGET_S. The stream's retransmission
-    timer is capped at 1 s, so a longer queue would make it resend packets that are only
-    waiting; a much smaller pool would let the window, not the link, set the pace."""
+    what keeps the fullest link's queue near QUEUE_BUDGET_S. A stream silent for 1 s (its wait
+    before a probe on a loss-free path) resends, so a longer queue would make it resend packets
+    that are only waiting; a much smaller pool would let the window, not the link, set the pace."""
     link_pps = rate_mbit * 1e6 / (8 * cost_model.FRAME)
     return 1 << round(math.log2(max(16.0, min(256.0, QUEUE_BUDGET_S * link_pps / MAX_WINDOWS))))
-
-
-def rto_for(scheme: str, servers: int, ranks: int, rate_mbit: float, pool: int) -> float:
-    """Minimum retransmission timer for a run: twice the longest the bottleneck queue can hold a packet.
-
-    Dividing the link rate by the factor multiplies queueing delays by it, while the
-    stream's 20 ms minimum timer stays: at 10 Mbit/s a queue of 2 windows of 128 packets
-    is 64 ms, so packets that are only waiting would be resent. The timer is scaled with
-    the queue instead, plus 50 ms for the skew between workers that the aggregator waits
-    out (capped at the stream's 1 s maximum); no packet is lost here (the tbf queues hold
-    every window), so a longer timer costs nothing.
-    """
-    queue_s = cost_model.windows(scheme, servers, ranks) * pool * cost_model.FRAME * 8 / (rate_mbit * 1e6)
-    return round(min(1.0, max(0.1, 2 * queue_s + 0.05)), 3)
 
 
 def cpu_pressure_us() -> int:
@@ -305,9 +291,10 @@ def run_once(cluster: Cluster, scheme: str, servers: int, ranks: int, bw: Bandwi
         cluster.set_rate(bw.rate_mbit)
     agg = aggregator_of(scheme)
     controller = cluster.controllers[agg or "switch"]
-    rto = rto_for(scheme, servers, ranks, bw.rate_mbit, bw.pool)
+    # no PASSING_RTO: nothing is lost here (the tbf queues hold every window), so the streams never see
+    # evidence of loss and wait the default 1 s before a probe, longer than any queue of these runs
     env = {"PASSING_SCHEME": scheme, "PASSING_CONTROLLER": controller, "PASSING_POOL": str(bw.pool),
-           "PASSING_RTO": str(rto), "GLOO_SOCKET_IFNAME": "eth0"}
+           "GLOO_SOCKET_IFNAME": "eth0"}
     argv = [sys.executable, str(WORKER), "--iterations", str(iterations),
             *[a for name, n in workloads.items() for a in ("--workload", f"{name}={n}")]]
     rough = sum(cost_model.predict(scheme, n, cost_model.Setup(servers, ranks, bw.rate_mbit, bw.pool)).seconds
@@ -342,7 +329,7 @@ def run_once(cluster: Cluster, scheme: str, servers: int, ranks: int, bw: Bandwi
     fixed = max(r["fixed_s"] for r in lines)
     result: dict[str, Any] = {
         "scheme": scheme, "servers": servers, "ranks": ranks, "bandwidth": bw.label,
-        "paper_gbit": PAPER_GBIT.get(bw.label), "rate_mbit": bw.rate_mbit, "pool": bw.pool, "rto_s": rto,
+        "paper_gbit": PAPER_GBIT.get(bw.label), "rate_mbit": bw.rate_mbit, "pool": bw.pool,
         "aggregator": {"switch": SWITCH_LABEL, "ps": PS_LABEL}.get(agg or "", "none: gloo's ring over TCP"),
         "mode": lines[0]["mode"], "reason": lines[0]["reason"], "fixed_s": fixed, "wall_s": wall, "health": health,
         "iterations": iterations, "workloads": {},

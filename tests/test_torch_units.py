@@ -31,10 +31,36 @@ def test_host_defaults_to_the_route_toward_the_controller():
     ({"PASSING_TIMEOUT": "0"}, "timeout must be positive"),
     ({"PASSING_ON_OVERFLOW": "ignore"}, "on_overflow"),
     ({"PASSING_REPORT_INTERVAL": "-1"}, "report_interval"),
+    ({"PASSING_MTU": "40"}, "mtu must be 68..65536"),
+    ({"PASSING_MTU": "jumbo"}, "not a number"),
 ])
 def test_bad_values_are_refused_with_the_reason(env, message):
     with pytest.raises(OptionError, match=message):
         Options().resolve({"PASSING_HOST": "127.0.0.1", **env})
+
+
+def test_the_embedded_aggregator_takes_its_interface_mtu():
+    """Rank 0's embedded PS: the MTU of the interface with its address (loopback's 65536), which sizes the
+    packets (docs/control.md, Lanes), checked against /sys/class/net; PASSING_MTU overrides it."""
+    import fcntl
+    import socket
+    import struct
+
+    from passing.torch.embedded import DEFAULT_MTU, LOOPBACK_MTU, SIOCGIFADDR, interface_mtu
+
+    assert interface_mtu("127.0.0.1") == LOOPBACK_MTU
+    assert interface_mtu("192.0.2.250") == DEFAULT_MTU  # TEST-NET-1: on no interface here
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                address = socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("16s16x", name.encode()))
+                                           [20:24])
+            except OSError:  # no IPv4 address
+                continue
+            if not address.startswith("127."):
+                with open(f"/sys/class/net/{name}/mtu") as f:
+                    assert interface_mtu(address) == int(f.read()), name
+    assert Options(mtu=9000).resolve({"PASSING_HOST": "127.0.0.1"}).mtu == 9000
 
 
 def test_schemes_are_design_7s_configurations():
