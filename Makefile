@@ -107,7 +107,7 @@ sanitize: $(STAMP)
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		$(PY) -m pytest -q -p no:cacheprovider --capture=sys tests/test_native_engine.py tests/test_scenarios.py \
-		tests/test_edge_cases.py tests/test_nonfinite.py tests/test_generation.py
+		tests/test_edge_cases.py tests/test_nonfinite.py tests/test_generation.py tests/test_psn_wrap.py tests/test_lanes.py
 
 fuzz:
 	@test -n "$(CLANG)" || { echo "make fuzz: clang not found (apt-get install clang-14 libclang-rt-14-dev)" >&2; exit 1; }
