@@ -85,7 +85,7 @@ clean:
 
 # ---- the native library (host/csrc) under sanitizers and a fuzzer -----------------------
 # sanitize: the library built with AddressSanitizer + UBSan (gcc) into build/native-asan/, and
-# the native differential, scenario, edge-case, non-finite and turnover tests (both engines:
+# the native differential, scenario, edge-case, non-finite, turnover, psn-wrap and lanes tests (both engines:
 # the aggregator's and the host's) run against it; any report fails the run
 # (--capture=sys: a report written to fd 2 by a dying process is not swallowed).
 # fuzz: the libFuzzer harness of the aggregation engine (clang) for FUZZ_SECONDS; its corpus
