@@ -63,7 +63,9 @@ def test_a_loss_free_run_with_late_peers_resends_nothing(engine):
     sent = sum(r["packets_sent"] for r in reports)
     resent = sum(r["retransmissions"] for r in reports)
     packets = WORKERS * CALLS * (1 + -(-ELEMENTS // LANES))  # a MAX round and the SUM stream per call
-    print(f"{engine}: {resent} retransmissions of {sent} packets, peers {LATE * 1e3:.0f} ms late in turn")
+    early = sum(r["early_retransmissions"] for r in reports)
+    print(f"{engine}: {resent} retransmissions ({early} on evidence) of {sent} packets, peers {LATE * 1e3:.0f} ms "
+          "late in turn")
     assert sent == packets + resent
     assert totals["duplicate"] + totals["duplicate_answered"] == resent  # the aggregator saw every resend
     assert resent <= BOUND * sent, f"{resent} spurious retransmissions in {sent} packets"

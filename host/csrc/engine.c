@@ -1,17 +1,10 @@
 /* The aggregation state machine (docs/protocol.md), packet by packet in arrival order.
  * passing/aggregation.py's AggregationEngine is the specification: the same admission,
- * the same slot/set state, the same counters and byte-identical RESULTs.
+ * the same slot/set state, the same counters and byte-identical RESULTs, in the same order:
+ * the arrival order of the packets that caused them (a completion's replicas in worker order).
  *
  * Every job has a lane count of its own (at most the engine's, the width of a slot): its
  * packets are that long, and it uses that many accumulators of each of its slots.
- *
- * The numpy engine processes a batch by lane count (ascending), each in waves (the k-th
- * packet of every slot/set goes to wave k), and emits wave by wave: in a wave, the
- * completions' replicas first, then the unicast answers. Processing in arrival order reaches
- * the same state, because packets of different slot/sets are independent (and jobs of
- * different lane counts share no slot), but emits in another order; pn_engine_process
- * therefore tags each RESULT with its job's lane count, its packet's rank (its index among
- * the batch's packets for that slot/set) and its kind, and sorts them stably by that.
  *
  * Datagrams are untrusted: every length is checked before a byte is read, and anything
  * that does not parse is a counted drop.
@@ -27,7 +20,6 @@
 #define JOB_IDS 65536
 #define NO_JOB 0              /* dense[job]: index + 1 of its entry, so that calloc means "none" */
 #define NEVER_USED (-1)        /* the epoch of a slot/set no allocation has written */
-#define FIRST_ORDER_CAP 1024   /* RESULTs the ordering scratch holds before it grows */
 
 typedef struct {
     int in_use;
@@ -54,13 +46,6 @@ struct pn_engine {
     job_entry *jobs;
     uint32_t *free_ids, free_count;
     int64_t totals[PN_COUNTERS];
-    /* ordering RESULTs like the numpy engine (pn_engine_process only) */
-    uint32_t *rank_stamp, *rank_count; /* per slot/set: which call last counted it, and how often */
-    uint32_t call_serial;
-    int64_t *order_key;
-    uint32_t *order, *order_tmp;
-    size_t order_cap;
-    uint8_t *packet_tmp;
 };
 
 /* Where a call's datagrams are: at a fixed stride, or scattered (the server's). */
@@ -78,7 +63,6 @@ typedef struct {
     uint8_t *multicast;
     uint32_t *length;          /* each RESULT's bytes: its job's packet size */
     size_t cap, count;
-    int64_t *key;              /* NULL: no ordering wanted */
 } batch_output;
 
 static size_t checked_mul(size_t a, size_t b, int *overflowed) {
@@ -87,28 +71,6 @@ static size_t checked_mul(size_t a, size_t b, int *overflowed) {
 }
 
 /* ---- life cycle ------------------------------------------------------------------- */
-
-static int grow_order(pn_engine *e, size_t cap) {
-    if (cap <= e->order_cap) return 0;
-    int overflowed = 0;
-    size_t key_bytes = checked_mul(cap, sizeof(int64_t), &overflowed);
-    size_t order_bytes = checked_mul(cap, 2 * sizeof(uint32_t), &overflowed);
-    if (overflowed) return -1;
-    int64_t *key = malloc(key_bytes);
-    uint32_t *block = malloc(order_bytes);
-    if (!key || !block) {
-        free(key);
-        free(block);
-        return -1;
-    }
-    free(e->order_key);
-    free(e->order);  /* order and order_tmp share one block, order first */
-    e->order_key = key;
-    e->order = block;
-    e->order_tmp = block + cap;
-    e->order_cap = cap;
-    return 0;
-}
 
 pn_engine *pn_engine_new(uint32_t slots, uint32_t lanes, uint32_t max_jobs) {
     /* lengths are uint32: a packet must be a size they can state */
@@ -132,16 +94,12 @@ pn_engine *pn_engine_new(uint32_t slots, uint32_t lanes, uint32_t max_jobs) {
         e->bitmap = calloc(sets, sizeof *e->bitmap);
         e->overflow = calloc(sets, sizeof *e->overflow);
         e->acc = calloc(1, acc_bytes);
-        e->rank_stamp = calloc(sets, sizeof *e->rank_stamp);
-        e->rank_count = calloc(sets, sizeof *e->rank_count);
         e->dense = calloc(JOB_IDS, sizeof *e->dense);
         e->jobs = calloc(max_jobs, sizeof *e->jobs);
         e->free_ids = malloc((size_t)max_jobs * sizeof *e->free_ids);
-        e->packet_tmp = malloc(e->packet_size);
     }
-    if (overflowed || !e->epoch || !e->tag || !e->bitmap || !e->overflow || !e->acc || !e->rank_stamp ||
-        !e->rank_count || !e->dense || !e->jobs || !e->free_ids || !e->packet_tmp ||
-        grow_order(e, FIRST_ORDER_CAP) != 0) {
+    if (overflowed || !e->epoch || !e->tag || !e->bitmap || !e->overflow || !e->acc || !e->dense || !e->jobs ||
+        !e->free_ids) {
         pn_engine_free(e);
         return NULL;
     }
@@ -160,14 +118,9 @@ void pn_engine_free(pn_engine *e) {
     free(e->bitmap);
     free(e->overflow);
     free(e->acc);
-    free(e->rank_stamp);
-    free(e->rank_count);
     free(e->dense);
     free(e->jobs);
     free(e->free_ids);
-    free(e->order_key);
-    free(e->order);
-    free(e->packet_tmp);
     free(e);
 }
 
@@ -275,7 +228,7 @@ static int32_t saturating_add(int32_t a, int32_t b, int *saturated) {
 
 /* One RESULT of the round in slot/set k, caused by the packet with header h, for worker w. */
 static void emit(pn_engine *e, batch_output *o, const job_entry *j, const pn_header *h, size_t k, uint32_t w,
-                 int multicast, int64_t key) {
+                 int multicast) {
     uint8_t *p = o->packets + o->count * e->packet_size;
     pn_header r = *h;  /* op, job, slot, set, generation, psn: the causing packet's */
     r.version = PN_VERSION;
@@ -288,19 +241,12 @@ static void emit(pn_engine *e, batch_output *o, const job_entry *j, const pn_hea
     o->dest[o->count] = j->sources[w];
     o->multicast[o->count] = (uint8_t)multicast;
     o->length[o->count] = (uint32_t)j->packet_size;
-    if (o->key) o->key[o->count] = key;
     o->count++;
-}
-
-/* Where a RESULT goes in the numpy engine's order: by its job's lane count, then the rank of the
- * packet that caused it, replicas (kind 0) before unicast answers (kind 1). */
-static int64_t order_key(const job_entry *j, uint32_t rank, int kind) {
-    return (int64_t)j->lanes << 33 | (int64_t)rank << 1 | kind;
 }
 
 /* The state machine for one admitted DATA packet in slot/set k. */
 static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t *packet, size_t k,
-                  batch_output *o, uint32_t rank) {
+                  batch_output *o) {
     uint32_t wbit = UINT32_C(1) << h->worker;
     int same_epoch = e->epoch[k] == j->epoch;
     uint32_t ahead = h->psn - e->tag[k];  /* serial-number distance to the slot's round */
@@ -323,7 +269,7 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
         if (e->bitmap[k] == j->full) {
             count(e, j, PN_C_DUPLICATE_ANSWERED, 1);
             count(e, j, PN_C_RESULTS_SENT, 1);
-            emit(e, o, j, h, k, h->worker, 0, order_key(j, rank, 1));
+            emit(e, o, j, h, k, h->worker, 0);
         } else {
             count(e, j, PN_C_DUPLICATE, 1);
         }
@@ -346,17 +292,8 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
     if (e->bitmap[k] == j->full) {  /* complete: one replica per worker, replication id = worker */
         count(e, j, PN_C_COMPLETED, 1);
         count(e, j, PN_C_RESULTS_SENT, j->workers);
-        for (uint32_t w = 0; w < j->workers; w++) emit(e, o, j, h, k, w, 1, order_key(j, rank, 0));
+        for (uint32_t w = 0; w < j->workers; w++) emit(e, o, j, h, k, w, 1);
     }
-}
-
-/* Rank of a packet among this call's packets for slot/set k (0 for the first). */
-static uint32_t next_rank(pn_engine *e, size_t k) {
-    if (e->rank_stamp[k] != e->call_serial) {
-        e->rank_stamp[k] = e->call_serial;
-        e->rank_count[k] = 0;
-    }
-    return e->rank_count[k]++;
 }
 
 static size_t run(pn_engine *e, const batch_input *in, size_t n, batch_output *o) {
@@ -392,8 +329,7 @@ static size_t run(pn_engine *e, const batch_input *in, size_t n, batch_output *o
             continue;
         }
         size_t k = ((size_t)j->base + h.slot) * 2 + (h.set & 1);
-        uint32_t rank = o->key ? next_rank(e, k) : 0;
-        apply(e, j, &h, packet, k, o, rank);
+        apply(e, j, &h, packet, k, o);
     }
     return i;
 }
@@ -415,44 +351,6 @@ uint32_t *pn_stable_order(const int64_t *key, uint32_t *a, uint32_t *b, size_t n
     return a;
 }
 
-/* Put the RESULTs in the numpy engine's order: by (rank, kind), arrival order within. */
-static void order_results(pn_engine *e, batch_output *o) {
-    size_t n = o->count;
-    size_t sorted = 1;
-    while (sorted < n && o->key[sorted - 1] <= o->key[sorted]) sorted++;
-    if (sorted >= n) return;  /* the usual case: nothing to move */
-    for (size_t i = 0; i < n; i++) e->order[i] = (uint32_t)i;
-    uint32_t *order = pn_stable_order(o->key, e->order, e->order_tmp, n);
-    uint8_t *done = (uint8_t *)(order == e->order ? e->order_tmp : e->order);  /* the spare array */
-    memset(done, 0, n);
-    size_t ps = e->packet_size;
-    /* apply the permutation in place, cycle by cycle: position j gets the RESULT at order[j] */
-    for (size_t start = 0; start < n; start++) {
-        if (done[start]) continue;
-        uint32_t length = o->length[start];
-        memcpy(e->packet_tmp, o->packets + start * ps, length);
-        int64_t dest = o->dest[start];
-        uint8_t multicast = o->multicast[start];
-        size_t j = start;
-        for (;;) {
-            size_t from = order[j];
-            done[j] = 1;
-            if (from == start) {
-                memcpy(o->packets + j * ps, e->packet_tmp, length);
-                o->dest[j] = dest;
-                o->multicast[j] = multicast;
-                o->length[j] = length;
-                break;
-            }
-            memcpy(o->packets + j * ps, o->packets + from * ps, o->length[from]);
-            o->dest[j] = o->dest[from];
-            o->multicast[j] = o->multicast[from];
-            o->length[j] = o->length[from];
-            j = from;
-        }
-    }
-}
-
 size_t pn_engine_process(pn_engine *e, const uint8_t *in, size_t in_stride, const uint32_t *lengths,
                          const int64_t *sources, size_t n, uint8_t *out, int64_t *out_dest, uint8_t *out_multicast,
                          uint32_t *out_length, size_t out_cap, size_t *emitted) {
@@ -460,21 +358,10 @@ size_t pn_engine_process(pn_engine *e, const uint8_t *in, size_t in_stride, cons
     if (!e || !emitted || n == 0 || !in || !lengths || !sources) return 0;
     if (out_cap > 0 && (!out || !out_dest || !out_multicast || !out_length)) return 0;
     pthread_mutex_lock(&e->lock);
-    /* the ordering scratch bounds how many RESULTs one call can order; grow it when asked
-     * for more, and if memory is short process fewer datagrams instead */
-    size_t wanted = n > SIZE_MAX / PN_MAX_WORKERS ? out_cap : n * PN_MAX_WORKERS;
-    if (wanted > out_cap) wanted = out_cap;
-    if (wanted > UINT32_MAX) wanted = UINT32_MAX;  /* the order is uint32 indices */
-    if (wanted > e->order_cap) grow_order(e, wanted);
     batch_input input = {.base = in, .stride = in_stride, .lengths = lengths, .sources = sources};
     batch_output o = {.packets = out, .dest = out_dest, .multicast = out_multicast, .length = out_length,
-                      .cap = out_cap < e->order_cap ? out_cap : e->order_cap, .key = e->order_key};
-    if (++e->call_serial == 0) {  /* wrapped: stamps of long ago would look current */
-        memset(e->rank_stamp, 0, (size_t)e->slots * 2 * sizeof *e->rank_stamp);
-        e->call_serial = 1;
-    }
+                      .cap = out_cap};
     size_t consumed = run(e, &input, n, &o);
-    order_results(e, &o);
     pthread_mutex_unlock(&e->lock);
     *emitted = o.count;
     return consumed;
@@ -485,7 +372,7 @@ size_t pn_engine_process_locked(pn_engine *e, const uint8_t *const *packets, con
                                 uint8_t *out_multicast, uint32_t *out_length, size_t out_cap, size_t *emitted) {
     batch_input input = {.packets = packets, .lengths = lengths, .sources = sources};
     batch_output o = {.packets = out, .dest = out_dest, .multicast = out_multicast, .length = out_length,
-                      .cap = out_cap, .key = NULL};
+                      .cap = out_cap};
     size_t consumed = run(e, &input, n, &o);
     *emitted = o.count;
     return consumed;

@@ -15,9 +15,7 @@ void pn_engine_unlock(pn_engine *e);
 size_t pn_engine_packet_bytes(const pn_engine *e); /* of the widest packet: a RESULT row */
 
 /* pn_engine_process for datagrams scattered in memory (datagram i: packets[i], lengths[i]
- * readable bytes), with the lock already held. RESULTs come out in arrival order of the
- * packets that caused them (the server sorts them by destination anyway), not in the
- * numpy engine's wave order that pn_engine_process reproduces. */
+ * readable bytes), with the lock already held. */
 size_t pn_engine_process_locked(pn_engine *e, const uint8_t *const *packets, const uint32_t *lengths,
                                 const int64_t *sources, size_t n, uint8_t *out, int64_t *out_dest,
                                 uint8_t *out_multicast, uint32_t *out_length, size_t out_cap, size_t *emitted);

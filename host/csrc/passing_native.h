@@ -99,7 +99,8 @@ PN_API int pn_engine_counters(pn_engine *e, int64_t job, int64_t out[PN_COUNTERS
  * admitted only for a job of k lanes. RESULTs go to out (one every pn_packet_size(the
  * engine's lanes) bytes, at most out_cap), with their length in out_length (their job's
  * packet size: the rest of the row is not part of them), their destination in out_dest and
- * whether they are a multicast replica (1) or a unicast answer (0) in out_multicast. Stops
+ * whether they are a multicast replica (1) or a unicast answer (0) in out_multicast, in the
+ * arrival order of the datagrams that caused them (a completion's replicas in worker order). Stops
  * before a datagram whose RESULTs might not fit (at most PN_MAX_WORKERS each); returns how
  * many datagrams it consumed, *emitted how many RESULTs. */
 PN_API size_t pn_engine_process(pn_engine *e, const uint8_t *in, size_t in_stride, const uint32_t *lengths,
@@ -156,17 +157,14 @@ typedef struct {
     void *output;                /* same kind; may be input itself */
     uint64_t elements;
     const double *scale;         /* per shard, float input: x * scale rounded to int32 */
-    /* loss recovery, in seconds; srtt/rttvar carry the round-trip estimate from call to call,
-     * start_srtt/start_rttvar[2] the first-RESULT delay of a pass, [1] of the openings (the first
-     * pass of an allreduce: its peers may start the call later), [0] of the passes that follow one
-     * (srtt < 0: none measured yet). opening: which kind this pass is. rto_min: the wait before a
-     * probe while the estimate it needs is not measured (RFC 6298's initial RTO); max_rto: the
-     * most a pass's first probe waits. */
+    /* loss recovery, in seconds; srtt/rttvar carry the round-trip estimate from call to call
+     * (srtt < 0: none measured yet), last_loss when the group last saw evidence of loss
+     * (CLOCK_MONOTONIC seconds; < 0: never). rto_min: the least a probe waits on a path with no
+     * recent evidence of loss (and before the round trip is measured); max_rto: the most the
+     * doublings of unanswered probes make the wait. */
     double rto_min, max_rto, timeout;
     double *srtt, *rttvar;
-    double *start_srtt, *start_rttvar;
-    double *last_loss;           /* in/out: when the group last saw evidence of loss (CLOCK_MONOTONIC s; < 0: never) */
-    int32_t opening;
+    double *last_loss;
     int32_t gso;                 /* in: try UDP GSO (a message the kernel refuses goes as plain
                                     datagrams, GSO stays on); out: as in */
     /* test impairment: drop this fraction each way, here */

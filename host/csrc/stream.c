@@ -12,8 +12,8 @@
  * Loss recovery keeps the window moving under random loss, where one lost packet must
  * cost one retransmission of that packet and not stall the stream, and resends nothing
  * while the stream only waits: a RESULT comes when every worker has sent its packet, so a
- * slow peer (one that starts its call later, or is descheduled) delays RESULTs as a loss
- * would, and a per-packet timer would resend the whole window for it.
+ * late peer (one that starts its call later, or is descheduled) stops RESULTs as a loss
+ * would, and a per-packet timer, or a probe after a round trip or two, resends for it.
  *  - Evidence (RACK, RFC 8985): a packet is resent once a packet transmitted after it has
  *    been answered and it has been out for longer than that packet's round trip plus a
  *    reordering allowance (time order, so retransmissions give evidence too and a stalled
@@ -24,23 +24,14 @@
  *    its latest-sent packet, whose answer lets RACK judge the ones before it, and the one
  *    out the longest, whose round holds every worker's window (if its resend by RACK was lost
  *    as well, nothing later can be answered); each unanswered probe doubles the next wait
- *    (up to max_rto). The while: with one packet
- *    in flight (the end of a pass), the smoothed round trip plus four deviations (RFC 6298's
- *    timeout); with k, none of which is answered, either all k were lost, which gets less
- *    likely with each one, or the peers have stopped sending: that doubled for each packet
- *    beyond the first, up to as long as the peers usually take to start a call (below). There
- *    is no per-packet timer: every unanswered packet is either older than an answered one
- *    (RACK) or among those a probe stands for.
- *  - On a path that has shown no loss for a while (no RACK resend, no resend answered right
- *    away) silence is all but surely waiting, and a lateness has a long tail: a probe waits
- *    rto_min (1 s by default) at least, so a loss-free run resends nothing, and the first loss
- *    after a quiet spell costs at most that once; evidence of loss brings the estimates in.
- *  - The start of a pass (before its first RESULT) waits for the peers to start the same
- *    pass, and the opening pass of an allreduce for them to start the call, which can take
- *    far longer than a round trip (a skew of compute, a busy switch): its first probe waits
- *    for the smoothed first-RESULT delay of earlier passes of its kind (openings, or the
- *    passes that follow one) plus four deviations (RFC 6298; Karn's rule discards only a
- *    RESULT that came within a probe's wait of a resend), `rto_min` before one is measured. */
+ *    (up to max_rto). There is no per-packet timer: every unanswered packet is either older
+ *    than an answered one (RACK) or among those a probe stands for.
+ *  - The while depends on what the path has shown. Within LOSS_MEMORY_S of evidence of loss
+ *    (a RACK resend, or a resend answered right away), two smoothed round trips (RFC 8985's
+ *    PTO, 1 ms at least): silence is then likely a loss. Otherwise silence is all but surely
+ *    a late peer, whose lateness has a long tail (skew of compute, scheduling, a busy switch),
+ *    so rto_min at least (1 s by default, RFC 6298's initial timer): a loss-free run resends
+ *    nothing, and the first loss after a quiet spell costs at most that, once. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <math.h>
@@ -75,7 +66,6 @@ typedef struct {
     uint64_t sent, done;       /* packets sent for the first time / answered */
     uint64_t rack_xmit;        /* the latest-transmitted answered packet's xmit (0: none yet) */
     double last_activity;      /* the shard's latest transmission or answer */
-    double started;            /* when this pass sent its first packet */
     uint32_t probes;           /* probes since the last answer: each doubles the next wait */
     double rack_rtt;           /* that packet's round trip */
     uint64_t base;             /* stream position of the shard's first packet in this call */
@@ -94,8 +84,6 @@ typedef struct {
     size_t packet_size;
     pn_udp udp;
     double srtt, rttvar;
-    double start_srtt[2], start_rttvar[2]; /* a pass's first-RESULT delay, [1] openings, [0] others (< 0: none yet) */
-    int kind;                     /* of this pass: 1 an opening, 0 a pass that follows one */
     double last_loss;             /* when the group last saw evidence of loss (< 0: never) */
     uint64_t xmit;                /* transmissions so far */
     const uint8_t **send_packets; /* sends queued in one loop iteration */
@@ -321,49 +309,21 @@ static void retransmit(stream_state *st, shard_state *s, window_slot *w, double 
     queue_send(st, p, s->aggregator);
 }
 
-/* How long a shard may stay silent (nothing sent, nothing answered) before a probe: the smoothed
- * round trip plus four deviations, RFC 6298's timeout (rto_min before one is measured). The probe
- * is the only timer, so it takes the timer's margin: a slow peer varies the round trip too. */
+/* Two smoothed round trips (RFC 8985's PTO; rto_min before one is measured), 1 ms at least. */
 static double probe_timeout(const stream_state *st) {
-    double pto = st->srtt < 0 ? st->c->rto_min : st->srtt + 4.0 * st->rttvar;
+    double pto = st->srtt < 0 ? st->c->rto_min : 2.0 * st->srtt;
     return pto > PROBE_MIN_S ? pto : PROBE_MIN_S;
 }
 
-/* How long passes of a kind take to start (their first RESULT: the peers' usual lateness), as
- * measured on earlier ones, never less than a probe's wait. */
-static double start_timeout(const stream_state *st, int kind) {
-    double pto = probe_timeout(st);
-    double t = st->start_srtt[kind] < 0 ? st->c->rto_min : st->start_srtt[kind] + 4.0 * st->start_rttvar[kind];
-    if (t > st->c->max_rto) t = st->c->max_rto;
-    return t > pto ? t : pto;
-}
-
-/* How long a shard may stay silent before a probe. Before its pass's first RESULT: as long as
- * passes of its kind take to start. After it, with k packets in flight, none answered: either
- * every one of them (or its RESULT) was lost, which gets less likely with each one, or the peers
- * stopped sending (descheduled, busy between two calls), so a probe's wait doubled for each packet
- * beyond the first, up to as long as an opening takes to start (the peers' lateness). */
-static double estimated_silence(const stream_state *st, const shard_state *s) {
-    if (s->done == 0) return start_timeout(st, st->kind);
-    double pto = probe_timeout(st);
-    uint64_t k = s->sent - s->done;
-    double longer = pto * (double)(UINT64_C(1) << (k - 1 < 30 ? k - 1 : 30));
-    double lateness = start_timeout(st, 1);
-    return longer < lateness ? longer : (lateness > pto ? lateness : pto);
-}
-
-/* The estimates hold while the path loses packets; on a path that has shown no loss for
- * LOSS_MEMORY_S, silence is all but surely waiting (for a late or descheduled peer, whose
- * lateness has a long tail), so a probe waits rto_min at least: a loss-free run resends nothing,
- * and the first loss after a quiet spell costs at most rto_min once. */
-static double silence_timeout(const stream_state *st, const shard_state *s, double now) {
-    double wait = estimated_silence(st, s);
+/* How long a shard may stay silent before a probe: a probe's wait where the path has lately
+ * shown loss, else rto_min at least (a late peer, not a loss). */
+static double silence_timeout(const stream_state *st, double now) {
+    double wait = probe_timeout(st);
     int quiet = st->last_loss < 0 || now - st->last_loss > LOSS_MEMORY_S;
     return quiet && wait < st->c->rto_min ? st->c->rto_min : wait;
 }
 
-/* RFC 6298 smoothing of one estimate (a round trip, or a pass's first-RESULT delay); the first
- * sample (srtt < 0: none yet) sets it. */
+/* RFC 6298 smoothing of the round-trip estimate; the first sample (srtt < 0: none yet) sets it. */
 static void smooth(double *srtt, double *rttvar, double sample) {
     if (*srtt < 0) {
         *srtt = sample;
@@ -395,13 +355,8 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
         window_slot *w = &s->slots[offset % s->pool];
         if (!w->inflight || w->offset != offset) return 0; /* answered already */
         w->inflight = 0;
-        /* the peers' lateness: the delay to the pass's first RESULT. Karn's rule, as narrow as it can
-         * be: a RESULT long after this packet's latest resend was not its answer (the peers were late,
-         * the resends spurious), so only one within a probe's wait of it is ambiguous; discarding every
-         * resent one would keep exactly the long delays out */
-        int resent = w->retries > 0 && now - w->last_sent <= probe_timeout(st); /* answered right after a resend */
-        if (s->done == 0 && !resent) smooth(&st->start_srtt[st->kind], &st->start_rttvar[st->kind], now - s->started);
-        if (resent) st->last_loss = now; /* the resend was (most likely) needed: evidence of loss */
+        /* answered right after a resend: the resend was (most likely) needed, evidence of loss */
+        if (w->retries > 0 && now - w->last_sent <= probe_timeout(st)) st->last_loss = now;
         s->done++;
         s->last_activity = now;
         s->probes = 0;
@@ -457,7 +412,7 @@ static int check_timers(stream_state *st, double now, double *next_deadline) {
          * ever be answered (the peers cannot send past it), so only resending it unblocks them.
          * The latest one's answer lets RACK judge the ones before it. A peer that is only slow
          * makes a shard silent too: each unanswered probe doubles the wait. */
-        double wait = silence_timeout(st, s, now);
+        double wait = silence_timeout(st, now);
         double pto = wait * (double)(1u << (s->probes < MAX_PROBE_DOUBLINGS ? s->probes : MAX_PROBE_DOUBLINGS));
         double most = wait > c->max_rto ? wait : c->max_rto; /* the doublings stop at max_rto */
         if (pto > most) pto = most;
@@ -492,7 +447,7 @@ static int validate(const pn_stream_call *c, const pn_stream_report *r) {
         c->job > 0xFFFF || c->generation >= PN_GENERATIONS || c->worker >= PN_MAX_WORKERS ||
         (c->op != PN_OP_SUM && c->op != PN_OP_MAX) || (c->kind != PN_IN_F32 && c->kind != PN_IN_I32) ||
         !c->aggregator || !c->pool || !c->next_psn || !c->start || !c->count || !c->srtt || !c->rttvar ||
-        !c->start_srtt || !c->start_rttvar || !c->last_loss ||
+        !c->last_loss ||
         !c->rng || !(c->timeout > 0) || !(c->rto_min > 0) || !(c->max_rto >= c->rto_min) || c->drop < 0 ||
         c->drop >= 1 || !(c->silence >= 0) || (c->silence > 0 && (!c->on_silence || !(c->silence_every > 0))))
         return PN_EINVAL;
@@ -511,9 +466,7 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     int rc = validate(c, r);
     if (rc != PN_OK) return rc;
     stream_state st = {.c = c, .r = r, .packet_size = pn_packet_size(c->lanes), .srtt = *c->srtt,
-                       .rttvar = *c->rttvar, .kind = c->opening != 0,
-                       .start_srtt = {c->start_srtt[0], c->start_srtt[1]},
-                       .start_rttvar = {c->start_rttvar[0], c->start_rttvar[1]}, .last_loss = *c->last_loss};
+                       .rttvar = *c->rttvar, .last_loss = *c->last_loss};
     st.udp.fd = -1;
     uint64_t window = 0;
     st.shards = calloc(c->shards, sizeof *st.shards);
@@ -554,7 +507,6 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     for (uint32_t k = 0; k < c->shards; k++) {
         shard_state *s = &st.shards[k];
         remaining += s->count;
-        s->started = now;
         for (uint32_t i = 0; i < s->pool; i++) send_first(&st, s, i, now);
     }
     rc = flush_sends(&st);
@@ -619,8 +571,6 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     *c->last_loss = st.last_loss;
     *c->srtt = st.srtt;
     *c->rttvar = st.rttvar;
-    c->start_srtt[st.kind] = st.start_srtt[st.kind];
-    c->start_rttvar[st.kind] = st.start_rttvar[st.kind];
     c->gso = st.udp.gso;
     free_state(&st);
     return rc;

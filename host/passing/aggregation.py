@@ -11,7 +11,10 @@ first that many accumulators of its slots (its packets and RESULTs are that long
 A batch of DATA packets is processed in arrival order with numpy: packets that hit
 distinct slot/sets are independent, so the batch is split into waves in which every
 slot/set occurs at most once (the k-th packet for a slot/set goes to wave k), and each
-wave is one set of vectorised array operations.
+wave is one set of vectorised array operations. RESULTs come out in the arrival order of the
+packets that caused them (a completion's replicas in worker order): the order a switch or a
+packet-by-packet engine emits them in, so a host sees rounds complete in the order its peers
+sent them.
 """
 
 from __future__ import annotations
@@ -244,8 +247,9 @@ class AggregationEngine:
         tally.jobs("rejected", d[known & ~admitted])
 
         out: list[Emission] = []
-        # Jobs of one lane count at a time, in ascending order (the order RESULTs come out in): a job's
-        # packets all have its lane count, and jobs share no slot, so this is arrival order per slot.
+        causes: list[np.ndarray] = []  # per RESULT, the batch index of the packet that caused it
+        # Jobs of one lane count at a time: a job's packets all have its lane count, and jobs share no
+        # slot, so this is arrival order per slot.
         for count in np.unique(lanes[admitted]):
             idx = np.flatnonzero(admitted & (lanes == count))
             key = (jobs.base[d[idx]] + slot[idx]) * 2 + (hdr["set"][idx] & 1)
@@ -259,14 +263,22 @@ class AggregationEngine:
             for r in range(int(rank.max()) + 1):
                 in_wave = rank == r
                 wave = idx[in_wave]  # ascending = arrival order
-                out.append(self._wave(batch[wave], d[wave], worker[wave], key[in_wave], tally, int(count)))
+                emitted, cause = self._wave(batch[wave], d[wave], worker[wave], key[in_wave], tally, int(count))
+                out.append(emitted)
+                causes.append(wave[cause])
         tally.commit()
-        return _concat(out, self.lanes) if out else self._empty_emission()
+        if not out:
+            return self._empty_emission()
+        emission = _concat(out, self.lanes)
+        order = np.argsort(np.concatenate(causes), kind="stable")  # arrival order of the causing packets
+        return Emission(emission.packets[order], emission.dest[order], emission.multicast[order],
+                        emission.lengths[order])
 
     def _wave(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, k: np.ndarray, tally: _Tally,
-              lanes: int) -> Emission:
+              lanes: int) -> tuple[Emission, np.ndarray]:
         """Packets of jobs of ``lanes`` lanes that all hit distinct slot/sets: one vectorised step of the
-        state machine, on their first ``lanes`` accumulators."""
+        state machine, on their first ``lanes`` accumulators. Returns the RESULTs and, for each, the index
+        in ``pkts`` of the packet that caused it."""
         jobs = self._jobs
         hdr = pkts["hdr"]
         payload = pkts["payload"][:, :lanes]
@@ -327,7 +339,7 @@ class AggregationEngine:
         done_i = np.flatnonzero(done)
         ans_i = np.flatnonzero(answered)
         if done_i.size + ans_i.size == 0:
-            return self._empty_emission()
+            return self._empty_emission(), np.zeros(0, np.int64)
         reps = jobs.workers[d[done_i]]
         src = np.r_[np.repeat(done_i, reps), ans_i]
         dest_worker = np.r_[np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps), worker[ans_i]]
@@ -345,7 +357,7 @@ class AggregationEngine:
             dest=jobs.sources[d[src], dest_worker],
             multicast=np.arange(src.size) < src.size - ans_i.size,
             lengths=np.full(src.size, wire.packet_size(lanes), dtype=np.int64),
-        )
+        ), src
 
     def _empty_emission(self) -> Emission:
         return Emission(wire.empty(0, self.lanes), np.zeros(0, np.int64), np.zeros(0, bool), np.zeros(0, np.int64))

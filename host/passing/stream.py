@@ -8,8 +8,8 @@ most ``pool`` packets are in flight and the aggregator's two sets per slot alway
 every round someone may still ask for.
 
 Loss recovery keeps the window moving under random loss, and resends nothing while the
-stream only waits for a slow peer (a RESULT comes when every worker has sent its packet, so
-a peer that starts its call later, or is descheduled, delays RESULTs as a loss would). A
+stream only waits for a late peer (a RESULT comes when every worker has sent its packet, so
+a peer that starts its call later, or is descheduled, stops RESULTs as a loss would). A
 packet is resent once a packet transmitted after it has been answered and it has been out
 for longer than that packet's round trip plus a reordering allowance (RACK, RFC 8985).
 Rounds complete in transmission order on an in-order path, since every worker sends in psn
@@ -17,17 +17,14 @@ order, so this is evidence of loss; retransmissions give evidence too, so a stal
 recovers. A shard silent (nothing sent, nothing answered) for a while resends (a probe) its
 latest-sent packet, whose answer lets RACK judge the ones before it, and the one out the
 longest, whose round holds every worker's window (if a resend of it was lost as well,
-nothing later can be answered); each
-unanswered probe doubles the next wait (up to ``max_rto``). The while: with one packet in
-flight (the end of a pass), the smoothed round trip plus four deviations (RFC 6298's timeout);
-with k, none of them answered, either all k were lost, which gets less likely with each one,
-or the peers have stopped sending: that doubled for each packet beyond the first, up to as
-long as the peers usually take to start a call (below). There is no per-packet timer. Before the first
-RESULT of a pass the stream waits for its peers to start that pass (the first pass of an
-allreduce, for them to start the call): its first probe waits for the smoothed first-RESULT
-delay of earlier passes of that kind plus four deviations (``rto`` before one is measured:
-RFC 6298's initial timer, 1 s).
-A packet unanswered for ``timeout`` seconds ends the call with AggregatorUnreachable.
+nothing later can be answered); each unanswered probe doubles the next wait (up to
+``max_rto``). There is no per-packet timer. The while: within LOSS_MEMORY s of evidence of
+loss (a RACK resend, a resend answered right away), two smoothed round trips (RFC 8985's
+PTO, 1 ms at least), as silence is then likely a loss; otherwise ``rto`` at least (1 s by
+default, RFC 6298's initial timer), as silence is then all but surely a late peer, whose
+lateness has a long tail: a loss-free run resends nothing, and the first loss after a quiet
+spell costs that once. A packet unanswered for ``timeout`` seconds ends the call with
+AggregatorUnreachable.
 
 Two engines implement the stream: the native one (host/csrc/stream.c, through
 passing.native) and ``_stream`` below in numpy, the executable specification it is tested
@@ -181,11 +178,6 @@ class Group:
             raise ValueError(f"need 0 < rto <= max_rto, got {rto} and {max_rto}")
         self.rto_min, self.max_rto, self.timeout = rto, max_rto, timeout
         self._srtt, self._rttvar = -1.0, 0.0  # the round trip: set by the first sample (RFC 6298), -1 until then
-        # the first-RESULT delay of a pass (how late the peers start it), [1] of the openings (the first
-        # pass of an allreduce: the peers start the call), [0] of the passes that follow one; -1: unmeasured
-        self._start_srtt = np.full(2, -1.0)
-        self._start_rttvar = np.zeros(2)
-        self._opening = False  # the next pass is the first of an allreduce
         self._last_loss = -1.0  # time.monotonic() of the latest evidence of loss (a RACK resend, a resend answered
         # right away); -1: none
         self.native = native.use_native(engine)
@@ -354,7 +346,6 @@ class Group:
         self.moves += 1
 
     def _allreduce(self, flat: np.ndarray, out: np.ndarray, op: str) -> None:
-        self._opening = True  # its first pass waits for peers that may start later
         packets = -(-flat.size // self.lanes)
         bounds = np.linspace(0, packets, len(self.aggregators) + 1).astype(np.int64)
         starts, counts = bounds[:-1], np.diff(bounds)  # packets of each aggregator's contiguous block
@@ -452,9 +443,8 @@ class Group:
         """One pass of every shard's packets through its aggregator: packets [start, start + count)
         of ``flat`` (zero-padded to whole packets; float32 quantized with the shard's scale) in,
         their sums into ``out``. Returns per shard whether a RESULT overflowed."""
-        opening, self._opening = self._opening, False
         if self.native:
-            return self._pass_native(op, flat, out, starts, counts, scales, opening)
+            return self._pass_native(op, flat, out, starts, counts, scales)
         blocks, flags = [], []
         for i, (start, count) in enumerate(zip(starts, counts)):
             block = np.zeros(count * self.lanes, dtype=flat.dtype)
@@ -465,7 +455,7 @@ class Group:
                 block = q
                 flags.append(np.where(saturated.reshape(-1, self.lanes).any(axis=1), wire.FLAG_OVERFLOW, 0))
             blocks.append(block.reshape(-1, self.lanes))
-        sums, overflow = self._stream(blocks, op, flags if scales is not None else None, opening)
+        sums, overflow = self._stream(blocks, op, flags if scales is not None else None)
         for i, (start, s) in enumerate(zip(starts, sums)):
             part = out[start * self.lanes : (start * self.lanes + s.size)]
             values = s.reshape(-1)[: part.size]
@@ -473,7 +463,7 @@ class Group:
         return overflow
 
     def _pass_native(self, op: int, flat: np.ndarray, out: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-                     scales: list[float] | None, opening: bool) -> list[bool]:
+                     scales: list[float] | None) -> list[bool]:
         n = len(self.aggregators)
         keep = dict(  # the arrays the call points into, alive until it returns
             aggregator=self._agg_ids.astype(np.int64), pool=np.array([a.pool for a in self.aggregators], np.uint32),
@@ -489,9 +479,7 @@ class Group:
             shards=n, kind=native.IN_F32 if flat.dtype == np.float32 else native.IN_I32,
             input=native.address(flat), output=native.address(out), elements=flat.size,
             rto_min=self.rto_min, max_rto=self.max_rto, timeout=self.timeout, srtt=ctypes.pointer(srtt),
-            rttvar=ctypes.pointer(rttvar), start_srtt=self._start_srtt.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
-            start_rttvar=self._start_rttvar.ctypes.data_as(ctypes.POINTER(ctypes.c_double)),
-            last_loss=ctypes.pointer(last_loss), opening=int(opening),
+            rttvar=ctypes.pointer(rttvar), last_loss=ctypes.pointer(last_loss),
             gso=int(self.socket.gso), drop=self.drop,
             rng=self._native_rng.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
         )
@@ -534,10 +522,9 @@ class Group:
         )
 
     def _stream(
-        self, blocks: list[np.ndarray], op: int, flags: list[np.ndarray] | None = None, opening: bool = False
+        self, blocks: list[np.ndarray], op: int, flags: list[np.ndarray] | None = None
     ) -> tuple[list[np.ndarray], list[bool]]:
-        """Aggregate one (n_i, lanes) int32 block per aggregator; all shards at once. ``opening``:
-        the first pass of an allreduce (its peers may start it later).
+        """Aggregate one (n_i, lanes) int32 block per aggregator; all shards at once.
 
         Returns each shard's summed rows and whether any of its RESULTs carried OVERFLOW.
         """
@@ -584,8 +571,6 @@ class Group:
         first_sent[inflight] = last_sent[inflight] = now
         xmit[inflight] = np.arange(1, inflight.size + 1)
         transmissions = inflight.size
-        started = now  # every shard's first transmission
-        answered = np.zeros(len(blocks), dtype=bool)  # per shard: some packet of this pass answered
         next_due = now  # the loop computes the first probe's time before it waits
         last_activity = np.full(len(blocks), now)  # per shard: its latest transmission or answer
         probes = np.zeros(len(blocks), dtype=np.int64)  # per shard: probes since its last answer
@@ -622,20 +607,11 @@ class Group:
                 rows, positions = self._match(view, lengths, sources, starts, counts)
                 rows, first = np.unique(rows, return_index=True)
                 new = ~done[rows]
-                rows, arrival = rows[new], positions[first[new]]
-                got = view[arrival]
+                rows, got = rows[new], view[positions[first[new]]]
                 if rows.size:
-                    # the peers' lateness: the delay to each shard's first RESULT. Karn's rule, as narrow as
-                    # it can be: a RESULT long after its packet's latest resend was not that resend's answer
-                    # (the peers were late), so only one answered right after a resend is ambiguous
-                    resent = (retries[rows] > 0) & (now - last_sent[rows] <= self._probe_timeout())
-                    for sh in np.unique(shard[rows][~answered[shard[rows]]]):
-                        mine = shard[rows] == sh
-                        if not resent[mine][np.argmin(arrival[mine])]:
-                            self._start_sample(opening, now - started)
-                    if resent.any():  # the resend was (most likely) needed: evidence of loss
+                    # answered right after a resend: the resend was (most likely) needed, evidence of loss
+                    if ((retries[rows] > 0) & (now - last_sent[rows] <= self._probe_timeout())).any():
                         self._last_loss = now
-                    answered[shard[rows]] = True
                     results[rows] = got["payload"]
                     result_flags[rows] = got["hdr"]["flags"]
                     done[rows] = True
@@ -674,7 +650,7 @@ class Group:
             # worker's window: when a RACK resend of it was lost too, nothing later can be answered) and its
             # latest-sent one, whose answer lets RACK judge the ones before it; a peer that is only slow makes
             # a shard silent too, so each unanswered probe doubles the wait
-            pto = self._probe_waits(opening, answered, np.bincount(sh, minlength=len(blocks)), probes)
+            pto = self._probe_waits(probes, now)
             probe_rows = []
             for sh_i in np.unique(sh):
                 if now >= last_activity[sh_i] + pto[sh_i]:
@@ -693,7 +669,7 @@ class Group:
                     silence_check = time.monotonic() + SILENCE_EVERY
             if inflight.size:  # wake for the earliest RACK deadline or probe
                 live = np.unique(sh)
-                pto = self._probe_waits(opening, answered, np.bincount(sh, minlength=len(blocks)), probes)
+                pto = self._probe_waits(probes, now)
                 next_due = float(np.min(last_activity[live] + pto[live]))  # after this round's probes
                 rack_due = last_sent[inflight] + overdue[sh]
                 if later_answered.any():
@@ -736,45 +712,22 @@ class Group:
         """The sample is the slowest clean RESULT of a receive batch."""
         self._srtt, self._rttvar = _smooth(self._srtt, self._rttvar, rtt)
 
-    def _start_sample(self, opening: bool, delay: float) -> None:
-        """The first-RESULT delay of a pass of this kind."""
-        k = int(opening)
-        self._start_srtt[k], self._start_rttvar[k] = _smooth(float(self._start_srtt[k]), float(self._start_rttvar[k]),
-                                                             delay)
-
     def _probe_timeout(self) -> float:
-        """How long a shard may stay silent (nothing sent, nothing answered) before a probe: the smoothed
-        round trip plus four deviations, RFC 6298's timeout (``rto`` before one is measured). The probe is
-        the only timer, so it takes the timer's margin: a slow peer varies the round trip too."""
-        return max(self.rto_min if self._srtt < 0 else self._srtt + 4.0 * self._rttvar, PROBE_MIN)
+        """Two smoothed round trips (RFC 8985's PTO; ``rto`` before one is measured), 1 ms at least."""
+        return max(self.rto_min if self._srtt < 0 else 2.0 * self._srtt, PROBE_MIN)
 
-    def _start_timeout(self, opening: bool) -> float:
-        """How long passes of a kind take to start (their first RESULT: the peers' usual lateness), as
-        measured on earlier ones (``rto`` before one is), at most ``max_rto``, at least a probe's wait."""
-        k = int(opening)
-        t = self.rto_min if self._start_srtt[k] < 0 else self._start_srtt[k] + 4.0 * self._start_rttvar[k]
-        return max(min(float(t), self.max_rto), self._probe_timeout())
-
-    def _probe_waits(self, opening: bool, answered: np.ndarray, inflight: np.ndarray, probes: np.ndarray) -> np.ndarray:
-        """Per shard, the silence before its next probe. Before its pass's first RESULT: as long as passes of
-        its kind take to start. After it, with k packets in flight, none answered: either all k (or their
-        RESULTs) were lost, which gets less likely with each one, or the peers stopped sending, so a probe's
-        wait doubled for each packet beyond the first, up to as long as an opening takes to start. Each
-        unanswered probe doubles it again, up to ``max_rto``."""
-        pto = self._probe_timeout()
-        longer = np.minimum(pto * 2.0 ** np.minimum(inflight - 1, 30), self._start_timeout(True))
-        wait = np.where(~answered, self._start_timeout(opening), np.maximum(longer, pto))
-        # The estimates hold while the path loses packets; on one that has shown no loss for LOSS_MEMORY s,
-        # silence is all but surely waiting (a late peer's lateness has a long tail), so a probe waits `rto`
-        # at least: a loss-free run resends nothing, and the first loss after a quiet spell costs that once.
-        if self._last_loss < 0 or time.monotonic() - self._last_loss > LOSS_MEMORY:
-            wait = np.maximum(wait, self.rto_min)
-        return np.minimum(wait * 2.0 ** np.minimum(probes, MAX_PROBE_DOUBLINGS), np.maximum(wait, self.max_rto))
+    def _probe_waits(self, probes: np.ndarray, now: float) -> np.ndarray:
+        """Per shard, the silence before its next probe: a probe's wait where the path has shown loss in
+        the last LOSS_MEMORY s, else ``rto`` at least (a late peer, not a loss); each unanswered probe
+        doubles it, up to ``max_rto``."""
+        wait = self._probe_timeout()
+        if self._last_loss < 0 or now - self._last_loss > LOSS_MEMORY:
+            wait = max(wait, self.rto_min)
+        return np.minimum(wait * 2.0 ** np.minimum(probes, MAX_PROBE_DOUBLINGS), max(wait, self.max_rto))
 
 
 def _smooth(srtt: float, rttvar: float, sample: float) -> tuple[float, float]:
-    """RFC 6298 smoothing of an estimate (a round trip, or a pass's first-RESULT delay); the first sample
-    (srtt < 0: none yet) sets it."""
+    """RFC 6298 smoothing of the round-trip estimate; the first sample (srtt < 0: none yet) sets it."""
     if srtt < 0:
         return sample, sample / 2
     return 0.875 * srtt + 0.125 * sample, 0.75 * rttvar + 0.25 * abs(srtt - sample)

@@ -46,7 +46,7 @@ class Options:
     pool: int | None = None  # PASSING_POOL: slots per group (default: the controller's)
     timeout: float | None = None  # PASSING_TIMEOUT: seconds a packet may stay unanswered
     join_timeout: float | None = None  # PASSING_JOIN_TIMEOUT: seconds to wait for the group to join
-    rto: float | None = None  # PASSING_RTO: a pass's first wait before it resends, until the group has measured one
+    rto: float | None = None  # PASSING_RTO: the least a silent stream waits before it resends on a loss-free path
     host: str | None = None  # PASSING_HOST: this rank's IP for PASSING traffic
     server: str | None = None  # PASSING_SERVER: which server this rank is on
     job: str | None = None  # PASSING_JOB: job name at the controller (default: a fresh one per run)
