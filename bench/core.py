@@ -377,7 +377,8 @@ def gloo_allreduce(workers: int, elements: int, iterations: int) -> dict[str, An
 def torch_worker(elements: int, iterations: int) -> None:
     """One rank (torchrun's variables): backend "passing" with no controller configured (rank 0's
     embedded controller and aggregator), and gloo among the same processes. Each call is timed
-    after a barrier; the two alternate call by call, so both see the same machine. Prints JSON."""
+    after a barrier; the two alternate call by call, so both see the same machine, and each
+    reports its median (a descheduled call on a shared 2-core machine moves a mean). Prints JSON."""
     import torch
     import torch.distributed as dist
 
@@ -415,7 +416,7 @@ def torch_worker(elements: int, iterations: int) -> None:
     print(json.dumps({
         "rank": rank, "world": world, "servers": pg.layout.servers, "mode": pg.mode, "reason": pg.reason,
         "lanes": pg.stream.lanes if getattr(pg, "stream", None) is not None else None,
-        "seconds": {name: float(np.mean(t)) for name, t in times.items()},
+        "seconds": {name: float(np.median(t)) for name, t in times.items()},
         "max_error": float((results["passing"].double() - exact).abs().max()), "bound": bound,
         "identical_to_gloo": bool(torch.equal(results["passing"], results["gloo"])),
         "transport": {k: after[k] - before.get(k, 0) for k in after},
@@ -513,7 +514,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--torch-elements", type=int, default=2 * 1024 * 1024)
     p.add_argument("--one-server-elements", type=int, default=1_000_000,
                    help="section 7: float32 elements of the one-server row (0: skip it)")
-    p.add_argument("--torch-iterations", type=int, default=5)
+    p.add_argument("--torch-iterations", type=int, default=20,
+                   help="section 7: timed calls of each (after one warm-up); the median is reported")
     p.add_argument("--mtus", type=int, nargs="*", default=[1500, 9000],
                    help="section 7: 2 servers in network namespaces on veths of these MTUs (root only)")
     p.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7],
@@ -644,7 +646,7 @@ def main() -> int:
 
     if 7 in args.sections:
         print(f"\n== 7. torch all_reduce on backend \"passing\", nothing configured (embedded aggregator), vs gloo in "
-              f"the same processes (1 warm-up + {args.torch_iterations} timed, alternating) ==")
+              f"the same processes (1 warm-up + {args.torch_iterations} timed, alternating; medians) ==")
         print(f"{'servers x ranks':>15} | {'where':>10} | {'elements':>9} | {'mode':>6} | {'lanes':>5} | "
               f"{'passing ms':>10} | {'gloo ms':>8} | {'vs gloo':>7} | {'bit-identical':>13} | {'exact':>5} | "
               f"{'retx/packets':>12}")

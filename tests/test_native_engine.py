@@ -341,6 +341,28 @@ def test_saturation_and_max_and_flags():
     assert pair.numpy.counters(1)["overflow"] == 2
 
 
+@pytest.mark.parametrize("op", [wire.SUM, wire.MAX])
+def test_wide_packets_near_the_int32_limits(op):
+    """Enough lanes for the vectorized lane loops and their scalar tail (67 = 8 × 8 + 3), with
+    values at and near the limits, so sums saturate up and down in any lane: byte for byte
+    as the numpy engine (Pair checks every RESULT and counter)."""
+    rng = np.random.default_rng(op + 11)
+    lanes, workers = 67, 3
+    pair = Pair(slots=4, lanes=lanes)
+    pair.add_job(JobSpec(1, 0, 2, [10, 11, 12]))
+    edges = np.array([wire.INT32_MAX, wire.INT32_MAX - 1, wire.INT32_MIN, wire.INT32_MIN + 1, 0, 1, -1,
+                      1 << 30, -(1 << 30)], dtype=np.int64)
+    for psn in range(40):
+        for w in range(workers):
+            values = np.where(rng.random(lanes) < 0.5, rng.choice(edges, lanes),
+                              rng.integers(wire.INT32_MIN, wire.INT32_MAX, lanes, endpoint=True))
+            pkt = wire.encode(type=wire.DATA, job=1, worker=w, psn=psn, pool=2, payload=values, op=op, lanes=lanes)
+            pair.process(pkt, np.array([10 + w]), np.array([wire.packet_size(lanes)]))
+    counters = pair.numpy.counters(1)
+    assert counters["completed"] == 40
+    assert (counters["overflow"] > 0) == (op == wire.SUM)
+
+
 # ---- the same API ---------------------------------------------------------------------------
 
 

@@ -213,22 +213,43 @@ static void count(pn_engine *e, job_entry *j, int counter, int64_t n) {
     e->totals[counter] += n;
 }
 
-static int32_t saturating_add(int32_t a, int32_t b, int *saturated) {
-    int64_t sum = (int64_t)a + b;
-    if (sum > INT32_MAX) {
-        *saturated = 1;
-        return INT32_MAX;
-    }
-    if (sum < INT32_MIN) {
-        *saturated = 1;
-        return INT32_MIN;
-    }
-    return (int32_t)sum;
+/* The lane loops (vectorized: PN_LANE_LOOP). A slot's accumulators are in host order. */
+
+/* The first packet of a round: its lanes become the accumulators. */
+PN_LANE_LOOP static void lanes_load(int32_t *restrict acc, const uint8_t *restrict packet, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) acc[i] = pn_lane_get(packet, i);
 }
 
-/* One RESULT of the round in slot/set k, caused by the packet with header h, for worker w. */
+/* acc += lanes, saturating at the int32 limits; returns whether any lane saturated. The
+ * overflow test and the select are on bits (two's complement wrap-around in unsigned), so
+ * the loop has no branch to keep it from vectorizing. */
+PN_LANE_LOOP static int lanes_add(int32_t *restrict acc, const uint8_t *restrict packet, uint32_t n) {
+    uint32_t saturated = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t a = (uint32_t)acc[i], b = (uint32_t)pn_lane_get(packet, i), sum = a + b;
+        uint32_t over = -(((a ^ sum) & (b ^ sum)) >> 31);  /* all ones when the sign flipped */
+        uint32_t limit = (uint32_t)INT32_MAX + (a >> 31);   /* INT32_MIN's bits for negative a */
+        acc[i] = (int32_t)((sum & ~over) | (limit & over));
+        saturated |= over;
+    }
+    return saturated != 0;
+}
+
+PN_LANE_LOOP static void lanes_max(int32_t *restrict acc, const uint8_t *restrict packet, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) {
+        int32_t v = pn_lane_get(packet, i);
+        acc[i] = v > acc[i] ? v : acc[i];
+    }
+}
+
+PN_LANE_LOOP static void lanes_store(uint8_t *restrict packet, const int32_t *restrict acc, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) pn_lane_set(packet, i, acc[i]);
+}
+
+/* One RESULT of the round in slot/set k, caused by the packet with header h, for worker w;
+ * its lanes are those of `same` (a RESULT of the same round just emitted) when given. */
 static void emit(pn_engine *e, batch_output *o, const job_entry *j, const pn_header *h, size_t k, uint32_t w,
-                 int multicast) {
+                 int multicast, const uint8_t *same) {
     uint8_t *p = o->packets + o->count * e->packet_size;
     pn_header r = *h;  /* op, job, slot, set, generation, psn: the causing packet's */
     r.version = PN_VERSION;
@@ -236,8 +257,10 @@ static void emit(pn_engine *e, batch_output *o, const job_entry *j, const pn_hea
     r.flags = e->overflow[k] ? PN_FLAG_OVERFLOW : 0;
     r.worker = (uint8_t)w;
     pn_header_write(p, &r);
-    const int32_t *acc = e->acc + k * e->lanes;
-    for (uint32_t i = 0; i < j->lanes; i++) pn_lane_set(p, i, acc[i]);
+    if (same)
+        memcpy(p + PN_HEADER_SIZE, same + PN_HEADER_SIZE, 4 * (size_t)j->lanes);
+    else
+        lanes_store(p, e->acc + k * e->lanes, j->lanes);
     o->dest[o->count] = j->sources[w];
     o->multicast[o->count] = (uint8_t)multicast;
     o->length[o->count] = (uint32_t)j->packet_size;
@@ -255,7 +278,7 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
 
     if (!same_epoch || (ahead != 0 && ahead < UINT32_C(1) << 31)) {
         /* a new round: the first write resets the slot/set, no separate clearing pass */
-        for (uint32_t i = 0; i < j->lanes; i++) acc[i] = pn_lane_get(packet, i);
+        lanes_load(acc, packet, j->lanes);
         e->tag[k] = h->psn;
         e->epoch[k] = j->epoch;
         e->bitmap[k] = wbit;
@@ -269,21 +292,17 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
         if (e->bitmap[k] == j->full) {
             count(e, j, PN_C_DUPLICATE_ANSWERED, 1);
             count(e, j, PN_C_RESULTS_SENT, 1);
-            emit(e, o, j, h, k, h->worker, 0);
+            emit(e, o, j, h, k, h->worker, 0, NULL);
         } else {
             count(e, j, PN_C_DUPLICATE, 1);
         }
         return;
     } else {
         int saturated = 0;
-        if (h->op == PN_OP_MAX) {
-            for (uint32_t i = 0; i < j->lanes; i++) {
-                int32_t v = pn_lane_get(packet, i);
-                if (v > acc[i]) acc[i] = v;
-            }
-        } else {  /* any other op sums, as in the numpy engine */
-            for (uint32_t i = 0; i < j->lanes; i++) acc[i] = saturating_add(acc[i], pn_lane_get(packet, i), &saturated);
-        }
+        if (h->op == PN_OP_MAX)
+            lanes_max(acc, packet, j->lanes);
+        else  /* any other op sums, as in the numpy engine */
+            saturated = lanes_add(acc, packet, j->lanes);
         e->bitmap[k] |= wbit;
         e->overflow[k] |= (uint8_t)(flagged | saturated);
         count(e, j, PN_C_AGGREGATED, 1);
@@ -292,7 +311,8 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
     if (e->bitmap[k] == j->full) {  /* complete: one replica per worker, replication id = worker */
         count(e, j, PN_C_COMPLETED, 1);
         count(e, j, PN_C_RESULTS_SENT, j->workers);
-        for (uint32_t w = 0; w < j->workers; w++) emit(e, o, j, h, k, w, 1);
+        const uint8_t *first = o->packets + o->count * e->packet_size;
+        for (uint32_t w = 0; w < j->workers; w++) emit(e, o, j, h, k, w, 1, w ? first : NULL);
     }
 }
 

@@ -41,6 +41,15 @@ typedef struct {
 PN_API void pn_header_read(const uint8_t *packet, pn_header *h);
 PN_API void pn_header_write(uint8_t *packet, const pn_header *h);
 PN_API size_t pn_packet_size(uint32_t lanes);
+/* The lane loops of the engine and the stream are written so that the compiler vectorizes
+ * them; byte swaps need SSSE3, which x86-64's baseline lacks, so on x86-64 they are also
+ * built for AVX2 and the loader picks the variant the CPU runs. */
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+#define PN_LANE_LOOP __attribute__((target_clones("avx2", "default")))
+#else
+#define PN_LANE_LOOP
+#endif
+
 /* Big-endian int32 lane i of a packet. Inline, so that the lane loops of the engine and
  * the stream vectorize (a call per lane would keep them scalar). */
 static inline int32_t pn_lane_get(const uint8_t *packet, uint32_t i) {

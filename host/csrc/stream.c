@@ -138,15 +138,6 @@ static int quantize(float x, const shard_state *s, int32_t *out) {
     return 0;
 }
 
-/* The lane loops below are written so that the compiler vectorizes them; byte swaps need
- * SSSE3, which x86-64's baseline lacks, so on x86-64 they are also built for AVX2 and the
- * loader picks the variant the CPU runs. */
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-#define LANE_LOOP __attribute__((target_clones("avx2", "default")))
-#else
-#define LANE_LOOP
-#endif
-
 static uint32_t float_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -160,7 +151,7 @@ static uint32_t float_bits(float f) {
  * flow to keep it from vectorizing. Returns 0 when a value is not finite or falls outside
  * int32 (converted as 0 here, never out of range): the caller then redoes the packet with
  * quantize(), which saturates and flags. */
-LANE_LOOP static int quantize_f32_fast(const float *restrict x, uint32_t n, float scale, uint8_t *restrict packet) {
+PN_LANE_LOOP static int quantize_f32_fast(const float *restrict x, uint32_t n, float scale, uint8_t *restrict packet) {
     uint32_t bad = 0;
     for (uint32_t i = 0; i < n; i++) {
         float v = x[i] * scale;
@@ -178,7 +169,7 @@ LANE_LOOP static int quantize_f32_fast(const float *restrict x, uint32_t n, floa
     return bad == 0;
 }
 
-LANE_LOOP uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only) {
+PN_LANE_LOOP uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only) {
     uint32_t most = 0;
     if (finite_only) {
         for (size_t i = 0; i < n; i++) {
@@ -195,7 +186,7 @@ LANE_LOOP uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only) {
     return most > 0x7F800000u ? 0x7FC00000u : most;
 }
 
-LANE_LOOP static int saturated_lanes(const uint8_t *packet, uint32_t n) {
+PN_LANE_LOOP static int saturated_lanes(const uint8_t *packet, uint32_t n) {
     int saturated = 0;
     for (uint32_t i = 0; i < n; i++) {
         int32_t v = pn_lane_get(packet, i);
@@ -205,7 +196,7 @@ LANE_LOOP static int saturated_lanes(const uint8_t *packet, uint32_t n) {
 }
 
 /* Lanes to floats: one rounding either way (passing/quantize.py's dequantize). */
-LANE_LOOP static void dequantize_lanes(const uint8_t *restrict packet, uint32_t n, const shard_state *s,
+PN_LANE_LOOP static void dequantize_lanes(const uint8_t *restrict packet, uint32_t n, const shard_state *s,
                                        float *restrict out) {
     if (s->scale_f32) {
         for (uint32_t i = 0; i < n; i++) out[i] = (float)pn_lane_get(packet, i) * s->inverse_f;
@@ -214,7 +205,7 @@ LANE_LOOP static void dequantize_lanes(const uint8_t *restrict packet, uint32_t 
     }
 }
 
-LANE_LOOP static void read_lanes(const uint8_t *restrict packet, uint32_t n, int32_t *restrict out) {
+PN_LANE_LOOP static void read_lanes(const uint8_t *restrict packet, uint32_t n, int32_t *restrict out) {
     for (uint32_t i = 0; i < n; i++) out[i] = pn_lane_get(packet, i);
 }
 
