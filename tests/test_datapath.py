@@ -237,45 +237,55 @@ def small_mtu_scenario(engine: str) -> dict:
     """Run inside a network namespace of its own (unshare -n): a route to 127.0.0.2 with an MTU of
     1500, below the 4 KiB packets of 1024 lanes. The kernel refuses GSO messages on that route
     (EMSGSIZE: a segment would not fit) but fragments plain datagrams. Job 1's worker sits at
-    127.0.0.2, job 2's at 127.0.0.1; each allreduces alone. Returns what happened."""
+    127.0.0.2 (its RESULTs take that route), job 2's at 127.0.0.1; each allreduces alone. Then a
+    second aggregator at 127.0.0.2: a worker's DATA take that route. Returns what happened."""
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     subprocess.run(["ip", "route", "add", "local", "127.0.0.2/32", "dev", "lo", "table", "local", "mtu", "lock",
                     "1500"], check=True)
     lanes, pool = 1024, 8
-    binds = [("127.0.0.2", 20000), ("127.0.0.1", 20000)]
-    jobs = [JobSpec(j + 1, j * pool, pool, [pack_address(*b)], generation=0) for j, b in enumerate(binds)]
-    agg = SoftwareAggregator(listen=("127.0.0.1", 0), control=None, lanes=lanes, engine=engine, jobs=jobs)
-    server = threading.Thread(target=agg.serve)
-    server.start()
     x = np.arange(16 * lanes, dtype=np.float32) - 5000  # 16 packets a call: 2 windows of pool
 
-    def work(j: int) -> str:
-        try:
-            with Group(j + 1, 0, 1, [agg.address], pool=pool, lanes=lanes, bind=binds[j], timeout=5,
-                       engine=engine) as g:
-                return "exact" if all(np.array_equal(g.allreduce(x), x) for _ in range(3)) else "wrong"
-        except Exception as e:  # reported to the test
-            return f"{type(e).__name__}: {e}"
+    def serve(listen: str, binds: list[tuple[str, int]]) -> tuple[list, dict, list]:
+        jobs = [JobSpec(j + 1, j * pool, pool, [pack_address(*b)], generation=0) for j, b in enumerate(binds)]
+        agg = SoftwareAggregator(listen=(listen, 0), control=None, lanes=lanes, engine=engine, jobs=jobs)
+        server = threading.Thread(target=agg.serve)
+        server.start()
+        outcomes: list = [None] * len(binds)
+        fallbacks: list = [None] * len(binds)
 
-    outcomes = [None, None]
-    workers = [threading.Thread(target=lambda j=j: outcomes.__setitem__(j, work(j))) for j in range(2)]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join(60)
-    stats = agg.stats()
-    agg.stop()
-    server.join(10)
+        def work(j: int) -> None:
+            try:
+                with Group(j + 1, 0, 1, [agg.address], pool=pool, lanes=lanes, bind=binds[j], timeout=5,
+                           engine=engine) as g:
+                    exact = all(np.array_equal(g.allreduce(x), x) for _ in range(3))
+                    outcomes[j], fallbacks[j] = "exact" if exact else "wrong", g.stats.gso_fallbacks
+            except Exception as e:  # reported to the test
+                outcomes[j] = f"{type(e).__name__}: {e}"
+
+        workers = [threading.Thread(target=work, args=(j,)) for j in range(len(binds))]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(60)
+        stats = agg.stats()
+        agg.stop()
+        server.join(10)
+        return outcomes, stats, fallbacks
+
+    outcomes, stats, _ = serve("127.0.0.1", [("127.0.0.2", 20000), ("127.0.0.1", 20000)])
+    data_outcomes, data_stats, host_fallbacks = serve("127.0.0.2", [("127.0.0.1", 20001)])
     return {"outcomes": outcomes, "gso_fallbacks": stats["transport"]["gso_fallbacks"],
-            "send_errors": stats["server"]["send_errors"]}
+            "send_errors": stats["server"]["send_errors"], "data_outcomes": data_outcomes,
+            "host_gso_fallbacks": host_fallbacks[0], "data_aggregator_gso_fallbacks":
+            data_stats["transport"]["gso_fallbacks"]}
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_route_whose_mtu_is_below_the_packet_size_gets_plain_datagrams(engine):
-    """The kernel refuses GSO on one worker's route only (its MTU is below the packet size): its
-    RESULTs go as plain, fragmented datagrams, GSO stays on for the other job, and both jobs'
-    results are exact."""
+    """The kernel refuses GSO on one route only (its MTU is below the packet size). RESULTs on it
+    go as plain, fragmented datagrams, and GSO stays on for the other job; a worker's DATA on it
+    too, counted in the worker's own stats. Every result is exact."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("a network namespace with its own routes needs root and unshare(1)")
     script = f"import json, sys; from tests.test_datapath import small_mtu_scenario; " \
@@ -284,9 +294,11 @@ def test_a_route_whose_mtu_is_below_the_packet_size_gets_plain_datagrams(engine)
                           capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.splitlines()[-1])
-    print(f"{engine}: MTU 1500 to one worker, 4 KiB packets: {report}")
-    assert report["outcomes"] == ["exact", "exact"]
+    print(f"{engine}: MTU 1500 on one route, 4 KiB packets: {report}")
+    assert report["outcomes"] == ["exact", "exact"] and report["data_outcomes"] == ["exact"]
     assert report["send_errors"] == 0 and report["gso_fallbacks"] >= 3  # a window's RESULTs at least, per call
+    assert report["host_gso_fallbacks"] >= 3  # the worker's first window, per call
+    assert report["data_aggregator_gso_fallbacks"] == 0  # its RESULTs' route takes them whole
 
 
 @pytest.mark.parametrize("worker, why", [

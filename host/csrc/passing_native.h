@@ -190,6 +190,7 @@ typedef struct {
 typedef struct {
     uint64_t packets_sent, bytes_sent, packets_received, bytes_received;
     uint64_t retransmissions, early_retransmissions, foreign_results;
+    uint64_t gso_fallbacks;      /* GSO messages the kernel refused, resent as plain datagrams */
     uint8_t *overflow;           /* caller's array of `shards` bytes: 1 where a RESULT overflowed */
     /* on PN_ETIMEOUT: which packet; on PN_ESYS: errno and the call */
     uint32_t error_shard, error_psn, error_retries;

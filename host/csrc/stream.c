@@ -265,7 +265,7 @@ static int flush_sends(stream_state *st) {
     if (n == 0) return PN_OK;
     uint64_t bytes = 0;
     int r = pn_udp_send(&st->udp, st->send_packets, st->send_dest, n, (uint32_t)st->packet_size, SEND_TIMEOUT_MS,
-                        &bytes);
+                        &bytes, NULL);
     st->r->bytes_sent += bytes;
     st->r->packets_sent += bytes / st->packet_size;
     if (r < 0) {
@@ -563,6 +563,7 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     *c->srtt = st.srtt;
     *c->rttvar = st.rttvar;
     c->gso = st.udp.gso;
+    r->gso_fallbacks += st.udp.gso_fallbacks;
     free_state(&st);
     return rc;
 }

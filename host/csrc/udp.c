@@ -205,9 +205,10 @@ static int wait_writable(int fd, int timeout_ms) {
 }
 
 /* The packets of one GSO message the kernel refused, one plain datagram each. Returns 0 or
- * -errno of the first that failed (those before it left: bytes_sent counts them). */
+ * -errno of the first that failed; *handled: the packets before it (sent, or refused by an
+ * ICMP error; bytes_sent counts the sent ones). */
 static int send_plain(pn_udp *u, const struct msghdr *refused, uint32_t size, int timeout_ms,
-                      uint64_t *bytes_sent) {
+                      uint64_t *bytes_sent, uint32_t *handled) {
     struct mmsghdr plain[PN_UDP_MAX_SEGMENTS];
     uint32_t count = (uint32_t)refused->msg_iovlen;
     memset(plain, 0, count * sizeof *plain);
@@ -218,7 +219,9 @@ static int send_plain(pn_udp *u, const struct msghdr *refused, uint32_t size, in
         plain[k].msg_hdr.msg_iovlen = 1;
     }
     uint32_t done = 0;
+    *handled = 0;
     while (done < count) {
+        *handled = done;
         int r = sendmmsg(u->fd, plain + done, count - done, 0);
         if (r > 0) {
             done += (uint32_t)r;
@@ -235,11 +238,15 @@ static int send_plain(pn_udp *u, const struct msghdr *refused, uint32_t size, in
             return -err;
         }
     }
+    *handled = count;
     return 0;
 }
 
 int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, uint32_t size,
-                int timeout_ms, uint64_t *bytes_sent) {
+                int timeout_ms, uint64_t *bytes_sent, uint32_t *handled) {
+    uint32_t ignored;
+    if (!handled) handled = &ignored;
+    *handled = 0;
     if (size == 0 || size > u->packet_size) return -EINVAL;
     uint16_t segment = (uint16_t)size;  /* GSO cuts each message into datagrams of this size */
     memcpy(CMSG_DATA((struct cmsghdr *)u->tx_control), &segment, sizeof segment);
@@ -250,6 +257,7 @@ int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, ui
         uint32_t m = build_messages(u, packet + done, dest + done, chunk, size, packets_in);
         uint32_t sent_msgs = 0;
         while (sent_msgs < m) {
+            *handled = done;
             int r = sendmmsg(u->fd, u->tx_msgs + sent_msgs, m - sent_msgs, 0);
             if (r > 0) {
                 for (int k = 0; k < r; k++) {
@@ -269,8 +277,12 @@ int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, ui
                  * MTU below the segment size (EMSGSIZE), a destination it refuses anyway, such as
                  * port 0 (EINVAL). Its packets go as plain datagrams; GSO stays on for the others. */
                 u->gso_fallbacks++;
-                int p = send_plain(u, h, size, timeout_ms, bytes_sent);
-                if (p < 0) return p;
+                uint32_t plain = 0;
+                int p = send_plain(u, h, size, timeout_ms, bytes_sent, &plain);
+                if (p < 0) {
+                    *handled = done + plain;
+                    return p;
+                }
                 done += packets_in[sent_msgs];
                 sent_msgs++;
             } else if (err == ECONNREFUSED) {
@@ -282,5 +294,6 @@ int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, ui
             }
         }
     }
+    *handled = n;
     return 0;
 }

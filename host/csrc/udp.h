@@ -59,10 +59,11 @@ int pn_udp_pending(const pn_udp *u);
  * one destination share a GSO message (a message the kernel refuses is resent as plain
  * datagrams, counted in gso_fallbacks; GSO stays on). Waits up to timeout_ms while the
  * socket buffer is full. Returns 0 or -errno (-ETIMEDOUT when the buffer stayed full,
- * -EINVAL for a bad size); bytes_sent then counts the packets that left before the one
- * that failed. */
+ * -EINVAL for a bad size); bytes_sent counts the packets that left, and *handled (may be
+ * NULL) the packets before the one that failed: sent, or refused by an ICMP error for an
+ * earlier datagram (ECONNREFUSED: not sent, counted lost, not an error). */
 int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, uint32_t size,
-                int timeout_ms, uint64_t *bytes_sent);
+                int timeout_ms, uint64_t *bytes_sent, uint32_t *handled);
 /* Block until the socket is readable or timeout_ms passed (or extra_fd, if >= 0, is
  * readable). Returns 1 readable (at once while received datagrams are pending), 0 timeout,
  * 2 extra_fd readable, -errno. */

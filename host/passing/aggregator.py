@@ -411,6 +411,9 @@ class SoftwareAggregator:
         return out
 
     def _stats(self, job: int | None) -> dict[str, Any]:
+        # The native data path's transport counts a batch once the engine has counted it: read it
+        # first, so that every datagram it counts is under its outcome in the engine's counters.
+        server = self.native.stats() if self.native is not None else None
         jobs = [job] if job is not None else [s.job for s in self.engine.jobs()]
         reply: dict[str, Any] = {
             "totals": self.engine.counters(),
@@ -425,14 +428,16 @@ class SoftwareAggregator:
             reply["server"] = {"batches": self.batches, "send_errors": self.send_errors,
                                "last_errno": self.last_errno}
         else:
-            s = self.native.stats()
-            reply["injected"] = {name: getattr(s, name) for name in (
+            assert server is not None
+            reply["injected"] = {name: getattr(server, name) for name in (
                 "ingress_dropped", "ingress_duplicated", "egress_dropped", "egress_duplicated")}
             reply["transport"] = TransportStats(  # the same keys as the numpy path's socket stats
-                packets_sent=s.packets_sent, bytes_sent=s.bytes_sent, packets_received=s.packets_received,
-                bytes_received=s.bytes_received, gso_fallbacks=s.gso_fallbacks,
+                packets_sent=server.packets_sent, bytes_sent=server.bytes_sent,
+                packets_received=server.packets_received, bytes_received=server.bytes_received,
+                gso_fallbacks=server.gso_fallbacks,
             ).as_dict()
-            reply["server"] = {"batches": s.batches, "send_errors": s.send_errors, "last_errno": s.last_errno}
+            reply["server"] = {"batches": server.batches, "send_errors": server.send_errors,
+                               "last_errno": server.last_errno}
         reply["engine"] = self.engine_name
         return reply
 

@@ -73,7 +73,7 @@ class StreamCall(ctypes.Structure):
 class StreamReport(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in (
         "packets_sent", "bytes_sent", "packets_received", "bytes_received", "retransmissions",
-        "early_retransmissions", "foreign_results")] + [
+        "early_retransmissions", "foreign_results", "gso_fallbacks")] + [
         ("overflow", ctypes.POINTER(ctypes.c_uint8)), ("error_shard", ctypes.c_uint32),
         ("error_psn", ctypes.c_uint32), ("error_retries", ctypes.c_uint32), ("error_errno", ctypes.c_int32),
         ("error_call", ctypes.c_char * 16),

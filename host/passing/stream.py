@@ -502,6 +502,7 @@ class Group:
         stats.retransmissions += report.retransmissions
         stats.early_retransmissions += report.early_retransmissions
         stats.foreign_results += report.foreign_results
+        stats.gso_fallbacks += report.gso_fallbacks
         if rc == native.PN_ETIMEOUT:
             raise self._unreachable(report.error_shard, report.error_psn, report.error_retries)
         if rc == native.PN_ESILENT:
