@@ -84,7 +84,8 @@ def test_switch_killed_mid_job_moves_the_group_to_the_ps(network, pipeline, tmp_
     controller = ControllerProcess(network, pipeline, tmp_path)
     try:
         assert controller.start()["switch"] == "connected"
-        size, iterations = 20_000, 30
+        size, iterations = 20_000, 4
+        over = tmp_path / "over"  # the workers go on (--until) until the switch is dead, however fast it is
         procs = []
         for w, h in enumerate(["h1", "h2"]):
             ip = network.net.get(h).IP()
@@ -92,7 +93,7 @@ def test_switch_killed_mid_job_moves_the_group_to_the_ps(network, pipeline, tmp_
                 [sys.executable, "-m", "passing.cli", "allreduce", "--controller", CONTROLLER, "--job-name", "doomed",
                  "--worker", str(w), "--workers", "2", "--bind", f"{ip}:{20000 + w}", "--size", str(size),
                  "--iterations", str(iterations), "--out", str(tmp_path / f"doomed-{w}.npy"), "--no-check",
-                 "--timeout", "60", "--pool", "64", "--failover-after", "1"],
+                 "--timeout", "60", "--pool", "64", "--failover-after", "1", "--until", str(over)],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO)))
         deadline = time.monotonic() + 60
         while True:  # kill the switch once the job runs on it and has completed some rounds
@@ -106,6 +107,7 @@ def test_switch_killed_mid_job_moves_the_group_to_the_ps(network, pipeline, tmp_
         assert jobs[0]["mode"] == "switch"
         network.switch.process.kill()
         killed = time.monotonic()
+        over.touch()  # the call under way when the switch died ends on the PS, and the job with it
         total, bound = expected(2, size)
         for w, p in enumerate(procs):
             out, err = p.communicate(timeout=240)
