@@ -45,8 +45,8 @@ def topology(ps_ready: dict) -> Topology:
 
 
 class Running:
-    def __init__(self, topo: Topology, store, join_timeout: float = 10.0) -> None:
-        self.ctl = controller(topo, store, join_timeout=join_timeout, default_pool=16, switch_timeout=0.5)
+    def __init__(self, topo: Topology, store, join_timeout: float = 10.0, default_pool: int = 16) -> None:
+        self.ctl = controller(topo, store, join_timeout=join_timeout, default_pool=default_pool, switch_timeout=0.5)
         self.endpoint = self.ctl.endpoint
         self.thread = threading.Thread(target=self.ctl.serve)
         self.thread.start()

@@ -17,7 +17,7 @@ from passing.aggregator import ControlClient, SoftwareAggregator, job_from_json
 from passing.cli import free_udp_ports
 from passing.control import join
 from passing.transport import BatchSocket, pack_address
-from passing_controller.topology import Topology, TopologyError, lanes_for
+from passing_controller.topology import PS_WINDOW_BYTES, Topology, TopologyError, lanes_for, ps_pool
 from tests.cluster import run_threads
 from tests.test_controller_ps_fallback import Running
 from tests.test_failover import assert_exact, inputs, run_group, two_ps  # noqa: F401  (the fixture)
@@ -150,6 +150,50 @@ def test_the_controller_sizes_a_ps_group_to_the_path_mtu(tmp_path):
         answer, result = outcome
         assert answer["mode"] == "ps" and answer["lanes"] == 364  # 1500 - 28 - 16 = 364 x 4 bytes
         assert np.array_equal(result, x[0] + x[1])
+
+
+def test_a_ps_group_keeps_its_window_within_the_ps_budget():
+    """Without a pool asked for, a PS group's workers keep at most PS_WINDOW_BYTES in flight:
+    wide packets get fewer slots, more workers fewer again; switch-sized packets keep the default."""
+    assert ps_pool(64, 2, 256) == 256 and ps_pool(64, 8, 256) == 256  # 272-byte packets
+    assert [ps_pool(1024, n, 256) for n in (1, 2, 4, 8, 16, 32)] == [256, 255, 127, 63, 31, 16]
+    for lanes in (1, 64, 364, 1024, 2239, 16372):
+        for workers in (1, 2, 3, 8, 32):
+            pool = ps_pool(lanes, workers, 256)
+            assert 16 <= pool <= 256
+            assert pool == 16 or workers * pool * wire.packet_size(lanes) <= PS_WINDOW_BYTES
+
+
+@pytest.mark.timeout(120)
+def test_the_controller_gives_a_ps_group_its_window_unless_the_job_asks(tmp_path):
+    agg = SoftwareAggregator(listen=("127.0.0.1", 0), control="tcp://127.0.0.1:*")
+    server = threading.Thread(target=agg.serve)
+    server.start()
+    data = "{}:{}".format(*agg.address)  # loopback: 1024 lanes
+    running = Running(Topology.from_dict({"ps": [{"data": data, "control": agg.control_endpoint}]}),
+                      tmp_path / "ctl.sqlite", default_pool=256)
+    x = [np.arange(50_000, dtype=np.float32) * (w + 1) for w in range(4)]
+
+    def work(w: int, job: str, pool: int | None, ports: list[int]) -> tuple[dict, np.ndarray]:
+        answer = join(running.endpoint, job, w, 4, host="127.0.0.1", udp_port=ports[w], pool=pool, timeout=30)
+        with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=20) as g:
+            return answer, g.allreduce(x[w])
+
+    try:
+        outcomes = {}
+        for job, pool in (("chosen", None), ("asked", 200)):
+            ports = free_udp_ports(4)
+            outcomes[job] = run_threads(lambda w, j=job, p=pool, q=ports: work(w, j, p, q), 4)
+    finally:
+        running.stop()
+        agg.stop()
+        server.join(10)
+    for job, pool in (("chosen", 127), ("asked", 200)):  # 2 MiB / (4 x 4 112 bytes) = 127
+        for outcome in outcomes[job]:
+            assert not isinstance(outcome, Exception), outcome
+            answer, result = outcome
+            assert answer["mode"] == "ps" and answer["lanes"] == 1024 and answer["pool"] == pool, answer
+            assert np.array_equal(result, x[0] + x[1] + x[2] + x[3])
 
 
 @pytest.mark.timeout(180)

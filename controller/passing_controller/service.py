@@ -36,7 +36,7 @@ from .keys import CONTROLLER_DOMAIN, ClientKeys, ServerKeys, digest, matches, ne
 from .p4runtime import Pipeline, SwitchError, Tls, connect
 from .schema import RequestError
 from .store import Record, Store, StoreError
-from .topology import PsEndpoint, Topology, TopologyError
+from .topology import PsEndpoint, Topology, TopologyError, ps_pool
 
 if TYPE_CHECKING:
     from .session import Switch
@@ -77,7 +77,7 @@ class AggregatorFailed(RuntimeError):
 @dataclass
 class PendingGroup:
     workers: int
-    pool: int
+    pool: int | None  # None: the job asked for none, the aggregator's default (ps_pool on a PS)
     deadline: float
     aggregator: str  # "any": the switch when it can serve, else a PS; "ps": a PS in any case
     secret: str = ""  # digest of the job secret the first joiner gave: the others must know it
@@ -372,7 +372,7 @@ class Controller:
         worker = schema.integer(req, "worker", 0, workers - 1)
         host = schema.text(req, "host", schema.HOST, what="a host name or address")
         schema.integer(req, "udp_port", 1, 65535)
-        pool = schema.integer(req, "pool", 1, self._largest_pool(), default=self.default_pool)
+        pool = schema.integer(req, "pool", 1, self._largest_pool(), default=None)
         aggregator = schema.choice(req, "aggregator", AGGREGATOR_CHOICES, "any")
         secret = schema.text(req, "secret", schema.SECRET, what="the job's secret (32 to 128 hex digits)")
         self.topo.host(host)  # a clear error for an unknown host, now
@@ -392,7 +392,8 @@ class Controller:
             raise RequestError(f"job {name!r} group {group} asked for aggregator {pending.aggregator!r}, "
                                f"not {aggregator!r}")
         if pending.pool != pool:
-            raise RequestError(f"job {name!r} group {group} has pool {pending.pool}, not {pool}")
+            raise RequestError(f"job {name!r} group {group} has pool {pending.pool or 'default'}, "
+                               f"not {pool or 'default'}")
         if worker in pending.members:
             raise RequestError(f"worker {worker} of job {name!r} group {group} joined already")
         self.pending[key] = pending
@@ -450,7 +451,8 @@ class Controller:
                     continue
                 try:
                     if aggregator == "switch":
-                        record = self._allocate_switch(job_id, name, group, generation, pending.pool, workers)
+                        record = self._allocate_switch(job_id, name, group, generation,
+                                                       pending.pool or self.default_pool, workers)
                     else:
                         record = self._allocate_ps(self._ps(aggregator), job_id, name, group, generation,
                                                    pending.pool, workers)
@@ -547,8 +549,16 @@ class Controller:
                  base + pool - 1, job_id, generation)
         return r
 
-    def _allocate_ps(self, ps: PsEndpoint, job_id: int, name: str, group: int, generation: int, pool: int,
-                     workers: list[dict]) -> Record:
+    def _allocate_ps(self, ps: PsEndpoint, job_id: int, name: str, group: int, generation: int,
+                     pool: int | None, workers: list[dict]) -> Record:
+        try:
+            lanes = ps.lanes(self.ps_request(ps.control, "ping"))  # the largest the PS and the path MTU take
+        except (OSError, RequestError) as e:  # down (TimeoutError is an OSError), hanging, or refusing
+            with self.lock:
+                self.store.mark_down(ps.control, str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
+            log.warning("PS %s failed to admit job %s group %d: %s", ps.control, name, group, e)
+            raise AggregatorFailed(f"PS {ps.control}: {e}") from None
+        pool = pool or ps_pool(lanes, len(workers), self.default_pool)
         with self.lock:
             allocator = self.ps_allocators.setdefault(ps.control, SlotAllocator(PS_SLOTS))
             try:
@@ -557,7 +567,6 @@ class Controller:
                 raise AggregatorFailed(f"PS {ps.control}: {e}") from None
         addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
         try:
-            lanes = ps.lanes(self.ps_request(ps.control, "ping"))  # the largest the PS and the path MTU take
             self.ps_request(ps.control, "add_job",
                             job={"job": job_id, "base": base, "pool": pool, "workers": addresses,
                                  "generation": generation, "lanes": lanes})

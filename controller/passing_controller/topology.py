@@ -52,6 +52,19 @@ def lanes_for(mtu: int, aggregator_max: int) -> int:
     return max(1, min(fits, aggregator_max))
 
 
+PS_WINDOW_BYTES = 2 << 20  # what a group keeps in flight at a PS by default: workers x pool x packet
+PS_MIN_POOL = 16
+
+
+def ps_pool(lanes: int, workers: int, most: int) -> int:
+    """A PS group's pool when the job does not ask for one: its workers' packets in flight
+    (workers x pool x packet bytes) within PS_WINDOW_BYTES, so that the slots the PS's one
+    data thread touches stay in its cache, and at most ``most`` (the controller's default).
+    Switch-sized packets keep ``most``; measured in docs/benchmarks.md (issue 22)."""
+    packet = PASSING_HEADER + 4 * lanes
+    return max(PS_MIN_POOL, min(most, PS_WINDOW_BYTES // (workers * packet)))
+
+
 def mac_to_int(mac: str) -> int:
     parts = mac.split(":")
     if len(parts) != 6 or not all(len(p) == 2 for p in parts):
