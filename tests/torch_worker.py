@@ -80,7 +80,7 @@ def bytes_per_allreduce(size: int) -> dict:
 def fallback() -> dict:
     """Other dtypes, ops and collectives go to gloo, and give gloo's answers."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = {}
+    out: dict = {"rank": rank}
     i = torch.full((5,), rank + 1, dtype=torch.int64)
     dist.all_reduce(i)
     out["int64_sum"] = i.tolist()
@@ -96,6 +96,44 @@ def fallback() -> dict:
     gathered = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(gathered, torch.tensor([float(rank)]))
     out["all_gather"] = [float(t) for t in gathered]
+    single = torch.zeros(world)
+    dist.all_gather_single(single, torch.tensor([float(rank)]))
+    out["all_gather_single"] = single.tolist()
+    mine = torch.zeros(1)
+    dist.reduce_scatter_single(mine, torch.arange(world, dtype=torch.float32) + rank)
+    out["reduce_scatter_single"] = mine.tolist()
+    parts = [torch.zeros(1)]
+    dist.reduce_scatter(parts[0], [torch.tensor([float(rank + w)]) for w in range(world)])
+    out["reduce_scatter"] = parts[0].tolist()
+    r = torch.tensor([float(rank)])
+    dist.reduce(r, dst=0)
+    out["reduce_at_0"] = r.tolist() if rank == 0 else None
+    g = [torch.zeros(1) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.tensor([float(rank) * 2]), g, dst=0)
+    out["gather_at_0"] = [float(t) for t in g] if g is not None else None
+    sc = torch.zeros(1)
+    dist.scatter(sc, [torch.tensor([float(w) * 3]) for w in range(world)] if rank == 0 else None, src=0)
+    out["scatter"] = sc.tolist()
+    a2a = torch.zeros(world)
+    dist.all_to_all_single(a2a, torch.arange(world, dtype=torch.float32) + 10 * rank)
+    out["all_to_all_single"] = a2a.tolist()
+    peer = rank ^ 1  # 0 <-> 1, 2 <-> 3
+    got = torch.zeros(1)
+    if rank % 2 == 0:
+        dist.send(torch.tensor([float(rank)]), peer)
+        dist.recv(got, peer)
+    else:
+        dist.recv(got, peer)
+        dist.send(torch.tensor([float(rank)]), peer)
+    out["from_peer"] = got.tolist()
+    # Back-to-back gloo calls: a collective left to torch's trampoline ran with the GIL held and
+    # deadlocked with gloo's worker thread dropping the previous call's tensors (backend.py)
+    for k in range(1500):
+        m = torch.full((4,), float(rank))
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        c = torch.full((2,), float(rank))
+        dist.broadcast(c, src=k % world)
+    out["back_to_back"] = [m.tolist(), c.tolist()]
     dist.barrier()
     return out
 

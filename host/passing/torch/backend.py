@@ -421,6 +421,49 @@ class ProcessGroupPassing(ProcessGroup):
         return "passing"
 
 
+# Every other collective goes to the backend of its tensors' device (gloo, NCCL), called from
+# Python. Left to torch's C++ trampoline instead, a collective a Python ProcessGroup does not
+# override runs with the GIL held (torch 2.13's WORK_OVERRIDE calls the parent inside its
+# gil_scoped_acquire), while gloo's worker thread, holding its queue's lock, may need the GIL to
+# drop the last reference to an earlier call's tensors: the next collective then waits for that
+# lock forever (about one run in ten of four collectives in a row). The backends' own bindings
+# release the GIL. The names are torch's for a ProcessGroup and for a Backend.
+_TO_BACKEND = {
+    "broadcast": "broadcast", "allgather": "allgather", "allgather_coalesced": "allgather_coalesced",
+    "all_gather_single": "_allgather_base", "_allgather_base": "_allgather_base",
+    "allreduce_coalesced": "allreduce_coalesced", "reduce": "reduce", "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "_reduce_scatter_base", "_reduce_scatter_base": "_reduce_scatter_base",
+    "gather": "gather", "scatter": "scatter", "alltoall": "alltoall", "all_to_all_single": "alltoall_base",
+    "alltoall_base": "alltoall_base", "barrier": "barrier", "send": "send", "recv": "recv",
+    "recv_anysource": "recv_anysource",
+}
+
+
+def _first_tensor(args: Any) -> torch.Tensor | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            t = _first_tensor(a)
+            if t is not None:
+                return t
+    return None
+
+
+def _to_backend(name: str, backend_name: str) -> Any:
+    def collective(self: ProcessGroupPassing, *args: Any, **kwargs: Any) -> Any:
+        t = _first_tensor([*args, *kwargs.values()])
+        backend = self._get_backend(t.device if t is not None else torch.device("cpu"))
+        return getattr(backend, backend_name)(*args, **kwargs)
+
+    collective.__name__ = collective.__qualname__ = name
+    return collective
+
+
+for _name, _backend_name in _TO_BACKEND.items():
+    setattr(ProcessGroupPassing, _name, _to_backend(_name, _backend_name))
+
+
 def _close(membership: Membership, embedded_services: embedded.Embedded | None) -> None:
     """Leave the group; rank 0 then stops its embedded controller once the others have left too."""
     membership.close()
