@@ -109,6 +109,8 @@ def test_other_ops_dtypes_and_collectives_fall_back_to_gloo(services):
         assert r["scatter"] == [3.0 * rank]
         assert r["all_to_all_single"] == [rank + 10.0 * q for q in range(world)]
         assert r["from_peer"] == [float(rank ^ 1)]
+        assert r["coalesced_all_gather"] == [[float(q + k) for q in range(world)] for k in (0, 1)]
+        assert r["coalesced_reduce_scatter"] == [[float(world * rank * (k + 1))] for k in (0, 1)]
         assert r["back_to_back"] == [[world - 1.0] * 4, [float(1499 % world)] * 2]
 
 

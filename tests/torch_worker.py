@@ -126,6 +126,16 @@ def fallback() -> dict:
         dist.recv(got, peer)
         dist.send(torch.tensor([float(rank)]), peer)
     out["from_peer"] = got.tolist()
+    pair = [torch.zeros(world), torch.zeros(world)]
+    with dist._coalescing_manager():  # FSDP's way: one coalesced call of two all_gather_single
+        for k, t in enumerate(pair):
+            dist.all_gather_single(t, torch.tensor([float(rank + k)]))
+    out["coalesced_all_gather"] = [t.tolist() for t in pair]
+    halves = [torch.zeros(1), torch.zeros(1)]
+    with dist._coalescing_manager():
+        for k, t in enumerate(halves):
+            dist.reduce_scatter_single(t, torch.arange(world, dtype=torch.float32) * (k + 1))
+    out["coalesced_reduce_scatter"] = [t.tolist() for t in halves]
     # Back-to-back gloo calls: a collective left to torch's trampoline ran with the GIL held and
     # deadlocked with gloo's worker thread dropping the previous call's tensors (backend.py)
     for k in range(1500):

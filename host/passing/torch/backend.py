@@ -464,6 +464,42 @@ for _name, _backend_name in _TO_BACKEND.items():
     setattr(ProcessGroupPassing, _name, _to_backend(_name, _backend_name))
 
 
+class _EveryWork(dist.Work):
+    """The single-tensor calls of one coalesced call: done when each of them is."""
+
+    def __init__(self, works: list[Any]) -> None:
+        super().__init__()
+        self.works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for w in self.works:
+            if timeout is None:
+                w.wait()
+            else:
+                w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def _coalesced(name: str, single: str) -> Any:
+    """A coalesced collective a Backend has no binding for: one single-tensor call per pair."""
+
+    def collective(self: ProcessGroupPassing, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                   opts: Any) -> Any:
+        backend = self._get_backend(inputs[0].device if inputs else torch.device("cpu"))
+        return _EveryWork([getattr(backend, single)(o, i, opts) for o, i in zip(outputs, inputs, strict=True)])
+
+    collective.__name__ = collective.__qualname__ = name
+    return collective
+
+
+for _name, _single in (("all_gather_single_coalesced", "_allgather_base"),
+                       ("reduce_scatter_single_coalesced", "_reduce_scatter_base")):
+    setattr(ProcessGroupPassing, _name, _coalesced(_name, _single))
+
+
 def _close(membership: Membership, embedded_services: embedded.Embedded | None) -> None:
     """Leave the group; rank 0 then stops its embedded controller once the others have left too."""
     membership.close()
