@@ -551,28 +551,24 @@ class Controller:
 
     def _allocate_ps(self, ps: PsEndpoint, job_id: int, name: str, group: int, generation: int,
                      pool: int | None, workers: list[dict]) -> Record:
+        addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
+        base: int | None = None  # the slots, once allocated: released if the PS then fails
         try:
             lanes = ps.lanes(self.ps_request(ps.control, "ping"))  # the largest the PS and the path MTU take
-        except (OSError, RequestError) as e:  # down (TimeoutError is an OSError), hanging, or refusing
+            pool = pool or ps_pool(lanes, len(workers), self.default_pool)
             with self.lock:
-                self.store.mark_down(ps.control, str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
-            log.warning("PS %s failed to admit job %s group %d: %s", ps.control, name, group, e)
-            raise AggregatorFailed(f"PS {ps.control}: {e}") from None
-        pool = pool or ps_pool(lanes, len(workers), self.default_pool)
-        with self.lock:
-            allocator = self.ps_allocators.setdefault(ps.control, SlotAllocator(PS_SLOTS))
-            try:
-                base = allocator.allocate(pool)
-            except SlotsExhausted as e:
-                raise AggregatorFailed(f"PS {ps.control}: {e}") from None
-        addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
-        try:
+                allocator = self.ps_allocators.setdefault(ps.control, SlotAllocator(PS_SLOTS))
+                try:
+                    base = allocator.allocate(pool)
+                except SlotsExhausted as e:
+                    raise AggregatorFailed(f"PS {ps.control}: {e}") from None
             self.ps_request(ps.control, "add_job",
                             job={"job": job_id, "base": base, "pool": pool, "workers": addresses,
                                  "generation": generation, "lanes": lanes})
         except (OSError, RequestError) as e:  # down (TimeoutError is an OSError), hanging, or refusing
             with self.lock:
-                allocator.release(base)
+                if base is not None:
+                    allocator.release(base)
                 self.store.mark_down(ps.control, str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
             log.warning("PS %s failed to admit job %s group %d: %s", ps.control, name, group, e)
             raise AggregatorFailed(f"PS {ps.control}: {e}") from None
