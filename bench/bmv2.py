@@ -107,7 +107,8 @@ def main() -> int:
         print(f"bench-bmv2: {missing}", file=sys.stderr)
         return 2
     from passing_controller import aggregator_address, l2_forward
-    from passing_controller.p4runtime import Pipeline, Switch
+    from passing_controller.p4runtime import Pipeline
+    from passing_controller.session import Switch
     from passing_controller.topology import Topology
 
     p4info, device_config = compile_p4()

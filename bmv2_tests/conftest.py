@@ -40,7 +40,7 @@ def network(request):
 @pytest.fixture(scope="module")
 def switch(network, pipeline):
     from passing_controller import aggregator_address, l2_forward
-    from passing_controller.p4runtime import Switch
+    from passing_controller.session import Switch
     from passing_controller.topology import Topology
 
     sw = Switch(network.p4runtime_address)

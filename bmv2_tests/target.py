@@ -8,7 +8,7 @@ import time
 from passing import wire
 from passing_controller import admission, counters, result_rewrite
 from passing_controller.allocation import Allocation, Worker
-from passing_controller.p4runtime import Switch
+from passing_controller.session import Switch
 from passing_controller.topology import Host
 from tests.conformance.runner import Origin
 from tests.conformance.scenarios import Job

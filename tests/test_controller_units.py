@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from passing_controller.p4runtime import Switch, SwitchUnreachable, encode
+from passing_controller.p4runtime import SwitchUnreachable, encode
+from passing_controller.session import Switch
 from passing_controller.topology import Topology, TopologyError
 
 GOOD = {

@@ -5,8 +5,8 @@ The session (``Switch``, in ``session.py``) needs p4runtime-shell, gRPC and prot
 ``switch`` extra of passing-controller (``pip install 'passing-controller[switch]'``). This
 module imports none of them, so a PS-only controller (the torch backend's embedded one, a
 topology without a switch) runs without them; ``connect`` imports the session when a switch
-is configured, and names the extra when it is missing. ``Switch`` is importable from here
-too (on first use). Names are the P4 program's (``Ingress.admission``, ``Ingress.admit``, ...).
+is configured, and names the extra when it is missing. Names are the P4 program's
+(``Ingress.admission``, ``Ingress.admit``, ...).
 """
 
 from __future__ import annotations
@@ -84,11 +84,6 @@ def connect(address: str, device_id: int = 0, timeout: float = 5.0, tls: Tls | N
     over TLS when ``tls`` is given."""
     return _session().Switch(address, device_id, timeout=timeout, tls=tls)
 
-
-def __getattr__(name: str) -> Any:
-    if name == "Switch":  # `from passing_controller.p4runtime import Switch`: the session, on first use
-        return _session().Switch
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
