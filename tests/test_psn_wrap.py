@@ -11,8 +11,9 @@ import pytest
 
 from passing import Group, wire
 from passing.aggregation import AggregationEngine, JobSpec
+from passing.aggregator import worker_origin
 from passing.cli import free_udp_ports
-from passing.transport import BatchSocket, pack_address
+from passing.transport import BatchSocket
 from tests.cluster import run_threads
 
 WRAP = 1 << 32
@@ -24,7 +25,7 @@ class RecordingAggregator:
     def __init__(self, addresses: list[str], pool: int, lanes: int = wire.DEFAULT_LANES) -> None:
         self.socket = BatchSocket(("127.0.0.1", 0), lanes=lanes)
         self.engine = AggregationEngine(slots=pool, lanes=lanes)
-        sources = [pack_address(*a.rsplit(":", 1)[:1], int(a.rsplit(":", 1)[1])) for a in addresses]
+        sources = [worker_origin(a) for a in addresses]
         self.engine.add_job(JobSpec(job=1, base=0, pool=pool, sources=sources, generation=0))
         self.seen: list[tuple[int, int, int, int]] = []
         self._stop = threading.Event()
