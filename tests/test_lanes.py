@@ -123,33 +123,42 @@ def test_one_aggregator_serves_jobs_of_different_lane_counts_at_once(engine):
         assert totals[job]["completed"] == -(-50_000 // lanes) and totals[job]["rejected"] == 0, (lanes, totals)
 
 
-@pytest.mark.timeout(120)
-def test_the_controller_sizes_a_ps_group_to_the_path_mtu(tmp_path):
+def join_on_a_ps(tmp_path, ps: dict, groups: list[tuple[str, int | None]], workers: int, default_pool: int = 16,
+                 size: int = 10_000) -> dict[str, list[tuple[dict, np.ndarray, np.ndarray]]]:
+    """A software aggregator on loopback and a PS-only controller over it (topology entry ``ps`` with
+    the aggregator's endpoints added); for each (job, pool) in ``groups``, ``workers`` workers join
+    and allreduce once. Returns per job each worker's (answer, result, the exact sum)."""
     agg = SoftwareAggregator(listen=("127.0.0.1", 0), control="tcp://127.0.0.1:*")
     server = threading.Thread(target=agg.serve)
     server.start()
-    data = "{}:{}".format(*agg.address)
-    running = Running(Topology.from_dict({"ps": [{"data": data, "control": agg.control_endpoint, "mtu": 1500}]}),
-                      tmp_path / "ctl.sqlite")
-    ports = free_udp_ports(2)
-    x = [np.arange(10_000, dtype=np.float32) * (w + 1) for w in range(2)]
+    topology = {"ps": [{"data": "{}:{}".format(*agg.address), "control": agg.control_endpoint, **ps}]}
+    running = Running(Topology.from_dict(topology), tmp_path / "ctl.sqlite", default_pool=default_pool)
+    x = [np.arange(size, dtype=np.float32) * (w + 1) for w in range(workers)]
 
-    def work(w: int) -> tuple[dict, np.ndarray]:
-        answer = join(running.endpoint, "mtu", w, 2, host="127.0.0.1", udp_port=ports[w], timeout=30)
+    def work(w: int, job: str, pool: int | None, ports: list[int]) -> tuple[dict, np.ndarray, np.ndarray]:
+        answer = join(running.endpoint, job, w, workers, host="127.0.0.1", udp_port=ports[w], pool=pool, timeout=30)
         with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=20) as g:
-            return answer, g.allreduce(x[w])
+            return answer, g.allreduce(x[w]), np.sum(x, axis=0)
 
     try:
-        outcomes = run_threads(work, 2)
+        outcomes = {}
+        for job, pool in groups:
+            ports = free_udp_ports(workers)
+            outcomes[job] = run_threads(lambda w, j=job, p=pool, q=ports: work(w, j, p, q), workers)
     finally:
         running.stop()
         agg.stop()
         server.join(10)
-    for outcome in outcomes:
+    for outcome in [o for per_job in outcomes.values() for o in per_job]:
         assert not isinstance(outcome, Exception), outcome
-        answer, result = outcome
+    return outcomes
+
+
+@pytest.mark.timeout(120)
+def test_the_controller_sizes_a_ps_group_to_the_path_mtu(tmp_path):
+    for answer, result, exact in join_on_a_ps(tmp_path, {"mtu": 1500}, [("mtu", None)], workers=2)["mtu"]:
         assert answer["mode"] == "ps" and answer["lanes"] == 364  # 1500 - 28 - 16 = 364 x 4 bytes
-        assert np.array_equal(result, x[0] + x[1])
+        assert np.array_equal(result, exact)
 
 
 def test_a_ps_group_keeps_its_window_within_the_ps_budget():
@@ -166,34 +175,13 @@ def test_a_ps_group_keeps_its_window_within_the_ps_budget():
 
 @pytest.mark.timeout(120)
 def test_the_controller_gives_a_ps_group_its_window_unless_the_job_asks(tmp_path):
-    agg = SoftwareAggregator(listen=("127.0.0.1", 0), control="tcp://127.0.0.1:*")
-    server = threading.Thread(target=agg.serve)
-    server.start()
-    data = "{}:{}".format(*agg.address)  # loopback: 1024 lanes
-    running = Running(Topology.from_dict({"ps": [{"data": data, "control": agg.control_endpoint}]}),
-                      tmp_path / "ctl.sqlite", default_pool=256)
-    x = [np.arange(50_000, dtype=np.float32) * (w + 1) for w in range(4)]
-
-    def work(w: int, job: str, pool: int | None, ports: list[int]) -> tuple[dict, np.ndarray]:
-        answer = join(running.endpoint, job, w, 4, host="127.0.0.1", udp_port=ports[w], pool=pool, timeout=30)
-        with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=20) as g:
-            return answer, g.allreduce(x[w])
-
-    try:
-        outcomes = {}
-        for job, pool in (("chosen", None), ("asked", 200)):
-            ports = free_udp_ports(4)
-            outcomes[job] = run_threads(lambda w, j=job, p=pool, q=ports: work(w, j, p, q), 4)
-    finally:
-        running.stop()
-        agg.stop()
-        server.join(10)
+    # loopback: 1024 lanes
+    outcomes = join_on_a_ps(tmp_path, {}, [("chosen", None), ("asked", 200)], workers=4, default_pool=256,
+                            size=50_000)
     for job, pool in (("chosen", 127), ("asked", 200)):  # 2 MiB / (4 x 4 112 bytes) = 127
-        for outcome in outcomes[job]:
-            assert not isinstance(outcome, Exception), outcome
-            answer, result = outcome
+        for answer, result, exact in outcomes[job]:
             assert answer["mode"] == "ps" and answer["lanes"] == 1024 and answer["pool"] == pool, answer
-            assert np.array_equal(result, x[0] + x[1] + x[2] + x[3])
+            assert np.array_equal(result, exact)
 
 
 @pytest.mark.timeout(180)
