@@ -7,6 +7,7 @@ byte-identical RESULTs in the same order, to the same destinations, and count th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -195,9 +196,9 @@ class Pair:
         self.results = 0
 
     def add_job(self, spec: JobSpec) -> JobSpec:
-        a = self.numpy.add_job(JobSpec(spec.job, spec.base, spec.pool, list(spec.sources), spec.generation, spec.lanes))
-        b = self.native.add_job(JobSpec(spec.job, spec.base, spec.pool, list(spec.sources), spec.generation,
-                                        spec.lanes))
+        # each engine its own copy: admission fills in the generation and lanes
+        a, b = (engine.add_job(dataclasses.replace(spec, sources=list(spec.sources)))
+                for engine in (self.numpy, self.native))
         assert a == b
         return a
 
