@@ -230,7 +230,7 @@ def hostile_packets(rng: np.random.Generator, count: int, template: np.ndarray, 
         elif kind == 3:
             hdr["slot"] = pool + int(rng.integers(0, 100))  # outside the job's slots
         elif kind == 4:
-            hdr["version"] = int(rng.choice([0, 1, 3, 255]))
+            hdr["version"] = int(rng.choice([0, 1, 2, 255]))  # any but wire.VERSION
         else:
             hdr["type"] = wire.RESULT
         out.append(p.tobytes().hex())

@@ -18,14 +18,18 @@
 #define PN_API __attribute__((visibility("default")))
 
 /* ---- wire format (mirrors passing/wire.py) ---------------------------------------- */
-#define PN_VERSION 2
+#define PN_VERSION 3
 #define PN_HEADER_SIZE 16
 #define PN_DATA 1
 #define PN_RESULT 2
+#define PN_ACK 3      /* header only: an OWNER_ONLY round is complete, its sums went to the owner */
+#define PN_GATHER 4   /* relayed unchanged to every other worker of the job */
+#define PN_NACK 5     /* relayed to its owner */
 #define PN_OP_SUM 0
 #define PN_OP_MAX 1
 #define PN_FLAG_OVERFLOW 0x01
 #define PN_FLAG_RETRANSMIT 0x02
+#define PN_FLAG_OWNER_ONLY 0x04
 #define PN_MAX_WORKERS 32
 #define PN_GENERATIONS 65536
 
@@ -33,7 +37,8 @@
 typedef struct {
     uint8_t version, type, op, flags;
     uint16_t job, slot;
-    uint8_t worker, set;
+    uint8_t worker;
+    uint8_t owner, set;  /* byte 9: owner in bits 7..1, set in bit 0 */
     uint16_t generation;
     uint32_t psn;
 } pn_header;
@@ -80,7 +85,7 @@ static inline void pn_lane_set(uint8_t *packet, uint32_t i, int32_t v) {
 /* Counters, in the order of passing.aggregation.COUNTERS. */
 enum {
     PN_C_RECEIVED, PN_C_MALFORMED, PN_C_REJECTED, PN_C_AGGREGATED, PN_C_COMPLETED,
-    PN_C_DUPLICATE, PN_C_DUPLICATE_ANSWERED, PN_C_STALE, PN_C_OVERFLOW, PN_C_RESULTS_SENT,
+    PN_C_DUPLICATE, PN_C_DUPLICATE_ANSWERED, PN_C_STALE, PN_C_OVERFLOW, PN_C_RESULTS_SENT, PN_C_RELAYED,
     PN_COUNTERS
 };
 
@@ -102,14 +107,15 @@ PN_API int pn_engine_remove_job(pn_engine *e, uint32_t job);
 /* job < 0: the totals. */
 PN_API int pn_engine_counters(pn_engine *e, int64_t job, int64_t out[PN_COUNTERS]);
 
-/* Apply datagrams in arrival order: datagram i starts at in + i * in_stride, is lengths[i]
+/* Apply datagrams (DATA, and GATHER and NACK to relay) in arrival order: datagram i starts at in + i * in_stride, is lengths[i]
  * bytes long (only the first min(length, in_stride) bytes are read: a longer one is
  * malformed) and came from sources[i]. A datagram of 16 + 4 k bytes is a packet of k lanes,
  * admitted only for a job of k lanes. RESULTs go to out (one every pn_packet_size(the
  * engine's lanes) bytes, at most out_cap), with their length in out_length (their job's
  * packet size: the rest of the row is not part of them), their destination in out_dest and
  * whether they are a multicast replica (1) or a unicast answer (0) in out_multicast, in the
- * arrival order of the datagrams that caused them (a completion's replicas in worker order). Stops
+ * arrival order of the datagrams that caused them (a completion's replicas in worker order; an
+ * ACK is PN_HEADER_SIZE long; relayed replicas are marked multicast). Stops
  * before a datagram whose RESULTs might not fit (at most PN_MAX_WORKERS each); returns how
  * many datagrams it consumed, *emitted how many RESULTs. */
 PN_API size_t pn_engine_process(pn_engine *e, const uint8_t *in, size_t in_stride, const uint32_t *lengths,

@@ -31,7 +31,7 @@ ERRORS = {
     PN_EFULL: "no room for another job", PN_ESYS: "system call failed", PN_ETIMEOUT: "timed out",
     PN_ESILENT: "given up after silence",
 }
-COUNTERS = 10
+COUNTERS = 11
 IN_F32, IN_I32 = 0, 1
 
 

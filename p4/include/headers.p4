@@ -42,7 +42,8 @@ header passing_h {
     bit<16> job;
     bit<16> slot;
     bit<8> worker;
-    bit<8> set;
+    bit<7> owner;        /* whose data: an OWNER_ONLY round's owner, a GATHER's sender, a NACK's addressee */
+    bit<1> set;
     bit<16> generation;  /* which allocation of this job id: part of the admission match */
     bit<32> psn;
 }
