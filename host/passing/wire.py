@@ -174,6 +174,12 @@ def well_formed(batch: np.ndarray, lengths: np.ndarray, lanes: int, type: int) -
     return (lengths == packet_size(lanes)) & (hdr["version"] == VERSION) & (hdr["type"] == type)
 
 
+def well_formed_ack(batch: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Mask of the ACKs in a received batch: the header alone, this version."""
+    hdr = batch["hdr"]
+    return (lengths == HEADER_SIZE) & (hdr["version"] == VERSION) & (hdr["type"] == ACK)
+
+
 def newer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Serial-number comparison of 32-bit psns: a is after b (wraps around at 2^32)."""
     diff = (np.asarray(a, dtype=np.int64) - np.asarray(b, dtype=np.int64)) & 0xFFFFFFFF
