@@ -17,13 +17,12 @@ from tests.cluster import run_threads
 
 @pytest.fixture(params=["native", "numpy"])
 def engine(request) -> str:
-    """The aggregator's engine (the host's rounds here all run in the numpy stream: OWNER_ONLY and
-    GATHER have no native stream yet)."""
+    """The aggregator's engine; the hosts' is ``host_engine`` (allgather always runs in numpy)."""
     return request.param
 
 
 def run_group(workers: int, work, engine: str, pool: int = 8, lanes: int = 64, impaired: bool = False,
-              **group_args) -> tuple[list, dict]:
+              host_engine: str = "numpy", **group_args) -> tuple[list, dict]:
     """``work(group, worker)`` in one thread per worker, all in one group on one aggregator; returns the
     results (or exceptions) and the aggregator's counters. Without impairments the hosts wait 5 s before
     they resend or NACK anything (a late thread is no loss), with them 50 ms."""
@@ -42,7 +41,7 @@ def run_group(workers: int, work, engine: str, pool: int = 8, lanes: int = 64, i
     # (as a worker that has not joined misses it), and only a NACK after the silence brings it back.
     rto = dict(rto=0.05, max_rto=0.2) if impaired else dict(rto=5.0, max_rto=5.0)
     groups = [Group(1, w, workers, [agg.address], pool=pool, bind=addresses[w], timeout=20, lanes=lanes,
-                    engine="numpy", **rto, **group_args) for w in range(workers)]
+                    engine=host_engine, **rto, **group_args) for w in range(workers)]
     try:
         results = run_threads(lambda w: work(groups[w], w), workers)
     finally:
@@ -60,11 +59,12 @@ def raise_any(results: list) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("host", ["native", "numpy"])
 @pytest.mark.parametrize("workers,chunk", [(2, 1), (3, 100), (4, 1000), (3, 64 * 5)])
-def test_reduce_scatter_int32_is_exact_and_returns_each_worker_its_block(engine, workers, chunk):
+def test_reduce_scatter_int32_is_exact_and_returns_each_worker_its_block(engine, host, workers, chunk):
     rng = np.random.default_rng(workers * chunk)
     inputs = [rng.integers(-1000, 1000, workers * chunk).astype(np.int32) for _ in range(workers)]
-    results, counters = run_group(workers, lambda g, w: g.reduce_scatter(inputs[w]), engine)
+    results, counters = run_group(workers, lambda g, w: g.reduce_scatter(inputs[w]), engine, host_engine=host)
     raise_any(results)
     total = np.sum(inputs, axis=0)
     for w, r in enumerate(results):
@@ -73,6 +73,33 @@ def test_reduce_scatter_int32_is_exact_and_returns_each_worker_its_block(engine,
     packets = workers * -(-chunk // 64)
     assert counters["completed"] == packets
     assert counters["results_sent"] == workers * packets + counters["duplicate_answered"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("impaired", [False, True])
+def test_native_and_numpy_reduce_scatter_give_the_same_bits(impaired):
+    """The C stream's OWNER_ONLY rounds against the numpy stream's, float (auto and fixed scale) and int32."""
+    from tests.test_native_stream import tricky_floats
+
+    workers, chunk = 3, 3001
+    floats = [tricky_floats(w, workers * chunk) for w in range(workers)]
+    ints = [np.random.default_rng(w).integers(-10**6, 10**6, workers * chunk).astype(np.int32)
+            for w in range(workers)]
+
+    def work(g: Group, w: int) -> list[np.ndarray]:
+        return [g.reduce_scatter(floats[w]), g.reduce_scatter(floats[w], op="avg"), g.reduce_scatter(ints[w])]
+
+    got = {}
+    for host in ("native", "numpy"):
+        results, _ = run_group(workers, work, "native", impaired=impaired, host_engine=host)
+        raise_any(results)
+        got[host] = results
+    for a, b in zip(got["native"], got["numpy"]):
+        for x, y in zip(a, b):
+            assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+    total = np.sum(ints, axis=0)
+    for w, r in enumerate(got["native"]):
+        assert np.array_equal(r[2], total[w * chunk : (w + 1) * chunk])
 
 
 @pytest.mark.timeout(120)
@@ -138,7 +165,8 @@ def test_allgather_of_uneven_pieces_and_empty_ones(engine):
 
 
 @pytest.mark.timeout(180)
-def test_back_to_back_collectives_under_loss_duplication_and_reordering(engine):
+@pytest.mark.parametrize("host", ["native", "numpy"])
+def test_back_to_back_collectives_under_loss_duplication_and_reordering(engine, host):
     """Many calls in a row (a faster peer's next all_gather arrives early), mixed with reduce_scatter
     and allreduce, through an aggregator that drops, duplicates and reorders 5% each way."""
     workers, calls = 3, 8
@@ -156,7 +184,7 @@ def test_back_to_back_collectives_under_loss_duplication_and_reordering(engine):
                 out.append(g.allreduce(ints[c][w]))
         return out
 
-    results, counters = run_group(workers, work, engine, impaired=True)
+    results, counters = run_group(workers, work, engine, impaired=True, host_engine=host)
     raise_any(results)
     for w, got in enumerate(results):
         it = iter(got)

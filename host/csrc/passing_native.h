@@ -158,6 +158,9 @@ typedef struct {
     uint32_t lanes;
     uint32_t job, generation, worker;
     uint32_t op;                 /* PN_OP_SUM or PN_OP_MAX */
+    uint32_t owner_packets;      /* 0: an allreduce. Else OWNER_ONLY rounds (reduce_scatter): packet i of
+                                    the array belongs to worker i / owner_packets, whose RESULT it is
+                                    (the others get an ACK); only this worker's rows are written */
     /* the shards: packets [start[s], start[s] + count[s]) of the array go to aggregator s */
     uint32_t shards;
     const int64_t *aggregator;   /* packed ip << 16 | port */

@@ -230,8 +230,9 @@ static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) 
     uint64_t position = s->base + offset;
     pn_header h = {
         .version = PN_VERSION, .type = PN_DATA, .op = (uint8_t)c->op,
-        .flags = saturated ? PN_FLAG_OVERFLOW : 0,
+        .flags = (uint8_t)((saturated ? PN_FLAG_OVERFLOW : 0) | (c->owner_packets ? PN_FLAG_OWNER_ONLY : 0)),
         .job = (uint16_t)c->job, .slot = (uint16_t)(position % s->pool), .worker = (uint8_t)c->worker,
+        .owner = (uint8_t)(c->owner_packets ? row / c->owner_packets : 0),
         .set = (uint8_t)((position / s->pool) % 2), .generation = (uint16_t)c->generation, .psn = (uint32_t)position,
     };
     pn_header_write(p, &h);
@@ -326,13 +327,15 @@ static void smooth(double *srtt, double *rttvar, double sample) {
 }
 
 /* A datagram from the socket: a RESULT of this call goes into the output, and the window
- * moves on. Returns 1 for a RESULT that answered a packet still in flight. */
+ * moves on; so does an ACK (an OWNER_ONLY round this worker does not own: the header alone),
+ * without output. Returns 1 for an answer to a packet still in flight. */
 static int process_datagram(stream_state *st, const pn_datagram *d, double now) {
     const pn_stream_call *c = st->c;
-    if (d->length != st->packet_size) return 0;
+    if (d->length != st->packet_size && d->length != PN_HEADER_SIZE) return 0;
     pn_header h;
     pn_header_read(d->data, &h);
-    if (h.version != PN_VERSION || h.type != PN_RESULT) return 0;
+    int ack = d->length == PN_HEADER_SIZE;
+    if (h.version != PN_VERSION || h.type != (ack ? PN_ACK : PN_RESULT)) return 0;
     if (h.job != c->job || h.generation != c->generation) {
         st->r->foreign_results++; /* another allocation's: never ours */
         return 0;
@@ -357,14 +360,18 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
         }
         if (w->retries == 0) smooth(&st->srtt, &st->rttvar, now - w->first_sent); /* Karn: unambiguous samples only */
         if (h.flags & PN_FLAG_OVERFLOW) st->r->overflow[k] = 1;
-        uint64_t first = (s->start + offset) * c->lanes;
-        uint32_t n = first + c->lanes <= c->elements ? c->lanes : (uint32_t)(c->elements - first);
-        /* A SUM lane at an int32 bound is a saturated sum: Tofino saturates without the flag
-         * (docs/tofino.md), so every target's is read as overflow (padding lanes too). */
-        if (c->op == PN_OP_SUM && saturated_lanes(d->data, c->lanes)) st->r->overflow[k] = 1;
-        if (c->kind == PN_IN_F32) dequantize_lanes(d->data, n, s, (float *)c->output + first);
-        else read_lanes(d->data, n, (int32_t *)c->output + first);
-        send_first(st, s, offset + s->pool, now); /* self-clocking: this RESULT releases offset + pool */
+        if (!ack) {
+            uint64_t first = (s->start + offset) * c->lanes;
+            uint32_t n = first + c->lanes <= c->elements ? c->lanes : (uint32_t)(c->elements - first);
+            /* A SUM lane at an int32 bound is a saturated sum: Tofino saturates without the flag
+             * (docs/tofino.md), so every target's is read as overflow (padding lanes too). Not in
+             * OWNER_ONLY rounds: only the owner sees the sums, and the workers must agree on an
+             * overflow, so there the flag alone tells (as in passing/stream.py). */
+            if (c->op == PN_OP_SUM && !c->owner_packets && saturated_lanes(d->data, c->lanes)) st->r->overflow[k] = 1;
+            if (c->kind == PN_IN_F32) dequantize_lanes(d->data, n, s, (float *)c->output + first);
+            else read_lanes(d->data, n, (int32_t *)c->output + first);
+        }
+        send_first(st, s, offset + s->pool, now); /* self-clocking: this answer releases offset + pool */
         return 1;
     }
     return 0;
@@ -443,6 +450,10 @@ static int validate(const pn_stream_call *c, const pn_stream_report *r) {
         c->drop >= 1 || !(c->silence >= 0) || (c->silence > 0 && (!c->on_silence || !(c->silence_every > 0))))
         return PN_EINVAL;
     if (c->elements && (!c->input || !c->output)) return PN_EINVAL;
+    /* an OWNER_ONLY round's owner is a worker: 7 bits on the wire, at most PN_MAX_WORKERS */
+    if (c->owner_packets && c->elements &&
+        ((c->elements + c->lanes - 1) / c->lanes - 1) / c->owner_packets >= PN_MAX_WORKERS)
+        return PN_EINVAL;
     if (c->kind == PN_IN_F32 && !c->scale) return PN_EINVAL;
     for (uint32_t k = 0; k < c->shards; k++) {
         if (c->pool[k] == 0 || c->pool[k] > 65536) return PN_EINVAL;

@@ -59,8 +59,8 @@ class StreamCall(ctypes.Structure):
     _fields_ = [
         ("fd", ctypes.c_int), ("lanes", ctypes.c_uint32), ("job", ctypes.c_uint32),
         ("generation", ctypes.c_uint32), ("worker", ctypes.c_uint32), ("op", ctypes.c_uint32),
-        ("shards", ctypes.c_uint32), ("aggregator", _i64p), ("pool", _u32p), ("next_psn", _u64p),
-        ("start", _u64p), ("count", _u64p),
+        ("owner_packets", ctypes.c_uint32), ("shards", ctypes.c_uint32), ("aggregator", _i64p), ("pool", _u32p),
+        ("next_psn", _u64p), ("start", _u64p), ("count", _u64p),
         ("kind", ctypes.c_int32), ("input", _p), ("output", _p), ("elements", ctypes.c_uint64), ("scale", _dp),
         ("rto_min", ctypes.c_double), ("max_rto", ctypes.c_double), ("timeout", ctypes.c_double),
         ("srtt", _dp), ("rttvar", _dp), ("last_loss", _dp),

@@ -29,7 +29,8 @@ AggregatorUnreachable.
 ``reduce_scatter`` is the same stream with OWNER_ONLY rounds (a packet's sums come back to the
 worker whose block it is, the others get a header-only ACK); ``allgather`` sends each worker's
 bytes once as GATHER packets the aggregator relays, with NACKs from the receivers and a completion
-round (docs/protocol.md, Kinds; docs/architecture.md). Both run in the numpy engine.
+round (docs/protocol.md, Kinds; docs/architecture.md). ``reduce_scatter`` runs in either engine,
+``allgather`` in numpy (the native stream has no GATHER yet).
 
 Two engines implement the stream: the native one (host/csrc/stream.c, through
 passing.native) and ``_stream`` below in numpy, the executable specification it is tested
@@ -539,10 +540,10 @@ class Group:
         """One pass of every shard's packets through its aggregator: packets [start, start + count)
         of ``flat`` (zero-padded to whole packets; float32 quantized with the shard's scale) in,
         their sums into ``out``. Returns per shard whether a RESULT overflowed. With ``owner_packets``
-        the rounds are OWNER_ONLY (the numpy engine: the native one has no owner-only rounds yet), and
+        the rounds are OWNER_ONLY, and
         only the rows this worker owns are written to ``out``."""
-        if self.native and owner_packets is None:
-            return self._pass_native(op, flat, out, starts, counts, scales)
+        if self.native:
+            return self._pass_native(op, flat, out, starts, counts, scales, owner_packets)
         owners = None if owner_packets is None else [(start + np.arange(count)) // owner_packets
                                                       for start, count in zip(starts, counts)]
         blocks, flags = [], []
@@ -567,7 +568,7 @@ class Group:
         return overflow
 
     def _pass_native(self, op: int, flat: np.ndarray, out: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-                     scales: list[float] | None) -> list[bool]:
+                     scales: list[float] | None, owner_packets: int | None = None) -> list[bool]:
         n = len(self.aggregators)
         keep = dict(  # the arrays the call points into, alive until it returns
             aggregator=self._agg_ids.astype(np.int64), pool=np.array([a.pool for a in self.aggregators], np.uint32),
@@ -580,6 +581,7 @@ class Group:
 
         call = native.StreamCall(
             fd=self.socket.fd, lanes=self.lanes, job=self.job, generation=self.generation, worker=self.worker, op=op,
+            owner_packets=owner_packets or 0,
             shards=n, kind=native.IN_F32 if flat.dtype == np.float32 else native.IN_I32,
             input=native.address(flat), output=native.address(out), elements=flat.size,
             rto_min=self.rto_min, max_rto=self.max_rto, timeout=self.timeout, srtt=ctypes.pointer(srtt),
