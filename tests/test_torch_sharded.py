@@ -58,3 +58,17 @@ def test_fsdp2_fully_shard_trains_as_on_gloo(services, servers, ranks):  # noqa:
         assert p["losses"][-1] < 0.8 * p["losses"][0], p["losses"]  # it trains
         for a, b in zip(p["losses"], g["losses"]):
             assert abs(a - b) <= 1e-3 * max(abs(b), 1e-3), (p["losses"], g["losses"])
+
+
+@pytest.mark.timeout(400)
+def test_hsdp_trains_as_on_gloo(services):  # noqa: F811
+    """HSDP (fully_shard over a replicate x shard mesh of "passing" subgroups) on 4 single-rank servers:
+    the shard groups' reduce_scatter and all_gather and the replicate groups' all_reduce all go through
+    PASSING, and the losses are gloo's."""
+    for r in run(services, "hsdp", 4, 1, "20", timeout=360):
+        p, g = r["passing"], r["gloo"]
+        assert p["shard_streamed"] and p["replicate_streamed"], p  # reduce_scatter/all_gather; all_reduce
+        assert not g["shard_streamed"] and not g["replicate_streamed"]
+        assert p["losses"][-1] < 0.8 * p["losses"][0], p["losses"]
+        for a, b in zip(p["losses"], g["losses"]):
+            assert abs(a - b) <= 1e-3 * max(abs(b), 1e-3), (p["losses"], g["losses"])

@@ -131,7 +131,52 @@ def fsdp(steps: int) -> dict:
     return out
 
 
-SCENARIOS = {"collectives": lambda a: collectives([int(s) for s in a]), "fsdp": lambda a: fsdp(int(a[0]))}
+def hsdp(steps: int) -> dict:
+    """HSDP: fully_shard over a 2-D mesh of 4 ranks, [[0, 1], [2, 3]], sharded along the rows and
+    replicated along the columns, on "passing" subgroups and on gloo subgroups alike; the losses."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    grid = [[0, 1], [2, 3]]
+    out: dict = {}
+    for backend in ("passing", "gloo"):
+        # every rank makes every group, in the same order
+        rows = [dist.new_group(r, backend=backend) for r in grid]
+        columns = [dist.new_group([grid[0][c], grid[1][c]], backend=backend) for c in range(2)]
+        row, column = rank // 2, rank % 2
+        mesh = DeviceMesh.from_group([columns[column], rows[row]], "cpu", mesh=torch.tensor(grid),
+                                     mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(100 + rank))
+        y = (x[:, :4] * 2).sin()
+        losses = []
+        sent = packets_sent_in(rows[row]), packets_sent_in(columns[column])
+        for _ in range(steps):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss))
+        out[backend] = {"losses": losses, "shard_streamed": packets_sent_in(rows[row]) > sent[0],
+                        "replicate_streamed": packets_sent_in(columns[column]) > sent[1]}
+    return out
+
+
+def packets_sent_in(group: dist.ProcessGroup) -> int:
+    """PASSING packets this rank sent in ``group`` (0 for a gloo group)."""
+    pg = group if isinstance(group, passing.torch.ProcessGroupPassing) else None
+    return pg.transport_stats().get("packets_sent", 0) if pg is not None else 0
+
+
+SCENARIOS = {"collectives": lambda a: collectives([int(s) for s in a]), "fsdp": lambda a: fsdp(int(a[0])),
+             "hsdp": lambda a: hsdp(int(a[0]))}
 
 
 def main() -> None:
