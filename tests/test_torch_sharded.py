@@ -48,6 +48,20 @@ def test_keep_on_gloo_keeps_them_there(services):  # noqa: F811
             assert c["exact"], c  # gloo's own answers
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers,ranks", [(2, 1), (2, 2)])
+def test_after_a_failover_to_gloo_the_network_stage_is_gloo(services, servers, ranks):  # noqa: F811
+    """Once the group's all_reduce carries on over gloo (no aggregator left), so do reduce_scatter
+    and all_gather's network stage, with the same answers and nothing on the wire."""
+    for r in run(services, "on_gloo", servers, ranks, "1", "1000"):
+        for c in r["checks"]:
+            assert not c["streamed"], c
+            if c["want_exact"]:
+                assert c["exact"], c
+            else:
+                assert c["error"] <= 1e-5 * max(1.0, c["scale"]), c
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("servers,ranks", [(2, 1), (2, 2)])
 def test_fsdp2_fully_shard_trains_as_on_gloo(services, servers, ranks):  # noqa: F811

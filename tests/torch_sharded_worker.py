@@ -175,8 +175,25 @@ def packets_sent_in(group: dist.ProcessGroup) -> int:
     return pg.transport_stats().get("packets_sent", 0) if pg is not None else 0
 
 
+def on_gloo(sizes: list[int]) -> dict:
+    """The collectives once the network stage carries on over gloo, as after a failover with no
+    aggregator left (backend.FailoverStage): its gloo group among the same workers stands in."""
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore
+
+    from passing.torch.backend import gloo_group
+
+    pg = dist.distributed_c10d._get_default_group()
+    stream = pg.stream
+    group = pg.layout.local_rank if pg.local else 0
+    pg.network.gloo = gloo_group(PrefixStore(f"test/on_gloo/{group}/", dist.distributed_c10d._get_default_store()),
+                                 stream.worker, stream.workers, timedelta(seconds=60), stream.socket.address[0])
+    return collectives(sizes)
+
+
 SCENARIOS = {"collectives": lambda a: collectives([int(s) for s in a]), "fsdp": lambda a: fsdp(int(a[0])),
-             "hsdp": lambda a: hsdp(int(a[0]))}
+             "hsdp": lambda a: hsdp(int(a[0])), "on_gloo": lambda a: on_gloo([int(s) for s in a])}
 
 
 def main() -> None:

@@ -200,6 +200,29 @@ def _submit(pg: ProcessGroupPassing, run: Any, outputs: list[torch.Tensor]) -> P
 # ---- the two stages ---------------------------------------------------------------------------
 
 
+def network_reduce_scatter(pg: ProcessGroupPassing, array: np.ndarray) -> np.ndarray:
+    """The network stage's reduce_scatter: the group's stream, or gloo among the same workers once the
+    group carries on over gloo (its all_reduce failed over: FailoverStage), as every worker decides
+    alike at the same call, on this same thread."""
+    gloo = getattr(pg.network, "gloo", None)
+    if gloo is None:
+        assert pg.stream is not None
+        return pg.stream.reduce_scatter(array, "sum")
+    out = torch.empty(array.size // pg.stream.workers, dtype=torch.float32)
+    gloo._reduce_scatter_base(out, torch.from_numpy(array), dist.ReduceScatterOptions()).wait()
+    return out.numpy()
+
+
+def network_allgather(pg: ProcessGroupPassing, piece: np.ndarray, out: np.ndarray) -> None:
+    """The network stage's all_gather of equal pieces of bytes, as ``network_reduce_scatter``."""
+    gloo = getattr(pg.network, "gloo", None)
+    if gloo is None:
+        assert pg.stream is not None
+        pg.stream.allgather_bytes(piece, [piece.size] * pg.stream.workers, out)
+        return
+    gloo._allgather_base(torch.from_numpy(out), torch.from_numpy(piece), AllgatherOptions()).wait()
+
+
 def rank_grid(pg: ProcessGroupPassing) -> np.ndarray:
     """grid[server, local rank] = the rank there, learnt once from every rank over the device's
     backend (the first sharded call of a group with an in-host stage; every rank makes it)."""
@@ -218,13 +241,12 @@ def rank_grid(pg: ProcessGroupPassing) -> np.ndarray:
 
 def reduce_scatter(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.Tensor, avg: bool) -> None:
     """Rank r's chunk of the sum of ``input`` (size chunks, in rank order) over every rank, into ``output``."""
-    stream, chunk = pg.stream, output.numel()
-    assert stream is not None
+    chunk = output.numel()
     wide = input.detach().reshape(-1)
     wide = wide if wide.dtype == torch.float32 else wide.float()
     local = pg.local.get("cpu") if pg.local else None
     if local is None:  # one rank per server: the network group is the process group, worker = rank
-        summed = stream.reduce_scatter(wide.numpy(), "sum")
+        summed = network_reduce_scatter(pg, wide.numpy())
     else:
         grid = rank_grid(pg)
         chunks = wide.view(pg.size(), chunk)
@@ -234,7 +256,7 @@ def reduce_scatter(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.T
         mine = torch.empty(servers * chunk, dtype=torch.float32)
         local._reduce_scatter_base(mine, chunks.index_select(0, order).reshape(-1),
                                    dist.ReduceScatterOptions()).wait()
-        summed = stream.reduce_scatter(mine.numpy(), "sum")  # network worker = server: its block is this rank's
+        summed = network_reduce_scatter(pg, mine.numpy())  # network worker = server: its block is this rank's
     result = torch.from_numpy(summed)
     if avg:
         result /= pg.size()
@@ -243,19 +265,17 @@ def reduce_scatter(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.T
 
 def all_gather(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.Tensor) -> None:
     """Every rank's ``input``, in rank order, into ``output``: bit for bit, whatever the dtype."""
-    stream = pg.stream
-    assert stream is not None
     piece = input.detach().reshape(-1).view(torch.uint8)
     size = piece.numel()
     out = output.view(-1).view(torch.uint8)
     local = pg.local.get("cpu") if pg.local else None
     if local is None:
-        stream.allgather_bytes(piece.numpy(), [size] * pg.size(), out.numpy())
+        network_allgather(pg, piece.numpy(), out.numpy())
         return
     grid = rank_grid(pg)
     servers, n = grid.shape
     network = torch.empty(servers * size, dtype=torch.uint8)  # the pieces of the ranks of this local index
-    stream.allgather_bytes(piece.numpy(), [size] * servers, network.numpy())
+    network_allgather(pg, piece.numpy(), network.numpy())
     gathered = torch.empty(n * servers * size, dtype=torch.uint8)  # local rank j's network block at j
     local._allgather_base(gathered, network, AllgatherOptions()).wait()
     # block (j, s) is the piece of rank grid[s, j]
