@@ -205,3 +205,31 @@ def test_reduce_scatter_refuses_what_it_cannot_split():
             g.reduce_scatter(np.ones(4, np.float64))
         with pytest.raises(ValueError, match="sizes"):
             g.allgather_bytes(np.ones(3, np.uint8), [3], np.empty(3, np.uint8))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("host", ["native", "numpy"])
+def test_a_faster_peers_gathers_are_kept_for_the_next_call_whatever_the_host_engine(host):
+    """reduce_scatter then all_gather, again and again, without loss: a peer that finishes its
+    reduce_scatter first sends its GATHERs while the others are still in theirs (C or numpy stream),
+    and they must keep them for their all_gather: no NACK and no second sending, ever (the hosts
+    would wait 5 s before they asked)."""
+    workers, calls, chunk = 3, 12, 2000
+    rng = np.random.default_rng(5)
+    grads = [rng.integers(-9, 9, workers * chunk).astype(np.int32) for _ in range(workers)]
+    params = [rng.standard_normal(chunk).astype(np.float32) for _ in range(workers)]
+
+    def work(g: Group, w: int) -> list:
+        out = []
+        for _ in range(calls):
+            out.append(g.reduce_scatter(grads[w]))
+            out.append(g.allgather(params[w]))
+        return out
+
+    results, counters = run_group(workers, work, "native", host_engine=host)
+    raise_any(results)
+    for w, got in enumerate(results):
+        for c in range(calls):
+            assert np.array_equal(got[2 * c], np.sum(grads, axis=0)[w * chunk : (w + 1) * chunk])
+            assert got[2 * c + 1].tobytes() == np.stack(params).tobytes()
+    assert counters["relayed"] == calls * workers * -(-chunk * 4 // 256)  # every GATHER once, no NACK

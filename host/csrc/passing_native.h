@@ -194,6 +194,13 @@ typedef struct {
     double silence, silence_every;
     int (*on_silence)(void *ctx);
     void *silence_ctx;
+    /* GATHER packets of this group that arrive during the call (a faster peer's next all_gather,
+     * docs/protocol.md): copied to `early` (rows of the packet size) with their sources, up to
+     * early_cap; *early_count says how many (in: already there). early_cap 0: dropped. */
+    uint8_t *early;
+    int64_t *early_source;
+    uint32_t early_cap;
+    uint32_t *early_count;
 } pn_stream_call;
 
 typedef struct {

@@ -335,6 +335,15 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
     pn_header h;
     pn_header_read(d->data, &h);
     int ack = d->length == PN_HEADER_SIZE;
+    if (h.version == PN_VERSION && h.type == PN_GATHER && !ack && h.job == c->job && h.generation == c->generation &&
+        h.worker == c->worker) {  /* a faster peer's next all_gather: kept for it */
+        if (*c->early_count < c->early_cap) {
+            memcpy(c->early + (size_t)*c->early_count * st->packet_size, d->data, st->packet_size);
+            c->early_source[*c->early_count] = d->source;
+            (*c->early_count)++;
+        }
+        return 0;
+    }
     if (h.version != PN_VERSION || h.type != (ack ? PN_ACK : PN_RESULT)) return 0;
     if (h.job != c->job || h.generation != c->generation) {
         st->r->foreign_results++; /* another allocation's: never ours */
@@ -450,6 +459,8 @@ static int validate(const pn_stream_call *c, const pn_stream_report *r) {
         c->drop >= 1 || !(c->silence >= 0) || (c->silence > 0 && (!c->on_silence || !(c->silence_every > 0))))
         return PN_EINVAL;
     if (c->elements && (!c->input || !c->output)) return PN_EINVAL;
+    if (!c->early_count || (c->early_cap && (!c->early || !c->early_source)) || *c->early_count > c->early_cap)
+        return PN_EINVAL;
     /* an OWNER_ONLY round's owner is a worker: 7 bits on the wire, at most PN_MAX_WORKERS */
     if (c->owner_packets && c->elements &&
         ((c->elements + c->lanes - 1) / c->lanes - 1) / c->owner_packets >= PN_MAX_WORKERS)

@@ -102,6 +102,7 @@ PROBE_MIN = 1e-3  # a probe waits at least this
 MAX_PROBE_DOUBLINGS = 6  # unanswered probes double the wait, up to 64 x and max_rto; `timeout` tells a dead one
 SILENCE_EVERY = 0.5  # once silent for failover.after: how often to ask the controller again
 EARLY_GATHERS = 1 << 16  # GATHER packets of a call not begun yet that a worker keeps for it (more: NACKed then)
+EARLY_NATIVE = 4096  # of them, what one call of the native stream can keep
 LOSS_MEMORY = 10.0  # s: evidence of loss this recent makes a probe wait what the estimates say, not `rto`
 INT32_MAX, INT32_MIN = np.iinfo(np.int32).max, np.iinfo(np.int32).min
 
@@ -211,6 +212,7 @@ class Group:
         # peer's), kept for it: (packets, lengths, sources) batches, at most EARLY_GATHERS packets
         self._gather_position = 0
         self._early: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._early_buffer: np.ndarray | None = None  # where the native stream puts them (EARLY_NATIVE rows)
         if isinstance(bind, BatchSocket):
             if bind.dtype != wire.packet_dtype(lanes):
                 raise ValueError(f"the socket was made for other than {lanes} lanes")
@@ -596,8 +598,21 @@ class Group:
         for name, ctype in (("aggregator", ctypes.c_int64), ("pool", ctypes.c_uint32), ("next_psn", ctypes.c_uint64),
                             ("start", ctypes.c_uint64), ("count", ctypes.c_uint64), ("scale", ctypes.c_double)):
             setattr(call, name, keep[name].ctypes.data_as(ctypes.POINTER(ctype)))
+        # a faster peer's next all_gather: its GATHERs that arrive during this call are kept for it
+        room = max(0, min(EARLY_NATIVE, EARLY_GATHERS - sum(len(b[1]) for b in self._early)))
+        if self._early_buffer is None or self._early_buffer.dtype != wire.packet_dtype(self.lanes):
+            self._early_buffer = wire.empty(EARLY_NATIVE, self.lanes)  # once per group (and lane count)
+        early = self._early_buffer
+        keep["early_source"], keep["early_count"] = np.zeros(room, np.int64), np.zeros(1, np.uint32)
+        call.early, call.early_cap = native.address(early) if room else None, room
+        call.early_source = keep["early_source"].ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
+        call.early_count = keep["early_count"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint32))
         report = native.StreamReport(overflow=keep["overflow"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
         rc = native.lib().pn_stream_run(ctypes.byref(call), ctypes.byref(report))
+        kept = int(keep["early_count"][0])
+        if kept:
+            self._early.append((early[:kept].copy(), np.full(kept, wire.packet_size(self.lanes)),
+                                keep["early_source"][:kept]))
         self._srtt, self._rttvar, self.socket.gso = srtt.value, rttvar.value, bool(call.gso)
         self._last_loss = last_loss.value
         stats = self.socket.stats
