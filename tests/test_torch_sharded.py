@@ -86,3 +86,14 @@ def test_hsdp_trains_as_on_gloo(services):  # noqa: F811
         assert p["losses"][-1] < 0.8 * p["losses"][0], p["losses"]
         for a, b in zip(p["losses"], g["losses"]):
             assert abs(a - b) <= 1e-3 * max(abs(b), 1e-3), (p["losses"], g["losses"])
+
+
+def test_keep_on_gloo_option_parses_and_refuses_unknown_names():
+    from passing.torch import OptionError, Options
+
+    assert Options().resolve({}).keep_on_gloo == ()
+    assert Options().resolve({"PASSING_KEEP_ON_GLOO": "reduce_scatter, all_gather"}).keep_on_gloo == (
+        "reduce_scatter", "all_gather")
+    assert Options(keep_on_gloo=["all_gather"]).resolve({}).keep_on_gloo == ("all_gather",)
+    with pytest.raises(OptionError, match="keep_on_gloo"):
+        Options(keep_on_gloo="all_reduce").resolve({})

@@ -31,6 +31,9 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 
+SHARDED_COLLECTIVES = ("reduce_scatter", "all_gather")  # what keep_on_gloo may name
+
+
 class OptionError(ValueError):
     """An option with a value the backend cannot use."""
 
@@ -119,9 +122,9 @@ class Options:
         if not 0 <= self.failover_after < self.timeout:
             raise OptionError(f"failover_after must be 0 (off) or below timeout ({self.timeout:g} s); "
                               f"got {self.failover_after}")
-        unknown = set(self.keep_on_gloo) - {"reduce_scatter", "all_gather"}
+        unknown = set(self.keep_on_gloo) - set(SHARDED_COLLECTIVES)
         if unknown:
-            raise OptionError(f"keep_on_gloo takes reduce_scatter and all_gather; got {', '.join(sorted(unknown))}")
+            raise OptionError(f"keep_on_gloo takes {', '.join(SHARDED_COLLECTIVES)}; got {', '.join(sorted(unknown))}")
         if not self.report_interval >= 0:
             raise OptionError(f"report_interval must be 0 or more; got {self.report_interval}")
 

@@ -28,25 +28,31 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 from torch.distributed import ReduceOp
 
+from .options import SHARDED_COLLECTIVES
+
 if TYPE_CHECKING:
     from .backend import PassingWork, ProcessGroupPassing
 
 log = logging.getLogger("passing.torch")
 
-REDUCE_SCATTER, ALL_GATHER = "reduce_scatter", "all_gather"
-SHARDED = (REDUCE_SCATTER, ALL_GATHER)  # the names keep_on_gloo takes
+REDUCE_SCATTER, ALL_GATHER = SHARDED_COLLECTIVES  # the names keep_on_gloo takes
 REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def install(cls: type[ProcessGroupPassing]) -> None:
     """Put the sharded collectives on the process group class, each falling back to the method it
     replaces (the device backend's) for what it does not route."""
-    for name, route in (("reduce_scatter_single", _reduce_scatter_single), ("_reduce_scatter_base",
-                                                                            _reduce_scatter_single),
-                        ("reduce_scatter", _reduce_scatter_list),
-                        ("reduce_scatter_single_coalesced", _reduce_scatter_coalesced),
-                        ("all_gather_single", _all_gather_single), ("_allgather_base", _all_gather_single),
-                        ("allgather", _all_gather_list), ("all_gather_single_coalesced", _all_gather_coalesced)):
+    routes = {
+        "reduce_scatter_single": _reduce_scatter_single,  # reduce_scatter_tensor
+        "_reduce_scatter_base": _reduce_scatter_single,
+        "reduce_scatter": _reduce_scatter_list,
+        "reduce_scatter_single_coalesced": _reduce_scatter_coalesced,
+        "all_gather_single": _all_gather_single,  # all_gather_into_tensor
+        "_allgather_base": _all_gather_single,
+        "allgather": _all_gather_list,
+        "all_gather_single_coalesced": _all_gather_coalesced,
+    }
+    for name, route in routes.items():
         setattr(cls, name, _with_fallback(name, route, getattr(cls, name)))
 
 
