@@ -17,7 +17,7 @@ from tests.cluster import run_threads
 
 @pytest.fixture(params=["native", "numpy"])
 def engine(request) -> str:
-    """The aggregator's engine; the hosts' is ``host_engine`` (allgather always runs in numpy)."""
+    """The aggregator's engine; the hosts' is ``host_engine``."""
     return request.param
 
 
@@ -131,13 +131,14 @@ def test_reduce_scatter_keeps_nonfinite_values(engine):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("host", ["native", "numpy"])
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int8", "uint16", "bool", "complex64"])
-def test_allgather_is_bit_exact_for_every_dtype(engine, dtype):
+def test_allgather_is_bit_exact_for_every_dtype(engine, host, dtype):
     workers = 3
     rng = np.random.default_rng(7)
     raw = [rng.integers(0, 256, 8 * 777, dtype=np.uint8) for _ in range(workers)]  # any bits: NaNs, denormals
     inputs = [r.view(np.dtype(dtype)) if dtype != "bool" else (r & 1).astype(bool) for r in raw]
-    results, counters = run_group(workers, lambda g, w: g.allgather(inputs[w]), engine)
+    results, counters = run_group(workers, lambda g, w: g.allgather(inputs[w]), engine, host_engine=host)
     raise_any(results)
     for r in results:
         assert r.dtype == inputs[0].dtype and r.shape == (workers, *inputs[0].shape)
@@ -149,7 +150,8 @@ def test_allgather_is_bit_exact_for_every_dtype(engine, dtype):
 
 
 @pytest.mark.timeout(120)
-def test_allgather_of_uneven_pieces_and_empty_ones(engine):
+@pytest.mark.parametrize("host", ["native", "numpy"])
+def test_allgather_of_uneven_pieces_and_empty_ones(engine, host):
     sizes = [0, 1000, 3, 257]
     pieces = [np.arange(n, dtype=np.uint8) + 11 * w for w, n in enumerate(sizes)]
 
@@ -157,7 +159,7 @@ def test_allgather_of_uneven_pieces_and_empty_ones(engine):
         out = np.empty(sum(sizes), np.uint8)
         return g.allgather_bytes(pieces[w], sizes, out)
 
-    results, _ = run_group(len(sizes), work, engine)
+    results, _ = run_group(len(sizes), work, engine, host_engine=host)
     raise_any(results)
     want = np.concatenate(pieces)
     for r in results:

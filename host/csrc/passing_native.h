@@ -217,6 +217,36 @@ typedef struct {
 /* One allreduce pass of every shard's packets (a MAX round or a SUM), start to finish. */
 PN_API int pn_stream_run(pn_stream_call *c, pn_stream_report *r);
 
+/* ---- the all_gather stream (mirrors passing/stream.py's Group._gather) --------------- */
+
+typedef struct {
+    int fd;                      /* the group's socket, as pn_stream_call's */
+    uint32_t lanes, job, generation, worker, workers;
+    int64_t aggregator;          /* the first aggregator: GATHERs, NACKs and the completion round */
+    uint32_t window;             /* this worker's packets sent ahead of what it holds from the slowest peer */
+    uint64_t start;              /* the call's first gather position G (unwrapped) */
+    const uint64_t *counts;      /* packets of each worker's piece */
+    uint8_t *packets;            /* this worker's GATHER packets, counts[worker] of the packet size, built */
+    uint8_t *staged;             /* the pieces' lanes: origin o's packet i at row sum(counts[:o]) + i, 4 x lanes bytes */
+    uint8_t *have;               /* per staged row: 1 when held (in: this worker's, and any kept from before) */
+    uint8_t *completion;         /* the completion round's DATA packet, built; its psn is the round's */
+    double rto_min, max_rto, timeout;
+    double *srtt, *rttvar, *last_loss;  /* as pn_stream_call's */
+    int32_t gso;
+    double drop;                 /* test impairment, as pn_stream_call's */
+    uint64_t *rng;
+    uint8_t *early;              /* GATHERs of the next call, as pn_stream_call's */
+    int64_t *early_source;
+    uint32_t early_cap;
+    uint32_t *early_count;
+    int32_t completion_sum;      /* out: lane 0 of the completion round's RESULT (the workers, in step) */
+} pn_gather_call;
+
+/* One all_gather: sends this worker's packets a window at a time, takes the others' into
+ * `staged`, answers NACKs, sends its own after a silence, and ends at the completion round's
+ * RESULT. PN_ETIMEOUT when nothing moved for `timeout` seconds. */
+PN_API int pn_gather_run(pn_gather_call *c, pn_stream_report *r);
+
 /* max |x| of n float32 as its bit pattern, in one pass (passing/quantize.py's
  * max_abs_bits): any NaN gives the canonical NaN's 0x7FC00000, which sorts above
  * infinity's 0x7F800000. finite_only: over the finite values alone (0 when none). */

@@ -29,8 +29,8 @@ AggregatorUnreachable.
 ``reduce_scatter`` is the same stream with OWNER_ONLY rounds (a packet's sums come back to the
 worker whose block it is, the others get a header-only ACK); ``allgather`` sends each worker's
 bytes once as GATHER packets the aggregator relays, with NACKs from the receivers and a completion
-round (docs/protocol.md, Kinds; docs/architecture.md). ``reduce_scatter`` runs in either engine,
-``allgather`` in numpy (the native stream has no GATHER yet).
+round (docs/protocol.md, Kinds; docs/architecture.md). Both run in either engine (the native
+all_gather loop: host/csrc/stream.c's pn_gather_run; ``_gather`` is its specification).
 
 Two engines implement the stream: the native one (host/csrc/stream.c, through
 passing.native) and ``_stream`` below in numpy, the executable specification it is tested
@@ -869,6 +869,31 @@ class Group:
         prefixes = np.zeros(self.workers, dtype=np.int64)  # per origin: how many of its packets, from its first,
         prefixes[me] = mine  # this worker holds
 
+        def hold(view: np.ndarray, lengths: np.ndarray, sources: np.ndarray) -> int:
+            """Take this call's GATHERs from the others into ``staged``; how many were new."""
+            h = view["hdr"]
+            ours = ((h["job"] == self.job) & (h["generation"] == self.generation) & (h["worker"] == me)
+                    & (sources[:, None] == self._agg_ids[None, :]).any(axis=1))
+            origin = wire.owner_of(h["set"])
+            offset = (h["psn"].astype(np.int64) - start) & 0xFFFFFFFF
+            valid_origin = origin < self.workers
+            piece_count = counts[np.where(valid_origin, origin, 0)]
+            current = (ours & wire.well_formed(view, lengths, self.lanes, wire.GATHER) & valid_origin
+                       & (origin != me) & (offset < piece_count))
+            rows = base[origin[current]] + offset[current]
+            fresh, first = np.unique(rows[~have[rows]], return_index=True)
+            if fresh.size:
+                payload = view.view(np.uint8).reshape(len(view), -1)[:, wire.HEADER_SIZE :]
+                staged[fresh] = payload[np.flatnonzero(current)[~have[rows]][first]]
+                have[fresh] = True
+            return int(fresh.size)
+
+        early, self._early = self._early, []
+        if early:  # first what arrived before this call began
+            # bytes, not np.concatenate of the packets: numpy would make their fields native-endian
+            lacking -= hold(np.concatenate([b[0].view(np.uint8) for b in early]).view(wire.packet_dtype(self.lanes)),
+                            np.concatenate([b[1] for b in early]), np.concatenate([b[2] for b in early]))
+
         def send_ahead(now: float) -> None:
             nonlocal sent
             for o in range(self.workers):
@@ -883,42 +908,29 @@ class Group:
                 self._send(packets, dest, np.arange(sent, limit))
                 sent = limit
 
-        send_ahead(now)
-        early, self._early = self._early, []
-        while True:
-            if early:  # first what arrived before this call began
-                batches, early = early, []
-                # bytes, not np.concatenate of the packets: numpy would make their fields native-endian
-                view = np.concatenate([b[0].view(np.uint8) for b in batches]).view(wire.packet_dtype(self.lanes))
-                lengths = np.concatenate([b[1] for b in batches])
-                sources = np.concatenate([b[2] for b in batches])
-            else:
-                pto = self._probe_waits(np.array([probes]), now)[0]
-                self.socket.wait_readable(max(0.0, min(last_activity + pto - time.monotonic(), 0.05)))
-                view, lengths, sources = self.socket.recv_packets()
-                if self.drop and len(view):
-                    keep = self._drop_rng.random(len(view)) >= self.drop
-                    view, lengths, sources = view[keep], lengths[keep], sources[keep]
+        if self.native:  # the loop below, in C
+            self._gather_native(start, counts, packets, staged, have, completion, window)
+        else:
+            send_ahead(now)
+        while not self.native:
+            pto = self._probe_waits(np.array([probes]), now)[0]
+            self.socket.wait_readable(max(0.0, min(last_activity + pto - time.monotonic(), 0.05)))
+            view, lengths, sources = self.socket.recv_packets()
+            if self.drop and len(view):
+                keep = self._drop_rng.random(len(view)) >= self.drop
+                view, lengths, sources = view[keep], lengths[keep], sources[keep]
             now = time.monotonic()
             progress = False
             if len(view):
+                fresh = hold(view, lengths, sources)
+                if fresh:
+                    lacking -= fresh
+                    progress = True
                 h = view["hdr"]
                 ours = ((h["job"] == self.job) & (h["generation"] == self.generation) & (h["worker"] == me)
                         & (sources[:, None] == self._agg_ids[None, :]).any(axis=1))
                 origin = wire.owner_of(h["set"])
                 offset = (h["psn"].astype(np.int64) - start) & 0xFFFFFFFF
-                valid_origin = origin < self.workers
-                piece_count = counts[np.where(valid_origin, origin, 0)]
-                gathers = ours & wire.well_formed(view, lengths, self.lanes, wire.GATHER) & valid_origin
-                current = gathers & (origin != me) & (offset < piece_count)
-                rows = base[origin[current]] + offset[current]
-                fresh, first = np.unique(rows[~have[rows]], return_index=True)
-                if fresh.size:
-                    payload = view.view(np.uint8).reshape(len(view), -1)[:, wire.HEADER_SIZE :]
-                    staged[fresh] = payload[np.flatnonzero(current)[~have[rows]][first]]
-                    have[fresh] = True
-                    lacking -= fresh.size
-                    progress = True
                 # the next call's, from a peer already in it: kept for that call
                 self._keep_early(view, lengths, sources, start + int(counts.max()))
                 nacks = ours & wire.well_formed(view, lengths, self.lanes, wire.NACK) & (origin == me)
@@ -967,6 +979,51 @@ class Group:
         for o in range(self.workers):
             if o != me:
                 out[offsets[o] : offsets[o + 1]] = staged[base[o] : base[o] + counts[o]].reshape(-1)[: sizes[o]]
+
+    def _gather_native(self, start: int, counts: np.ndarray, packets: np.ndarray, staged: np.ndarray,
+                       have: np.ndarray, completion: np.ndarray, window: int) -> None:
+        """``_gather``'s loop in C (host/csrc/stream.c, pn_gather_run): the same packets, the same rules."""
+        room = max(0, min(EARLY_NATIVE, EARLY_GATHERS - sum(len(b[1]) for b in self._early)))
+        if self._early_buffer is None or self._early_buffer.dtype != wire.packet_dtype(self.lanes):
+            self._early_buffer = wire.empty(EARLY_NATIVE, self.lanes)
+        keep = dict(counts=counts.astype(np.uint64), have=have.view(np.uint8), early_source=np.zeros(room, np.int64),
+                    early_count=np.zeros(1, np.uint32))
+        srtt, rttvar, last_loss = (ctypes.c_double(v) for v in (self._srtt, self._rttvar, self._last_loss))
+        call = native.GatherCall(
+            fd=self.socket.fd, lanes=self.lanes, job=self.job, generation=self.generation, worker=self.worker,
+            workers=self.workers, aggregator=int(self._agg_ids[0]), window=window, start=start,
+            counts=keep["counts"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
+            packets=native.address(packets) if len(packets) else None, staged=native.address(staged),
+            have=native.address(keep["have"]), completion=native.address(completion),
+            rto_min=self.rto_min, max_rto=self.max_rto, timeout=self.timeout, srtt=ctypes.pointer(srtt),
+            rttvar=ctypes.pointer(rttvar), last_loss=ctypes.pointer(last_loss), gso=int(self.socket.gso),
+            drop=self.drop, rng=self._native_rng.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
+            early=native.address(self._early_buffer) if room else None,
+            early_source=keep["early_source"].ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), early_cap=room,
+            early_count=keep["early_count"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)),
+        )
+        report = native.StreamReport(overflow=ctypes.cast(None, ctypes.POINTER(ctypes.c_uint8)))
+        rc = native.lib().pn_gather_run(ctypes.byref(call), ctypes.byref(report))
+        self.socket.gso = bool(call.gso)
+        stats = self.socket.stats
+        for name in ("packets_sent", "bytes_sent", "packets_received", "bytes_received", "retransmissions",
+                     "gso_fallbacks"):
+            setattr(stats, name, getattr(stats, name) + getattr(report, name))
+        kept = int(keep["early_count"][0])
+        if kept:
+            self._early.append((self._early_buffer[:kept].copy(), np.full(kept, wire.packet_size(self.lanes)),
+                                keep["early_source"][:kept].copy()))
+        if rc == native.PN_ETIMEOUT:
+            host, port = unpack_address(int(self._agg_ids[0]))
+            raise AggregatorUnreachable(
+                f"job {self.job} worker {self.worker}: all_gather made no progress through {host}:{port} in "
+                f"{self.timeout:g} s: the aggregator is unreachable or a peer stopped")
+        if rc == native.PN_ESYS:
+            raise OSError(report.error_errno, f"{report.error_call.decode()}: {os.strerror(report.error_errno)}")
+        native.check(rc, "native all_gather")
+        if call.completion_sum != self.workers:
+            raise PassingError(f"job {self.job}: the all_gather's completion round summed {call.completion_sum}, "
+                               f"not {self.workers}: the workers are out of step")
 
     def _nack_missing(self, have: np.ndarray, base: np.ndarray, counts: np.ndarray, start: int, window: int) -> None:
         """One NACK per origin: its first missing run, up to ``window`` packets (a peer that is only
