@@ -18,11 +18,12 @@ from typing import Any
 
 from . import counters, schema
 from .keys import matches
-from .membership import AGGREGATOR_CHOICES, MAX_GROUP, MAX_WORKERS, InPool, Membership, Reply
+from .membership import AGGREGATOR_CHOICES, MAX_GROUP, MAX_WORKERS, Membership
 from .p4runtime import SwitchError
 from .placement import AGGREGATOR_RETRY_SECONDS, Placement
 from .ps_control import CHECK_TIMEOUT, PsControl
 from .schema import RequestError
+from .serve import InPool, Reply
 from .state import PendingGroup, State
 from .store import Record, StoreError
 from .switch import SWITCH_RETRY_SECONDS, SwitchLink

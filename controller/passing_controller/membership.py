@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from . import schema
@@ -19,6 +18,7 @@ from .keys import digest, matches, new_secret
 from .p4runtime import SwitchError
 from .placement import Placement
 from .schema import RequestError, Unauthorized
+from .serve import InPool, Reply
 from .state import PendingGroup, State
 from .store import Record, StoreError
 from .topology import Topology
@@ -31,9 +31,6 @@ MAX_PENDING = 4096  # groups waiting for their workers at once
 AGGREGATOR_CHOICES = ("any", "ps")  # a join's "aggregator": the PS and PSRing baselines ask for "ps"
 REPORT_FIELDS = ("packets_sent", "bytes_sent", "packets_received", "bytes_received", "retransmissions",
                  "early_retransmissions", "calls", "call_seconds")  # what a worker reports (docs/control.md)
-
-Reply = Callable[[bytes, dict], None]  # queue an answer to a client (any thread)
-InPool = Callable[..., None]  # run a function on a pool thread
 
 
 class Membership:

@@ -34,6 +34,8 @@ PROTOCOL_VERSION = 3  # 3: authenticated (CURVE), job secrets and worker tokens;
 POOL_THREADS = 8  # requests that wait on aggregators at once
 
 Handle = Callable[[bytes, dict, str], None]  # (identity, request, role): answers through Server.reply
+Reply = Callable[[bytes, dict], None]  # Server.reply: queue an answer to a client (any thread)
+InPool = Callable[..., None]  # Server.in_pool: run a function on a pool thread
 
 
 class Server:

@@ -50,7 +50,6 @@ class Controller:
         """``keys``: the controller's key pair and the clients it admits, with their roles;
         ``aggregator_key``: the public key of the software aggregators that the topology does
         not give one for."""
-        self.topo = topology
         if not 1 <= default_pool <= MAX_POOL:
             raise ValueError(f"default pool {default_pool} outside 1..{MAX_POOL}")
         self.state = State(store, topology.slots, [ps.control for ps in topology.ps])
