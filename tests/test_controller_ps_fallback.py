@@ -173,7 +173,7 @@ def test_a_topology_needs_somewhere_to_aggregate():
         Topology.from_dict({"hosts": []})
 
 
-# ---- the next aggregator when one fails to admit a group (the one policy of Controller.candidates) ----
+# ---- the next aggregator when one fails to admit a group (the one policy of placement.candidates) ----
 
 
 class HangingPs:

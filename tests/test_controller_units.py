@@ -129,7 +129,8 @@ def test_a_store_of_the_previous_schema_is_refused_with_a_clear_error(tmp_path):
 def test_p4runtime_tls_in_the_topology_and_a_clear_error_for_a_missing_file():
     from pathlib import Path
 
-    from passing_controller.p4runtime import SwitchError, Tls, connect
+    from passing_controller.p4runtime import SwitchError, Tls
+    from passing_controller.switch import connect
     from passing_controller.topology import Topology, TopologyError
 
     switch = {"p4runtime": "127.0.0.1:1", "aggregation_mac": "02:00:00:00:00:fe", "aggregation_ip": "10.0.0.254"}

@@ -92,7 +92,7 @@ def test_a_group_that_fails_for_any_reason_answers_every_member(controller, monk
     def broken(*_args, **_kwargs):
         raise ValueError("the allocation broke")
 
-    monkeypatch.setattr(controller, "_allocate", broken)
+    monkeypatch.setattr(controller.placement, "allocate", broken)
     outcomes, seconds = join_group(controller, "broken", [{}, {}, {}])
     for o in outcomes:
         assert isinstance(o, ControllerError) and "the allocation broke" in str(o), o

@@ -1,26 +1,25 @@
-"""The P4Runtime side of the controller: errors, the compiled pipeline, P4Info lookups, and the
-session with one switch.
+"""What the controller's P4Runtime side shares and needs no P4Runtime library for: errors, the
+compiled pipeline, P4Info lookups, the encoding of values.
 
-The session (``Switch``, in ``session.py``) needs p4runtime-shell, gRPC and protobuf: the
-``switch`` extra of passing-controller (``pip install 'passing-controller[switch]'``). This
-module imports none of them, so a PS-only controller (the torch backend's embedded one, a
-topology without a switch) runs without them; ``connect`` imports the session when a switch
-is configured, and names the extra when it is missing. Names are the P4 program's
-(``Ingress.admission``, ``Ingress.admit``, ...).
+The session with one switch (``Switch``, in ``session.py``) needs p4runtime-shell, gRPC and
+protobuf: the ``switch`` extra of passing-controller (``pip install 'passing-controller[switch]'``).
+This module imports none of them, nor the session (the session imports this module), so a
+PS-only controller (the torch backend's embedded one, a topology without a switch) runs
+without them; ``switch.connect`` imports the session when a switch is configured, and names
+the extra when it is missing. Names are the P4 program's (``Ingress.admission``,
+``Ingress.admit``, ...).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .topology import TopologyError
 
 if TYPE_CHECKING:
     from p4.config.v1 import p4info_pb2
-
-    from .session import Switch
 
 EXTRA = "switch"  # the optional dependencies of passing-controller that switch control needs
 
@@ -46,18 +45,6 @@ def encode(value: int | bytes, bitwidth: int) -> bytes:
     return value.to_bytes(max(1, (value.bit_length() + 7) // 8), "big")
 
 
-def _session() -> Any:
-    """The session module, or SwitchSupportMissing naming the extra."""
-    try:
-        from . import session
-    except ImportError as e:
-        raise SwitchSupportMissing(
-            f"the topology has a switch, and controlling it over P4Runtime needs p4runtime-shell: install the "
-            f"'{EXTRA}' extra of passing-controller (pip install 'passing-controller[{EXTRA}]', or "
-            f"pip install -e 'controller[{EXTRA}]' in a checkout; missing: {e})") from None
-    return session
-
-
 @dataclass(frozen=True)
 class Tls:
     """TLS toward a switch that serves P4Runtime over TLS: the CA that signed its certificate, and
@@ -77,13 +64,6 @@ class Tls:
             except OSError as e:
                 raise SwitchError(f"P4Runtime TLS: cannot read {path}: {e}") from None
         return one(self.ca), one(self.key), one(self.cert)  # type: ignore[return-value]
-
-
-def connect(address: str, device_id: int = 0, timeout: float = 5.0, tls: Tls | None = None) -> Switch:
-    """A primary P4Runtime session with the switch at ``address`` (SwitchUnreachable if none answers),
-    over TLS when ``tls`` is given."""
-    return _session().Switch(address, device_id, timeout=timeout, tls=tls)
-
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,10 @@ class RequestError(ValueError):
     """A request the controller refuses; the text goes back to the host."""
 
 
+class Unauthorized(RequestError):
+    """A request this client's role may not make."""
+
+
 def _no_constant(name: str) -> Any:
     raise RequestError(f"{name} is not a number a control message may carry")
 

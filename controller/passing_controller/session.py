@@ -3,7 +3,7 @@
 p4runtime-shell's ``P4RuntimeClient`` handles the gRPC channel, the stream and the
 primary-controller arbitration; entities are built here from the P4Info by name, so the
 per-control modules (``admission``, ``l2_forward``, ``result_rewrite``) read like the P4
-program. It needs the ``switch`` extra of passing-controller; ``p4runtime.connect`` imports
+program. It needs the ``switch`` extra of passing-controller; ``switch.connect`` imports
 it only when the topology has a switch.
 """
 

@@ -1,0 +1,238 @@
+"""Where a group runs (docs/control.md, "Which aggregator"): the one policy that orders the
+aggregators (``candidates``), admitting a whole group on the first that takes it (the switch's
+table entries, or a PS's ``add_job``), the answer its workers get, and freeing an allocation.
+
+A join (membership.py) and a move (failover.py) both place a group through ``allocate``. It
+runs on a pool thread: the lock is taken for the state only, never while an aggregator is asked.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from .allocation import MAX_JOB_ID
+from .allocator import SlotAllocator, SlotsExhausted
+from .keys import digest
+from .p4runtime import SwitchError
+from .ps_control import PsControl
+from .readout import Readout
+from .schema import RequestError
+from .state import PS_SLOTS, PendingGroup, State
+from .store import Record
+from .switch import GROUP_CONTROLS, SWITCH_RETRY_SECONDS, SwitchLink, allocation
+from .topology import PsEndpoint, Topology, ps_pool
+
+log = logging.getLogger("passing_controller")
+
+UDP_PORT = 9877  # docs/protocol.md: the aggregator's PASSING port
+MAX_POOL = 65536
+AGGREGATOR_RETRY_SECONDS = 30.0  # a PS that failed goes last in the order for this long
+
+
+class AggregatorFailed(RuntimeError):
+    """One aggregator could not take a group (the text says which and why); the next one is tried."""
+
+
+class Placement:
+    def __init__(self, topo: Topology, state: State, switch: SwitchLink, ps: PsControl, readout: Readout,
+                 default_pool: int) -> None:
+        self.topo, self.state, self.switch, self.ps, self.readout = topo, state, switch, ps, readout
+        self.default_pool = default_pool
+
+    def largest_pool(self) -> int:
+        """The largest pool any aggregator of the topology could give one group."""
+        return max([self.topo.slots if self.topo.p4runtime else 0] + ([PS_SLOTS] if self.topo.ps else []))
+
+    def allocate(self, name: str, group: int, pending: PendingGroup, tokens: dict[int, str] | None = None,
+                 exclude: frozenset[str] = frozenset(), workers: list[dict] | None = None) -> tuple[Record, str]:
+        """Admit the group on the first aggregator that takes it, the whole group on one
+        (``exclude``: aggregators not to try, such as the one a move leaves for being down).
+        Runs on a pool thread: the lock is taken for the state only."""
+        s = self.state
+        with s.lock:
+            job_id, generation = s.store.claim_job_id(MAX_JOB_ID, busy=s.claimed | s.ending)
+            s.claimed.add(job_id)
+            order = self.candidates(job_id, pending.aggregator)
+        try:
+            if workers is None:
+                assert tokens is not None
+                workers = [{"index": w, "host": self.topo.host(str(req["host"])).name,
+                            "udp_port": int(req["udp_port"]), "token": digest(tokens[w])}
+                           for w, (_, req) in sorted(pending.members.items())]
+            tried: list[str] = []
+            for aggregator in order:
+                if aggregator in exclude:
+                    tried.append(f"{aggregator} is down")
+                    continue
+                try:
+                    if aggregator == "switch":
+                        record = self._allocate_switch(job_id, name, group, generation,
+                                                       pending.pool or self.default_pool, workers)
+                    else:
+                        record = self._allocate_ps(self.ps.endpoint(aggregator), job_id, name, group, generation,
+                                                   pending.pool, workers)
+                except AggregatorFailed as e:
+                    tried.append(str(e))
+                    continue
+                if record.mode == "switch":
+                    return record, "in-network aggregation on the switch"
+                if pending.aggregator == "ps":
+                    why = ["a software aggregator (PS), as the job asked"]
+                elif self.topo.p4runtime is None:
+                    why = ["no switch in the topology"]
+                else:
+                    why = []
+                return record, "; ".join(why + tried)
+            if not tried:
+                raise RequestError("no aggregator can serve it: the topology has no switch and no PS fallback")
+            raise RequestError("no aggregator can take the group: " + "; ".join(tried))
+        finally:
+            with s.lock:
+                s.claimed.discard(job_id)
+
+    def candidates(self, job_id: int, wanted: str) -> list[str]:
+        """The aggregators to try for a group, in order: the one policy for choosing an aggregator.
+
+        The switch first when the group may use it, then every PS of the topology, starting at
+        job id mod their number (so groups spread over them); a PS that failed lately and is
+        not yet due for a retry, or one whose liveness is being checked, goes last, still tried
+        before the group is refused."""
+        order = ["switch"] if wanted == "any" and self.topo.p4runtime is not None else []
+        ps = [p.control for p in self.topo.ps]
+        if ps:
+            k = job_id % len(ps)
+            order += ps[k:] + ps[:k]
+        with self.state.lock:
+            down, now = self.state.store.down(), time.time()
+            suspect = set(self.state.suspect)
+        # (the switch keeps its place: it fails at once while it is down, see _allocate_switch)
+        resting = {a for a, (_, retry_at, _) in down.items() if retry_at > now and a != "switch"} | suspect
+        return [a for a in order if a not in resting] + [a for a in order if a in resting]
+
+    def _allocate_switch(self, job_id: int, name: str, group: int, generation: int, pool: int,
+                         workers: list[dict]) -> Record:
+        s = self.state
+        with self.switch.lock:
+            self.switch.connect_if_due()
+            if self.switch.session is None:
+                raise AggregatorFailed(f"switch unreachable: {self.switch.error}")
+            with s.lock:
+                try:
+                    base = s.allocator.allocate(pool)
+                except SlotsExhausted as e:
+                    raise AggregatorFailed(f"switch slots exhausted: {e}") from None
+            r = Record(job_id, name, group, "switch", generation, base, pool, workers,
+                       {"data": f"{self.topo.aggregation_ip}:{UDP_PORT}"})
+            a = allocation(self.topo, r)
+            try:
+                for control in GROUP_CONTROLS:
+                    control.install(self.switch.session, a)
+            except SwitchError as e:
+                for control in GROUP_CONTROLS:  # what went in of it
+                    try:
+                        control.remove(self.switch.session, a)
+                    except SwitchError:
+                        pass
+                with s.lock:
+                    s.allocator.release(base)
+                    s.store.mark_down("switch", str(e), time.time(), SWITCH_RETRY_SECONDS)
+                raise AggregatorFailed(f"switch refused the group's entries: {e}") from None
+        with s.lock:
+            self._add(r)
+            s.store.mark_up("switch")
+        log.info("job %s group %d -> switch slots %d..%d (job id %d generation %d)", name, group, base,
+                 base + pool - 1, job_id, generation)
+        return r
+
+    def _allocate_ps(self, ps: PsEndpoint, job_id: int, name: str, group: int, generation: int,
+                     pool: int | None, workers: list[dict]) -> Record:
+        s = self.state
+        addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
+        base: int | None = None  # the slots, once allocated: released if the PS then fails
+        try:
+            lanes = ps.lanes(self.ps.request(ps.control, "ping"))  # the largest the PS and the path MTU take
+            pool = pool or ps_pool(lanes, len(workers), self.default_pool)
+            with s.lock:
+                allocator = s.ps_allocators.setdefault(ps.control, SlotAllocator(PS_SLOTS))
+                try:
+                    base = allocator.allocate(pool)
+                except SlotsExhausted as e:
+                    raise AggregatorFailed(f"PS {ps.control}: {e}") from None
+            self.ps.request(ps.control, "add_job",
+                            job={"job": job_id, "base": base, "pool": pool, "workers": addresses,
+                                 "generation": generation, "lanes": lanes})
+        except (OSError, RequestError) as e:  # down (TimeoutError is an OSError), hanging, or refusing
+            with s.lock:
+                if base is not None:
+                    allocator.release(base)
+                s.store.mark_down(ps.control, str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
+            log.warning("PS %s failed to admit job %s group %d: %s", ps.control, name, group, e)
+            raise AggregatorFailed(f"PS {ps.control}: {e}") from None
+        r = Record(job_id, name, group, "ps", generation, base, pool, workers,
+                   {"data": ps.data, "control": ps.control, "lanes": lanes})
+        with s.lock:
+            s.store.mark_up(ps.control)
+            self._add(r)
+        log.info("job %s group %d -> PS %s", name, group, ps.data)
+        return r
+
+    def _add(self, r: Record) -> None:
+        self.state.store.add(r)
+        self.state.records[(r.job_name, r.group)] = r
+
+    def answer(self, record: Record, reason: str) -> dict[str, Any]:
+        """The part of a join (or move) answer that is the same for every worker of the group."""
+        host, port = record.aggregator["data"].rsplit(":", 1)
+        return {"mode": record.mode, "reason": reason, "job": record.job_name, "group": record.group,
+                "job_id": record.job_id, "generation": record.generation, "workers": len(record.workers),
+                "pool": record.pool, "lanes": record.aggregator.get("lanes", self.topo.lanes),
+                "aggregators": [{"host": host, "port": int(port), "pool": record.pool}]}
+
+    # ---- freeing an allocation -------------------------------------------------------------
+
+    def begin_teardown(self, r: Record) -> None:
+        """(lock held) From now on the group is not running for anybody; its state here goes (the
+        heartbeats of a group being moved stay: its workers go on)."""
+        s = self.state
+        s.ending.add(r.job_id)
+        s.leaving.pop(r.job_id, None)
+        if not any(key[:2] == (r.job_name, r.group) for key in s.moving):
+            for w in range(len(r.workers)):
+                s.last_seen.pop((r.job_name, r.group, w), None)
+        s.stuck.pop((r.job_name, r.group, r.generation), None)
+
+    def teardown(self, r: Record, reachable: bool = True) -> None:
+        """Free a group's allocation (pool thread): its entries or its PS job where the aggregator
+        still answers (``reachable=False``: it is known dead, so nobody waits for it), its slots in
+        any case. Its slots and job id are free only once the aggregator has let go of them."""
+        s = self.state
+        with s.lock:
+            self.begin_teardown(r)
+        final = self.readout.final_counters(r) if reachable else {}
+        if r.mode == "switch":
+            with self.switch.lock:
+                if self.switch.session is not None and reachable:
+                    a = allocation(self.topo, r)
+                    try:
+                        for control in GROUP_CONTROLS:
+                            control.remove(self.switch.session, a)
+                    except SwitchError as e:  # reconciliation removes them once the switch is back
+                        log.warning("switch did not remove job id %d: %s", r.job_id, e)
+        elif reachable:
+            try:
+                self.ps.request(r.aggregator["control"], "remove_job", job=r.job_id)
+            except (OSError, RequestError) as e:  # a dead PS holds nothing: the group ends anyway
+                with s.lock:
+                    s.store.mark_down(r.aggregator["control"], str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
+                log.warning("PS %s did not remove job id %d: %s", r.aggregator["control"], r.job_id, e)
+        with s.lock:
+            metrics = self.readout.group_metrics(r, final, running=False)
+            s.reports.pop(r.job_id, None)
+            (s.allocator if r.mode == "switch" else s.ps_allocators[r.aggregator["control"]]).release(r.base)
+            s.store.remove(r.job_id)
+            if s.records.get((r.job_name, r.group)) is r:
+                del s.records[(r.job_name, r.group)]
+            s.ending.discard(r.job_id)
+            s.finished.append({**metrics, "ended": time.time()})  # for `metrics`, a while

@@ -1,0 +1,41 @@
+"""The controller's side of the software aggregators' control channel (docs/protocol.md): which
+PS a control endpoint is, how the controller authenticates to it, one request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import rpc
+from .keys import ClientKeys, ServerKeys
+from .schema import RequestError
+from .topology import PsEndpoint, Topology
+
+PS_CONTROL_VERSION = 3  # the software aggregator's control channel (docs/protocol.md)
+CHECK_TIMEOUT = 2.0  # seconds a PS may take to answer the liveness check of a silent group, or a counter read
+
+
+class PsControl:
+    def __init__(self, topo: Topology, keys: ServerKeys, aggregator_key: bytes | None) -> None:
+        """``keys``: the controller's own key pair; ``aggregator_key``: the public key of the
+        software aggregators that the topology does not give one for."""
+        self.topo, self.keys, self.aggregator_key = topo, keys, aggregator_key
+
+    def endpoint(self, control: str) -> PsEndpoint:
+        return next(p for p in self.topo.ps if p.control == control)
+
+    def client_keys(self, control: str) -> ClientKeys:
+        """How the controller authenticates to a PS: its own key pair, the PS's public key."""
+        ps = next((p for p in self.topo.ps if p.control == control), None)
+        server = ps.public_key if ps is not None and ps.public_key is not None else self.aggregator_key
+        if server is None:
+            raise RequestError(f"no public key for PS {control}: the topology names none and the key "
+                               "directory has no aggregator.key")
+        return ClientKeys(server, self.keys.public, self.keys.secret)
+
+    def request(self, control: str, cmd: str, timeout: float = 5.0, **fields: Any) -> dict:
+        """One request to a software aggregator's control channel (docs/protocol.md)."""
+        reply = rpc.call(control, {"version": PS_CONTROL_VERSION, "cmd": cmd, **fields}, timeout,
+                         self.client_keys(control))
+        if not reply.get("ok"):
+            raise RequestError(f"software aggregator {control} refused {cmd}: {reply.get('error')}")
+        return reply

@@ -1,0 +1,164 @@
+"""What operators read (docs/control.md: status, stats, metrics): the controller's view of its
+aggregators and groups, and the aggregators' counters, read when asked (on a pool thread: a
+PS that does not answer delays nobody else)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from . import counters
+from .p4runtime import SwitchError
+from .ps_control import CHECK_TIMEOUT, PsControl
+from .schema import RequestError
+from .state import State
+from .store import Record
+from .switch import SwitchLink
+from .topology import Topology
+
+log = logging.getLogger("passing_controller")
+
+FINISHED_RETENTION = 300.0  # s a finished group stays in `metrics`, so a scrape sees its final counters
+
+
+class Readout:
+    def __init__(self, topo: Topology, state: State, switch: SwitchLink, ps: PsControl) -> None:
+        self.topo, self.state, self.switch, self.ps = topo, state, switch, ps
+
+    def idle(self) -> bool:
+        """No group is running, being placed or ended, or waiting for workers."""
+        s = self.state
+        with s.lock:
+            return not (s.records or s.pending or s.admitting or s.ending)
+
+    def status(self) -> dict[str, Any]:
+        s = self.state
+        with s.lock:
+            return {
+                "switch": "connected" if self.switch.session is not None else f"unavailable: {self.switch.error}",
+                "slots": s.allocator.slots, "free_slots": s.allocator.free(),
+                "free_ranges": s.allocator.free_ranges(),
+                "jobs": [{"job": r.job_name, "group": r.group, "job_id": r.job_id, "mode": r.mode, "base": r.base,
+                          "pool": r.pool, "generation": r.generation, "workers": len(r.workers),
+                          "aggregator": r.aggregator["data"]} for r in self._running_records()],
+                "pending": [{"job": k[0], "group": k[1], "joined": sorted(p.members), "workers": p.workers}
+                            for k, p in s.pending.items()],
+                "aggregators": self.aggregators(),
+                "refused": dict(s.refused),
+            }
+
+    def _running_records(self) -> list[Record]:
+        return sorted((r for r in self.state.records.values() if r.job_id not in self.state.ending),
+                      key=lambda r: r.job_id)
+
+    def aggregators(self) -> list[dict[str, Any]]:
+        """Every aggregator of the topology: up, or down since when and why (from the store)."""
+        with self.state.lock:
+            down = self.state.store.down()
+        out = []
+        names = (["switch"] if self.topo.p4runtime is not None else []) + [p.control for p in self.topo.ps]
+        for name in names:
+            entry: dict[str, Any] = {"aggregator": name, "state": "up"}
+            if name == "switch" and self.switch.session is None:
+                entry.update(state="down", reason=self.switch.error)
+            if name in down:
+                since, retry_at, reason = down[name]
+                entry.update(state="down", since=since, retry_at=retry_at, reason=reason)
+            out.append(entry)
+        return out
+
+    def stats(self, job_id: int | None = None) -> dict[str, Any]:
+        """The aggregators' counters of every running group (or one), read now. A PS that does not
+        answer is named with its error, and the rest are still read."""
+        out: dict[str, Any] = {}
+        with self.state.lock:
+            records = [r for r in self._running_records() if job_id is None or r.job_id == job_id]
+        switch_read = self._read_switch() if any(r.mode == "switch" for r in records) or job_id is None else None
+        if switch_read is not None:
+            out["switch_totals"] = counters.totals_of(switch_read)
+        ps_jobs, ps_errors = self._read_ps(records)
+        for r in records:
+            if r.mode == "switch":
+                if switch_read is not None:
+                    out[str(r.job_id)] = counters.job_counters(switch_read, r.job_id)
+            elif r.aggregator["control"] in ps_errors:
+                out[str(r.job_id)] = {"error": ps_errors[r.aggregator["control"]]}
+            else:
+                out[str(r.job_id)] = ps_jobs[r.aggregator["control"]].get(str(r.job_id), {})
+        return out
+
+    def _read_switch(self) -> dict[str, dict[int, int]] | None:
+        with self.switch.lock:
+            if self.switch.session is None:
+                return None
+            try:
+                return counters.read_all(self.switch.session)
+            except SwitchError as e:
+                log.warning("reading the switch's counters: %s", e)
+                return None
+
+    def _read_ps(self, records: list[Record]) -> tuple[dict[str, dict], dict[str, str]]:
+        """The counters of every PS that holds one of ``records``: (answers, errors) by control endpoint."""
+        answers: dict[str, dict] = {}
+        errors: dict[str, str] = {}
+        for control in sorted({r.aggregator["control"] for r in records if r.mode == "ps"}):
+            try:
+                answers[control] = self.ps.request(control, "stats", timeout=CHECK_TIMEOUT)["jobs"]
+            except (OSError, RequestError) as e:  # a PS that does not answer shows no counters, the rest do
+                errors[control] = str(e)
+                log.warning("PS %s: %s", control, e)
+        return answers, errors
+
+    def metrics(self) -> dict[str, Any]:
+        """Everything the Prometheus endpoint and `passing-ctl top` show (docs/control.md, metrics):
+        the aggregators with their slots, every running group (and those finished in the last
+        FINISHED_RETENTION s) with its aggregator's counters and its workers' reports."""
+        s = self.state
+        now = time.time()
+        with s.lock:
+            s.finished = [g for g in s.finished if now - g["ended"] < FINISHED_RETENTION]
+            records = self._running_records()
+        switch_read = self._read_switch() if any(r.mode == "switch" for r in records) else None
+        ps_jobs, _ = self._read_ps(records)
+        with s.lock:
+            groups = []
+            for r in records:
+                if r.mode == "switch":
+                    job_counters = counters.job_counters(switch_read, r.job_id) if switch_read is not None else {}
+                else:
+                    job_counters = ps_jobs.get(r.aggregator["control"], {}).get(str(r.job_id), {})
+                groups.append(self.group_metrics(r, job_counters, running=True))
+            slots = []
+            for entry in self.aggregators():
+                name = entry["aggregator"]
+                allocator = s.allocator if name == "switch" else s.ps_allocators[name]
+                slots.append({**entry, "kind": "switch" if name == "switch" else "ps", "slots": allocator.slots,
+                              "free_slots": allocator.free()})
+            out: dict[str, Any] = {
+                "time": now, "aggregators": slots, "groups": groups + s.finished,
+                "pending": len(s.pending), "admitted": dict(s.admitted), "joins_failed": s.joins_failed,
+                "refused": dict(s.refused),
+            }
+        if switch_read is not None:
+            out["switch_totals"] = counters.totals_of(switch_read)
+        return out
+
+    def group_metrics(self, r: Record, job_counters: dict[str, int], running: bool) -> dict[str, Any]:
+        """(lock held) One group as `metrics` shows it."""
+        return {"job": r.job_name, "group": r.group, "job_id": r.job_id, "generation": r.generation,
+                "mode": r.mode, "aggregator": r.aggregator.get("control", "switch"), "pool": r.pool,
+                "workers": len(r.workers), "running": running, "counters": job_counters,
+                "hosts": {str(w): stats for w, stats in sorted(self.state.reports.get(r.job_id, {}).items())}}
+
+    def final_counters(self, r: Record) -> dict[str, int]:
+        """The group's aggregator counters as it ends (for `metrics`); {} when they cannot be read."""
+        try:
+            if r.mode == "switch":
+                with self.switch.lock:
+                    return counters.for_job(self.switch.session, r.job_id) if self.switch.session is not None else {}
+            # a live PS answers in milliseconds; a dead one must not hold the teardown for long
+            return self.ps.request(r.aggregator["control"], "stats", timeout=1.0, job=r.job_id)["jobs"][str(r.job_id)]
+        except (OSError, RequestError, SwitchError, KeyError) as e:
+            log.info("final counters of job id %d: %s", r.job_id, e)
+            return {}
