@@ -300,6 +300,9 @@ control PassingEgress(inout headers_t hdr, inout metadata_t meta, inout standard
 
     apply {
         bit<32> job_index = (bit<32>)hdr.passing.job & (PASSING_MAX_JOBS - 1);
+        /* result_rewrite is applied in one place: BMv2 takes a table with one successor only */
+        bool addressed = false;  /* a replica for one worker: result_rewrite addresses it */
+        bool sent = false;
         if (meta.flood == 1 && sm.egress_port == sm.ingress_port) {
             drop();  /* a flood never goes back where it came from */
         } else if (meta.relay == 1) {
@@ -308,17 +311,27 @@ control PassingEgress(inout headers_t hdr, inout metadata_t meta, inout standard
             bool to_owner = sm.egress_rid == (bit<16>)hdr.passing.owner;
             if ((hdr.passing.type == PASSING_TYPE_GATHER) == to_owner) {
                 drop();
-            } else if (result_rewrite.apply().hit) {
-                results_sent.count(job_index);
+            } else {
+                addressed = true;
             }
         } else if (hdr.passing.isValid()
                    && (hdr.passing.type == PASSING_TYPE_RESULT || hdr.passing.type == PASSING_TYPE_ACK)) {
             /* a unicast answer was addressed (and made an ACK) in ingress; a replica is addressed here */
-            if (meta.result_multicast == 0 || result_rewrite.apply().hit) {
-                results_sent.count(job_index);
-                if (meta.owner_only == 1 && sm.egress_rid != (bit<16>)hdr.passing.owner) {
-                    make_ack();
-                }
+            if (meta.result_multicast == 1) {
+                addressed = true;
+            } else {
+                sent = true;
+            }
+        }
+        if (addressed) {
+            if (result_rewrite.apply().hit) {
+                sent = true;
+            }
+        }
+        if (sent) {
+            results_sent.count(job_index);
+            if (meta.owner_only == 1 && sm.egress_rid != (bit<16>)hdr.passing.owner) {
+                make_ack();
             }
         }
     }
