@@ -594,9 +594,11 @@ control TnaIngressDeparser(packet_out pkt, inout headers_t hdr, in ingress_metad
 /* An OWNER_ONLY round's copy for a worker that is not its owner is an ACK, the header alone:
  * the parser steps over its lanes, which are then not part of the packet the deparser builds
  * (the owner's copy, or the owner's answer, keeps them). The owner is compared with the
- * replication id (a multicast copy) or the sender (a unicast answer) by select entries. */
-#define OWNER_COPY_ENTRY(i) (1, 0, i, _, i): accept;
-#define OWNER_ANSWER_ENTRY(i) (1, 1, _, i, i): accept;
+ * replication id (a multicast copy) or the sender (a unicast answer) by select entries.
+ * Only after the second pass (second_pass = 0): on its way to the recirculation port the
+ * packet keeps its lanes, which the second pass parses and harvests into. */
+#define OWNER_COPY_ENTRY(i) (0, 1, 0, i, _, i): accept;
+#define OWNER_ANSWER_ENTRY(i) (0, 1, 1, _, i, i): accept;
 parser TnaEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t meta,
                        out egress_intrinsic_metadata_t eg_intr_md) {
     PassingParser() passing_parser;
@@ -605,11 +607,11 @@ parser TnaEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t m
         meta.lanes_skipped = 0;  /* Tofino does not zero user metadata by itself */
         pkt.extract(hdr.bridged);
         passing_parser.apply(pkt, hdr, false);  /* headers only: the lanes stay payload */
-        transition select(hdr.bridged.owner_only, hdr.bridged.answer, eg_intr_md.egress_rid[6:0],
-                          hdr.passing.worker[6:0], hdr.passing.owner) {
+        transition select(hdr.bridged.second_pass, hdr.bridged.owner_only, hdr.bridged.answer,
+                          eg_intr_md.egress_rid[6:0], hdr.passing.worker[6:0], hdr.passing.owner) {
             PASSING_IDS_32(OWNER_COPY_ENTRY)
             PASSING_IDS_32(OWNER_ANSWER_ENTRY)
-            (1, _, _, _, _): skip_lanes;
+            (0, 1, _, _, _, _): skip_lanes;
             default: accept;
         }
     }
