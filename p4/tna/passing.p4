@@ -684,6 +684,8 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
         if (hdr.bridged.second_pass == 1) {
             /* to the recirculation port: the bridged header goes along into the second pass */
         } else {
+            /* result_rewrite is applied in one place, as on BMv2 (a table with one successor) */
+            bool addressed = false;  /* a replica for one worker: result_rewrite addresses it */
             bool sent = false;
             if (hdr.bridged.flood == 1 && eg_intr_md.egress_port == hdr.bridged.ingress_port) {
                 drop();  /* a flood never goes back where it came from */
@@ -692,13 +694,16 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
                 compare_with_owner();
                 if ((hdr.passing.type == PASSING_TYPE_GATHER) == (meta.to_owner == 0)) {
                     drop();
-                } else if (result_rewrite.apply().hit) {
-                    sent = true;
+                } else {
+                    addressed = true;
                 }
             } else if (hdr.bridged.answer == 1) {
                 answer_to_sender();
                 sent = true;
             } else if (hdr.bridged.result_multicast == 1) {
+                addressed = true;
+            }
+            if (addressed) {
                 if (result_rewrite.apply().hit) {
                     sent = true;
                 }
