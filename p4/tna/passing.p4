@@ -596,9 +596,20 @@ control TnaIngressDeparser(packet_out pkt, inout headers_t hdr, in ingress_metad
  * (the owner's copy, or the owner's answer, keeps them). The owner is compared with the
  * replication id (a multicast copy) or the sender (a unicast answer) by select entries.
  * Only after the second pass (second_pass = 0): on its way to the recirculation port the
- * packet keeps its lanes, which the second pass parses and harvests into. */
-#define OWNER_COPY_ENTRY(i) (0, 1, 0, i, _, i): accept;
-#define OWNER_ANSWER_ENTRY(i) (0, 1, 1, _, i, i): accept;
+ * packet keeps its lanes, which the second pass harvests into.
+ *
+ * Tofino 1 selects on 32 bits of parser match registers, and a select on bytes seen in an
+ * earlier state keeps them there until it: after the shared parser, the IPv4 select (4 bytes)
+ * would find two of them taken (bridged flags, replication id). So the bridged flags choose
+ * the path first, and such a RESULT, which this program's ingress made and checked (Ethernet,
+ * IPv4 without options, UDP to PASSING_UDP_PORT, a whole packet), is extracted with no select
+ * before the owner's; only the replication id (1 byte) waits for it. */
+#define PASSING_RESULT_HEADERS  \
+    pkt.extract(hdr.ethernet);  \
+    pkt.extract(hdr.ipv4);      \
+    pkt.extract(hdr.udp);       \
+    pkt.extract(hdr.passing);
+#define OWNER_ENTRY(i) (i, i): accept;
 parser TnaEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t meta,
                        out egress_intrinsic_metadata_t eg_intr_md) {
     PassingParser() passing_parser;
@@ -606,13 +617,28 @@ parser TnaEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t m
         pkt.extract(eg_intr_md);
         meta.lanes_skipped = 0;  /* Tofino does not zero user metadata by itself */
         pkt.extract(hdr.bridged);
+        transition select(hdr.bridged.second_pass, hdr.bridged.owner_only, hdr.bridged.answer) {
+            (0, 1, 0): owner_only_copy;
+            (0, 1, 1): owner_only_answer;
+            default: parse_packet;
+        }
+    }
+    state parse_packet {
         passing_parser.apply(pkt, hdr, false);  /* headers only: the lanes stay payload */
-        transition select(hdr.bridged.second_pass, hdr.bridged.owner_only, hdr.bridged.answer,
-                          eg_intr_md.egress_rid[6:0], hdr.passing.worker[6:0], hdr.passing.owner) {
-            PASSING_IDS_32(OWNER_COPY_ENTRY)
-            PASSING_IDS_32(OWNER_ANSWER_ENTRY)
-            (0, 1, _, _, _, _): skip_lanes;
-            default: accept;
+        transition accept;
+    }
+    state owner_only_copy {  /* a replica: is it the owner's (replication id = owner)? */
+        PASSING_RESULT_HEADERS
+        transition select(eg_intr_md.egress_rid[6:0], hdr.passing.owner) {
+            PASSING_IDS_32(OWNER_ENTRY)
+            default: skip_lanes;
+        }
+    }
+    state owner_only_answer {  /* the answer to a retransmission: did the owner send it? */
+        PASSING_RESULT_HEADERS
+        transition select(hdr.passing.worker[6:0], hdr.passing.owner) {
+            PASSING_IDS_32(OWNER_ENTRY)
+            default: skip_lanes;
         }
     }
     state skip_lanes {
