@@ -718,7 +718,9 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
             } else if (hdr.bridged.relay == 1) {
                 /* a GATHER to every worker but its sender (= its owner), a NACK to its owner alone */
                 compare_with_owner();
-                if ((hdr.passing.type == PASSING_TYPE_GATHER) == (meta.to_owner == 0)) {
+                /* spelt as ANDs and ORs of comparisons, the form a gateway takes */
+                if ((hdr.passing.type == PASSING_TYPE_GATHER && meta.to_owner == 0)
+                        || (hdr.passing.type != PASSING_TYPE_GATHER && meta.to_owner != 0)) {
                     drop();
                 } else {
                     addressed = true;
