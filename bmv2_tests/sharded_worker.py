@@ -42,6 +42,7 @@ def main() -> int:
     p.add_argument("--bind", required=True)
     p.add_argument("--engine", default="auto")
     p.add_argument("--drop", type=float, default=0.0)
+    p.add_argument("--rto", type=float, default=5.0, help="probe/NACK silence; 5 s: a late peer is no loss")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -53,7 +54,7 @@ def main() -> int:
                               pool=16, timeout=60)
         token = str(answer["token"])
         with Group.from_answer(answer, bind=args.bind, timeout=60, engine=args.engine, drop=args.drop,
-                               drop_seed=args.seed * 1000 + args.worker, rto=0.2, max_rto=1.0) as g:
+                               drop_seed=args.seed * 1000 + args.worker, rto=args.rto, max_rto=max(args.rto, 1.0)) as g:
             block = g.reduce_scatter(reduce_in)
             gathered = np.empty(sum(sizes), np.uint8)
             g.allgather_bytes(piece, sizes, gathered)
