@@ -1,7 +1,8 @@
 """The in-host stage: which ranks share a server, and the two-stage allreduce.
 
-Rank j of every server streams chunk j of the server's reduce-scatter through group
-(job, j); the ranks then all-gather the summed chunks (design §1, §5).
+Rank j of every server sums chunk j of the server's reduce-scatter with rank j of every other
+server, through group (job, j) of an aggregator or through a collective among those peers; the
+ranks then all-gather the summed chunks (design §1, §5).
 """
 
 from __future__ import annotations
@@ -14,14 +15,41 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 
-from ..stream import Group
 from .options import OptionError
 
 
 class NetworkStage(Protocol):
-    """What the network stage needs: a Group, or the backend's Group-then-gloo stage."""
+    """The network stage: sums a 1-D float32 tensor over the servers (the same rank index on each)."""
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum; ``tensor`` itself, summed in place, where it can be."""
+        ...
+
+
+class ArrayStage(Protocol):
+    """What an aggregator's stream offers: a Group, or the backend's Group-then-gloo FailoverStage."""
 
     def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray: ...
+
+
+def sum_through(stream: ArrayStage, tensor: torch.Tensor) -> torch.Tensor:
+    """The network stage through an aggregator's stream: on the CPU, in the tensor's own memory."""
+    if tensor.device.type == "cpu":
+        array = tensor.numpy()
+        stream.allreduce(array, "sum", out=array)
+        return tensor
+    return torch.from_numpy(stream.allreduce(tensor.cpu().numpy(), "sum")).to(tensor.device)
+
+
+class PeerStage:
+    """The network stage as a collective among the peers (gloo; NCCL for CUDA): no aggregator."""
+
+    def __init__(self, peers: dict[str, C10dBackend]) -> None:
+        self.peers = peers  # device type -> this rank index's group across the servers
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.peers[tensor.device.type].allreduce([tensor], dist.AllreduceOptions()).wait()
+        return tensor
 
 
 @dataclass(frozen=True)
@@ -48,31 +76,25 @@ class Layout:
 
 
 def two_stage_allreduce(flat: torch.Tensor, local: C10dBackend | None, layout: Layout,
-                        stream: Group | NetworkStage) -> torch.Tensor:
+                        network: NetworkStage) -> torch.Tensor:
     """Sum a 1-D float32 tensor over every rank of every server; returns the sums.
 
-    With ``local`` (n > 1 ranks per server): reduce-scatter in the server, stream this
-    rank's chunk to the aggregator, all-gather. Without: stream the whole tensor (flat).
-    The network stage reads and writes the tensor's own memory on the CPU (no copy): the
-    flat case returns ``flat`` itself, summed in place.
+    With ``local`` (n > 1 ranks per server): reduce-scatter in the server, sum this rank's
+    chunk over the servers, all-gather. Without: sum the whole tensor over the servers
+    (flat). Either way ``flat`` is overwritten where it can be (then the result is ``flat``
+    itself, or a view of it): the caller passes a tensor it means to replace by the sums.
     """
     if local is None:
-        if flat.device.type == "cpu":
-            array = flat.numpy()
-            stream.allreduce(array, "sum", out=array)
-            return flat
-        return torch.from_numpy(stream.allreduce(flat.cpu().numpy(), "sum")).to(flat.device)
+        return network.sum(flat)
     n, size = layout.ranks_per_server, flat.numel()
     chunk = -(-size // n)
-    padded = torch.zeros(n * chunk, dtype=flat.dtype, device=flat.device)
-    padded[:size] = flat
+    if n * chunk == size and flat.is_contiguous():  # n chunks exactly: no padded copy, gathered in place
+        padded = flat
+    else:
+        padded = torch.zeros(n * chunk, dtype=flat.dtype, device=flat.device)
+        padded[:size] = flat
     mine = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
     local._reduce_scatter_base(mine, padded, dist.ReduceScatterOptions()).wait()
-    if mine.device.type == "cpu":
-        stream.allreduce(mine.numpy(), "sum", out=mine.numpy())
-        summed = mine
-    else:
-        summed = torch.from_numpy(stream.allreduce(mine.cpu().numpy(), "sum")).to(flat.device)
-    gathered = torch.empty(n * chunk, dtype=flat.dtype, device=flat.device)
-    local._allgather_base(gathered, summed).wait()
-    return gathered[:size]
+    summed = network.sum(mine)
+    local._allgather_base(padded, summed).wait()  # the input is spent: the sums overwrite it
+    return padded[:size]
