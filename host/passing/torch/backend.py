@@ -102,11 +102,12 @@ class Membership:
 
 def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta, address: str | None) -> C10dBackend:
     """A gloo process group of ``size`` ranks that meet in ``store``, this one at ``address``
-    (None: where gloo's own groups are, GLOO_SOCKET_IFNAME or the host name's address)."""
+    (None: where gloo's own groups are: GLOO_SOCKET_IFNAME's interfaces, else the host name's address)."""
+    if address is None:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)  # the constructor that reads GLOO_SOCKET_IFNAME
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address) if address
-                        else dist.ProcessGroupGloo.create_default_device()]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
