@@ -71,7 +71,7 @@ def check_ring(outcomes: list[tuple[int, dict | None, str]], ranks: int) -> None
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("servers,ranks", [(2, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize("servers,ranks", [(2, 1), (2, 2), (4, 2), (2, 4)])
 def test_nothing_configured_sums_among_the_peers_over_gloo(servers, ranks):
     """torchrun alone on several servers: no controller, no aggregator; the in-host stages around gloo among
     each local rank's peers (n x 1: the whole group's gloo all_reduce, bit for bit)."""

@@ -17,6 +17,8 @@ from torch._C._distributed_c10d import Backend as C10dBackend
 
 from .options import OptionError
 
+IN_HOST_TAG = 1  # gloo's send/recv tag of the in-host stage (one collective at a time per group)
+
 
 class NetworkStage(Protocol):
     """The network stage: sums a 1-D float32 tensor over the servers (the same rank index on each)."""
@@ -75,6 +77,41 @@ class Layout:
         return cls(len(servers), counts[server_key], servers.index(server_key), members[server_key].index(rank))
 
 
+def _exchange(group: C10dBackend, outgoing: torch.Tensor, to: int, incoming: torch.Tensor, source: int) -> None:
+    sent = group.send([outgoing], to, IN_HOST_TAG)
+    group.recv([incoming], source, IN_HOST_TAG).wait()
+    sent.wait()
+
+
+def ring_reduce_scatter(group: C10dBackend, rows: torch.Tensor) -> torch.Tensor:
+    """Leaves the sum over the group of row r of ``rows`` (n rows, one per rank) in row r of this
+    rank r, and returns that row. gloo has no reduce-scatter of its own (its _reduce_scatter_base
+    all-reduces the whole tensor and keeps one chunk: twice the bytes), so a ring of n-1 steps:
+    at each, a rank passes a partial sum of one row to the next rank and adds its own to the one
+    it gets. Each row is summed by its owner alone, so the sums are the same bits everywhere."""
+    n, r = rows.shape[0], group.rank()
+    right, left = (r + 1) % n, (r - 1) % n
+    spare = [torch.empty_like(rows[0]) for _ in range(min(n - 1, 2))]  # a step sends one while it fills the other
+    outgoing = rows[left]
+    for step in range(n - 1):
+        incoming = spare[step % 2]
+        _exchange(group, outgoing, right, incoming, left)
+        row = (r - step - 2) % n
+        if row == r:  # the last step: this rank's own row completes the sum
+            rows[r] += incoming
+        else:
+            incoming += rows[row]
+            outgoing = incoming
+    return rows[r]
+
+
+def ring_allgather(group: C10dBackend, rows: torch.Tensor) -> None:
+    """Every rank's row r to every rank, in place: n-1 steps of passing the row last received on."""
+    n, r = rows.shape[0], group.rank()
+    for step in range(n - 1):
+        _exchange(group, rows[(r - step) % n], (r + 1) % n, rows[(r - step - 1) % n], (r - 1) % n)
+
+
 def two_stage_allreduce(flat: torch.Tensor, local: C10dBackend | None, layout: Layout,
                         network: NetworkStage) -> torch.Tensor:
     """Sum a 1-D float32 tensor over every rank of every server; returns the sums.
@@ -93,8 +130,15 @@ def two_stage_allreduce(flat: torch.Tensor, local: C10dBackend | None, layout: L
     else:
         padded = torch.zeros(n * chunk, dtype=flat.dtype, device=flat.device)
         padded[:size] = flat
-    mine = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
-    local._reduce_scatter_base(mine, padded, dist.ReduceScatterOptions()).wait()
-    summed = network.sum(mine)
-    local._allgather_base(padded, summed).wait()  # the input is spent: the sums overwrite it
+    if padded.device.type == "cpu":
+        rows = padded.view(n, chunk)
+        mine = ring_reduce_scatter(local, rows)
+        summed = network.sum(mine)
+        if summed.data_ptr() != mine.data_ptr():
+            mine.copy_(summed)
+        ring_allgather(local, rows)
+    else:  # NCCL's own reduce-scatter and all-gather
+        mine = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
+        local._reduce_scatter_base(mine, padded, dist.ReduceScatterOptions()).wait()
+        local._allgather_base(padded, network.sum(mine)).wait()
     return padded[:size]
