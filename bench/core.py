@@ -381,9 +381,9 @@ def gloo_allreduce(workers: int, elements: int, iterations: int) -> dict[str, An
 def torch_worker(elements: int, iterations: int) -> None:
     """One rank (torchrun's variables): backend "passing" with no controller configured (the mode
     PASSING_EMBEDDED picks: the ring, or rank 0's embedded controller and aggregator), and gloo among
-    the same processes. Each call is timed after a barrier; the two alternate call by call, so both
-    see the same machine, and each reports its median (a descheduled call on a shared 2-core machine
-    moves a mean). Prints JSON."""
+    the same processes. Each call is timed after a barrier; the two alternate call by call (which
+    goes first alternates too), so both see the same machine, and each reports its median (a
+    descheduled call on a shared 2-core machine moves a mean). Prints JSON."""
     import torch
     import torch.distributed as dist
 
@@ -406,7 +406,8 @@ def torch_worker(elements: int, iterations: int) -> None:
     for i in range(1 + iterations):  # the first of each is a warm-up
         if i == 1:
             before = stats()
-        for name, group in (("passing", None), ("gloo", gloo)):
+        order = (("passing", None), ("gloo", gloo))
+        for name, group in order if i % 2 else reversed(order):  # neither always first after the barrier
             work = x.clone()
             dist.barrier(group=gloo)
             start = time.perf_counter()
