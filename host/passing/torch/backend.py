@@ -283,7 +283,7 @@ class ProcessGroupPassing(ProcessGroup):
         """Nothing configured: no switch to find and no aggregator asked for, and one would only add a
         hop (every worker's bytes in and out of one process), so the network stage is an all_reduce
         among the peers, gloo's (NCCL's): with the in-host stage, rank j of every server sums chunk j
-        (across servers, 1/n of what gloo's flat ring moves); without, the whole group's own all_reduce."""
+        (a ring of s, not s*n, across the servers, in n flows); without, the whole group's own all_reduce."""
         global _ring_logged
         self.mode = RING
         s, n = self.layout.servers, self.layout.ranks_per_server
