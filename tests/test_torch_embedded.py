@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from cluster import netns  # noqa: E402
 from cluster.local import BIN, REPO, collect, free_tcp_port, launch_ranks  # noqa: E402
+from tests.zygote import torch_ranks_in  # noqa: E402
 
 WORKER = [sys.executable, "-m", "tests.torch_worker"]
 ANNOUNCEMENT = "no controller configured (PASSING_CONTROLLER unset, no pg_options.controller)"
@@ -83,9 +84,10 @@ def test_across_network_namespaces():
         pytest.skip(f"network namespaces unavailable: {why}")
     servers = ["server0", "server1"]
     with netns.EmulatedNetwork(servers) as net:
+        fork_in = torch_ranks_in([net.hosts[n].namespace for n in servers])  # forked from a process with torch
         procs = launch_ranks([*WORKER, "embedded"], 2, 2, {"PASSING_TIMEOUT": "20", "PASSING_REPORT_INTERVAL": "0.2"},
-                             popen_for_server=lambda s: lambda argv, env, **kw: net.popen(
-                                 servers[s], argv, env=without_controller(env), **kw),
+                             popen_for_server=lambda s: lambda argv, env, **kw: fork_in(s)(
+                                 argv, env=without_controller(env), **kw),
                              env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},
                              master_host=net.hosts["server0"].ip)
         outcomes = collect(procs, 150)

@@ -22,7 +22,7 @@ from cluster import netns  # noqa: E402
 from cluster.local import LocalServices, collect, launch_ranks, start_controller  # noqa: E402
 from tests.keys import ask  # noqa: E402
 from tests.test_torch_backend import WORKER  # noqa: E402
-from tests.zygote import torch_ranks  # noqa: E402
+from tests.zygote import torch_ranks, torch_ranks_in  # noqa: E402
 
 EPOCHS = 8
 
@@ -130,8 +130,7 @@ def test_ps_killed_mid_training_across_network_namespaces(tmp_path):
         procs = launch_ranks([*WORKER, "ddp_fault", str(EPOCHS)], 2, 2,
                              {"PASSING_CONTROLLER": controller, "PASSING_TIMEOUT": "60", "PASSING_FAILOVER_AFTER": "1",
                               "PASSING_TEST_MARKER": str(marker)},
-                             popen_for_server=lambda s: lambda argv, env, **kw: net.popen(servers[s], argv, env=env,
-                                                                                          **kw),
+                             popen_for_server=torch_ranks_in([net.hosts[n].namespace for n in servers]),
                              env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},
                              master_host=ip["server0"])
         while not marker.exists():

@@ -10,8 +10,10 @@ The zygote reaps its children and reports their exit status. ``Zygote.popen`` ha
 the tests use (``communicate``, ``poll``, ``wait``, ``returncode``, ``pid``, ``send_signal``,
 ``kill``, ``terminate``), so it drops into ``cluster.local.launch_ranks(popen_for_server=...)``.
 
-Only for processes that would exec this same interpreter with ``-m``; torchrun, and ranks in a
-network namespace, are started as before.
+``Zygote.popen(..., netns=NAME)`` puts the child in network namespace NAME (as ``ip netns exec``
+would; root only): the ranks of an emulated cluster (cluster/netns.py) are forked too.
+
+Only for processes that would exec this same interpreter with ``-m``; torchrun is started as before.
 """
 
 from __future__ import annotations
@@ -111,15 +113,16 @@ class Zygote:
             return self._changed.wait_for(predicate, timeout)
 
     def popen(self, argv: Sequence[str], env: dict[str, str] | None = None, stdout: Any = None, stderr: Any = None,
-              text: bool = False, **_: Any) -> ForkedProcess:
-        """``argv``: [python, "-m", module, *args], as subprocess.Popen would run it."""
+              text: bool = False, netns: str | None = None, **_: Any) -> ForkedProcess:
+        """``argv``: [python, "-m", module, *args], as subprocess.Popen would run it; ``netns``: the
+        network namespace (an ``ip netns`` name) to run it in."""
         if len(argv) < 3 or argv[1] != "-m":
             raise ValueError(f"the zygote runs `python -m MODULE ...` only, not {list(argv)}")
         with self._lock:
             self._count += 1
             out, err = (Path(self._dir.name) / f"{self._count}.{name}" for name in ("out", "err"))
             request = {"module": argv[2], "argv": list(argv[3:]), "env": dict(env if env is not None else os.environ),
-                       "stdout": str(out), "stderr": str(err)}
+                       "stdout": str(out), "stderr": str(err), "netns": netns}
             with self._changed:
                 self._forked.clear()
             self._proc.stdin.write(json.dumps(request) + "\n")
@@ -161,7 +164,29 @@ def torch_ranks(_server: int = 0) -> Callable[..., ForkedProcess]:
     return shared(TORCH_PRELOAD).popen
 
 
+def torch_ranks_in(namespaces: Sequence[str]) -> Callable[[int], Callable[..., ForkedProcess]]:
+    """``popen_for_server`` for an emulated cluster: server i's ranks forked into network namespace
+    ``namespaces[i]`` (``EmulatedNetwork.hosts[name].namespace``)."""
+    popen = shared(TORCH_PRELOAD).popen
+    return lambda server: lambda argv, **kw: popen(argv, netns=namespaces[server], **kw)
+
+
 # ---- the zygote process -------------------------------------------------------------------------
+
+
+def _enter_netns(name: str) -> None:
+    """setns(2) into the network namespace ``ip netns add NAME`` made (os.setns is Python 3.12's)."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into network namespace {name}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
 
 
 def _child(request: dict[str, Any]) -> None:
@@ -176,6 +201,8 @@ def _child(request: dict[str, Any]) -> None:
             os.dup2(f, fd)
             os.close(f)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        if request.get("netns"):  # the child is single-threaded: the whole process enters it
+            _enter_netns(request["netns"])
         os.environ.clear()
         os.environ.update(request["env"])
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
