@@ -13,9 +13,18 @@ from pathlib import Path
 
 import numpy as np
 
+from passing import cli
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports, start_aggregator, worker_inputs
+from passing.cli import free_udp_ports, worker_inputs
 from tests.zygote import CLI_PRELOAD, ForkedProcess, shared
+
+
+def start_aggregator(extra: list[str] | None = None, host: str = "127.0.0.1") -> tuple[ForkedProcess, dict]:
+    """``passing.cli.start_aggregator``, the process forked from one that imported passing already
+    (tests/zygote.py): a fresh interpreter spent about 0.3 s of CPU on its imports, and the suite
+    starts ~100 aggregators."""
+    return cli.start_aggregator(extra, host, popen=lambda argv, **kw: shared(CLI_PRELOAD).popen(
+        argv, live_stdout=True, **kw))
 
 
 def run_threads(work: Callable[[int], object], count: int, timeout: float = 60) -> list:

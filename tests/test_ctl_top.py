@@ -18,9 +18,9 @@ import pytest
 
 from cluster.local import BIN, free_tcp_port, start_controller
 from passing import Group
-from passing.cli import free_udp_ports, start_aggregator
+from passing.cli import free_udp_ports
 from passing.control import join, leave, report
-from tests.cluster import run_threads
+from tests.cluster import run_threads, start_aggregator
 
 pyte = pytest.importorskip("pyte", reason="pyte is not installed (pip install -e 'controller[test]')")
 

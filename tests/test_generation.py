@@ -16,10 +16,10 @@ import numpy as np
 
 from passing import wire
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports, start_aggregator
+from passing.cli import free_udp_ports
 from passing.stream import Group
 from passing.transport import BatchSocket, parse_endpoint
-from tests.cluster import run_threads
+from tests.cluster import run_threads, start_aggregator
 
 WORKERS, POOL, LANES = 2, 16, 64
 SIZE = 64 * 400  # 400 packets per worker and call
