@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import zmq
 
-from cluster.local import BIN, free_tcp_port, start_controller
+from cluster.local import BIN, free_tcp_port
 from passing import Group
 from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports
 from passing.control import ControllerError, join, leave, request
 from passing.keys import ClientKeys, KeysError
-from tests.cluster import run_threads, start_aggregator
+from tests.cluster import run_threads, start_aggregator, start_controller
 from tests.keys import ask
 
 WORKER = ClientKeys.load  # the session's worker key: what every job's workers hold

@@ -16,7 +16,9 @@ the tests use (``communicate``, ``poll``, ``wait``, ``returncode``, ``pid``, ``s
 ``Zygote.popen(..., netns=NAME)`` puts the child in network namespace NAME (as ``ip netns exec``
 would; root only): the ranks of an emulated cluster (cluster/netns.py) are forked too.
 
-Only for processes that would exec this same interpreter with ``-m``; torchrun is started as before.
+Only for processes that would exec this same interpreter with ``-m``, or a console script of its
+environment (``passing-controller``: its entry point is called as the script would call it);
+torchrun is started as before.
 """
 
 from __future__ import annotations
@@ -132,8 +134,12 @@ class Zygote:
         """``argv``: [python, "-m", module, *args], as subprocess.Popen would run it; ``netns``: the
         network namespace (an ``ip netns`` name) to run it in; ``live_stdout``: stdout is a pipe,
         ``proc.stdout``, read while the child runs (a service's ready line)."""
-        if len(argv) < 3 or argv[1] != "-m":
-            raise ValueError(f"the zygote runs `python -m MODULE ...` only, not {list(argv)}")
+        if len(argv) >= 3 and argv[1] == "-m":
+            run = {"module": argv[2], "argv": list(argv[3:])}
+        elif (entry := console_script(argv[0])) is not None:
+            run = {"entry": entry, "script": str(argv[0]), "argv": list(argv[1:])}
+        else:
+            raise ValueError(f"the zygote runs `python -m MODULE ...` or a console script only, not {list(argv)}")
         with self._lock:
             self._count += 1
             out, err, fifo = (Path(self._dir.name) / f"{self._count}.{name}" for name in ("out", "err", "fifo"))
@@ -143,7 +149,7 @@ class Zygote:
             if live_stdout:  # opened before the zygote opens its writing end: neither open waits
                 os.mkfifo(fifo, 0o600)
                 reading = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-            request = {"module": argv[2], "argv": list(argv[3:]), "env": dict(env if env is not None else os.environ),
+            request = {**run, "env": dict(env if env is not None else os.environ),
                        "stdout": str(out) if out else None, "stderr": str(err) if err else None, "netns": netns,
                        "stdout_fifo": str(fifo) if live_stdout else None}
             with self._changed:
@@ -180,8 +186,19 @@ class Zygote:
 
 
 TORCH_PRELOAD = ("tests.torch_worker", "demo.train", "sklearn.datasets")  # what the torch tests' ranks import
-CLI_PRELOAD = ("passing.cli",)  # passing-allreduce workers (tests/cluster.py)
+CLI_PRELOAD = ("passing.cli", "passing_controller.cli")  # workers, aggregators, controllers (tests/cluster.py)
 _shared: dict[tuple[str, ...], Zygote] = {}
+
+
+def console_script(path: str | os.PathLike) -> str | None:
+    """"module:function" of ``path`` when it is a console script of this environment, else None."""
+    from importlib.metadata import entry_points
+
+    path = Path(path)
+    if path.parent != Path(sys.executable).parent:
+        return None
+    found = entry_points(group="console_scripts", name=path.name)
+    return next(iter(found)).value if found else None
 
 
 def shared(preload: tuple[str, ...]) -> Zygote:
@@ -246,6 +263,12 @@ def _child(request: dict[str, Any], live_stdout: int | None) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if "entry" in request:  # what the console script does: sys.exit(function())
+            import importlib
+
+            sys.argv = [request["script"], *request["argv"]]
+            module, function = request["entry"].split(":")
+            sys.exit(getattr(importlib.import_module(module), function)())
         sys.argv = [request["module"], *request["argv"]]
         sys.modules.pop(request["module"], None)  # run as __main__, as `python -m` does (runpy warns otherwise)
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
