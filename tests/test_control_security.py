@@ -388,6 +388,7 @@ def blast(endpoint: str, keys: ClientKeys, messages: list[bytes], window: int = 
     return replies
 
 
+@pytest.mark.slow  # the campaign: `make test-all` runs it
 @pytest.mark.timeout(600)
 def test_campaign_of_100000_hostile_messages_while_a_job_runs(services):
     job, rng = services["job"], np.random.default_rng(21)

@@ -18,6 +18,7 @@ from passing.cli import free_udp_ports
 from tests.cluster import run_threads, start_aggregator
 
 LANES = wire.DEFAULT_LANES
+pytestmark = pytest.mark.slow  # a soak and a campaign: `make test-all` runs them
 
 
 def admitted_job(ready: dict, workers: int, pool: int) -> tuple[list[str], int]:

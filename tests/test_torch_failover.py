@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
 pytest.importorskip("sklearn", reason="scikit-learn is not installed (pip install -e 'host[test]')")
+pytestmark = pytest.mark.slow  # the fault campaign's training rows: two 8-epoch trainings each (make test-all)
 
 from cluster import netns  # noqa: E402
 from cluster.local import LocalServices, collect, launch_ranks, start_controller  # noqa: E402
