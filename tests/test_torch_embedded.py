@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from cluster import netns  # noqa: E402
 from cluster.local import BIN, REPO, collect, free_tcp_port, launch_ranks  # noqa: E402
-from tests.zygote import torch_ranks_in  # noqa: E402
+from tests.zygote import torch_ranks, torch_ranks_in  # noqa: E402
 
 WORKER = [sys.executable, "-m", "tests.torch_worker"]
 ANNOUNCEMENT = "no controller configured (PASSING_CONTROLLER unset, no pg_options.controller)"
@@ -102,7 +102,8 @@ def test_across_network_namespaces():
 def test_a_configured_controller_that_does_not_answer_is_an_error():
     silent = f"tcp://127.0.0.1:{free_tcp_port()}"
     # (two servers: a job on one server has no network stage and asks no controller)
-    procs = launch_ranks([*WORKER, "embedded"], 2, 1, {"PASSING_CONTROLLER": silent, "PASSING_JOIN_TIMEOUT": "1"})
+    procs = launch_ranks([*WORKER, "embedded"], 2, 1, {"PASSING_CONTROLLER": silent, "PASSING_JOIN_TIMEOUT": "1"},
+                         popen_for_server=torch_ranks)  # forked from a process that imported torch already
     for rc, report, stderr in collect(procs, 100):
         assert rc != 0 and report is None
         assert f"controller {silent} did not answer 'join'" in stderr, stderr[-3000:]
