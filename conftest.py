@@ -12,6 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 
 def pytest_configure(config):
     from passing_controller.keys import keygen
@@ -30,6 +32,7 @@ def pytest_deselected(items):
             1 for item in items if item.get_closest_marker("slow"))
 
 
+@pytest.hookimpl(trylast=True)  # after the durations, next to pytest's own summary
 def pytest_terminal_summary(terminalreporter, config):
     count = getattr(config, "_passing_slow_deselected", 0)
     if count:
