@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from cluster import netns  # noqa: E402
 from cluster.local import BIN, REPO, collect, free_tcp_port, launch_ranks  # noqa: E402
-from tests.zygote import torch_ranks  # noqa: E402
+from tests.zygote import torch_ranks, torch_ranks_in  # noqa: E402
 
 WORKER = [sys.executable, "-m", "tests.torch_worker"]
 ANNOUNCEMENT = "no controller configured (PASSING_CONTROLLER unset, no pg_options.controller)"
@@ -132,10 +132,11 @@ def test_the_embedded_ps_across_network_namespaces():
         pytest.skip(f"network namespaces unavailable: {why}")
     servers = ["server0", "server1"]
     with netns.EmulatedNetwork(servers) as net:
+        fork_in = torch_ranks_in([net.hosts[n].namespace for n in servers])  # forked from a process with torch
         procs = launch_ranks([*WORKER, "embedded"], 2, 2, {"PASSING_TIMEOUT": "20", "PASSING_REPORT_INTERVAL": "0.2",
                                                            "PASSING_EMBEDDED": "ps"},
-                             popen_for_server=lambda s: lambda argv, env, **kw: net.popen(
-                                 servers[s], argv, env=without_controller(env), **kw),
+                             popen_for_server=lambda s: lambda argv, env, **kw: fork_in(s)(
+                                 argv, env=without_controller(env), **kw),
                              env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},
                              master_host=net.hosts["server0"].ip)
         outcomes = collect(procs, 150)
@@ -151,7 +152,8 @@ def test_a_configured_controller_that_does_not_answer_is_an_error():
     """Not the ring, and not the embedded PS: the error, with the controller's name."""
     silent = f"tcp://127.0.0.1:{free_tcp_port()}"
     # (two servers: a job on one server has no network stage and asks no controller)
-    procs = launch_ranks([*WORKER, "embedded"], 2, 1, {"PASSING_CONTROLLER": silent, "PASSING_JOIN_TIMEOUT": "1"})
+    procs = launch_ranks([*WORKER, "embedded"], 2, 1, {"PASSING_CONTROLLER": silent, "PASSING_JOIN_TIMEOUT": "1"},
+                         popen_for_server=torch_ranks)  # forked from a process that imported torch already
     for rc, report, stderr in collect(procs, 100):
         assert rc != 0 and report is None
         assert f"controller {silent} did not answer 'join'" in stderr, stderr[-3000:]
