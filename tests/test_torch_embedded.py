@@ -88,9 +88,10 @@ def test_nothing_configured_across_network_namespaces():
         pytest.skip(f"network namespaces unavailable: {why}")
     servers = ["server0", "server1"]
     with netns.EmulatedNetwork(servers) as net:
+        fork_in = torch_ranks_in([net.hosts[n].namespace for n in servers])  # forked from a process with torch
         procs = launch_ranks([*WORKER, "allreduce", *SIZES], 2, 2, {"PASSING_TIMEOUT": "20"},
-                             popen_for_server=lambda s: lambda argv, env, **kw: net.popen(
-                                 servers[s], argv, env=without_controller(env), **kw),
+                             popen_for_server=lambda s: lambda argv, env, **kw: fork_in(s)(
+                                 argv, env=without_controller(env), **kw),
                              env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},
                              master_host=net.hosts["server0"].ip)
         check_ring(collect(procs, 240), 2)
