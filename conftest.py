@@ -1,6 +1,9 @@
 """The whole suite's control-plane keys (docs/security.md): one key directory made for the test
 session, found by every process the tests start through $PASSING_KEYS, and a job secret for
-the workers that join through a controller ($PASSING_JOB_SECRET)."""
+the workers that join through a controller ($PASSING_JOB_SECRET).
+
+And the `slow` marker's note: `make test` runs ``pytest -m "not slow"``; the summary then says
+how many slow tests (soaks, campaigns) it left out and how to run them."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+import pytest
 
 
 def pytest_configure(config):
@@ -18,6 +23,21 @@ def pytest_configure(config):
     config._passing_keys = directory
     os.environ["PASSING_KEYS"] = str(directory / "keys")
     os.environ.setdefault("PASSING_JOB_SECRET", os.urandom(16).hex())
+
+
+def pytest_deselected(items):
+    if items:
+        config = items[0].config
+        config._passing_slow_deselected = getattr(config, "_passing_slow_deselected", 0) + sum(
+            1 for item in items if item.get_closest_marker("slow"))
+
+
+@pytest.hookimpl(trylast=True)  # after the durations, next to pytest's own summary
+def pytest_terminal_summary(terminalreporter, config):
+    count = getattr(config, "_passing_slow_deselected", 0)
+    if count:
+        terminalreporter.write_line(f"{count} slow tests (soaks, campaigns) not run: `make test-all` runs everything "
+                                    "(CI does), `pytest -m slow` only them", yellow=True)
 
 
 def pytest_unconfigure(config):

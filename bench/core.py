@@ -12,10 +12,12 @@ One run measures, everything on this machine, on loopback, as separate processes
 4. the aggregator's CPU at a steady 5 000 packets/s of a 2-worker job, for each engine;
 5. the peak memory a 25M-float allreduce adds in a worker (native path, out= and out=None);
 6. allreduce under host-side loss (4 workers, 200 000 floats, loss 0/1/5/20 % each way);
-7. torch's all_reduce on backend "passing" with nothing configured (rank 0's embedded
-   controller and aggregator), against gloo in the same processes: one server of 2 ranks
-   (1 M float32), and 2, 4, 8 single-rank servers (8 MiB) on loopback; as root, 2 servers
-   in network namespaces over veths of MTU 1500 and 9000 (8 MiB).
+7. torch's all_reduce on backend "passing" with no controller configured, against gloo in
+   the same processes: one server of 2 ranks (1 M float32); then, for each mode (PASSING_EMBEDDED
+   off: the ring, gloo among each local rank's peers; ps: rank 0's embedded controller and
+   aggregator), 2, 4, 8 single-rank servers and 2 x 2, 4 x 2 ranks (8 MiB) on loopback, and as
+   root, servers in network namespaces over veths: 2 x 1, 2 x 2, 4 x 2 at MTU 1500, 2 x 1 at 9000.
+   Each row has the load average beside it.
 
 Prints tables and the targets next to the figures; writes bench/results/core.json. The
 figures include the CPU contention of the workers and the aggregator sharing the cores.
@@ -31,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +57,8 @@ TARGET_STEADY_CPU = 0.05  # native aggregator's CPU share at 5 kpps
 TARGET_MEMORY = 64 * MIB  # peak added by a 25M-float allreduce with out=
 TARGET_LOSS = {0.01: 1.5, 0.05: 2.5, 0.20: 10.0}  # time / loss-free time
 TARGET_ONE_SERVER_VS_GLOO = 1.2  # backend "passing" on one server / gloo, same processes
-TARGET_EMBEDDED_VS_GLOO = 1.5  # backend "passing", single-rank servers, embedded aggregator / gloo
+TARGET_RING_VS_GLOO = 1.05  # nothing configured, one rank per server (gloo's own all_reduce) / gloo
+TARGET_HIERARCHY_VS_GLOO = 1.0  # nothing configured, several ranks per server (in-host + peers) / gloo
 TARGET_RETRANSMISSIONS = 1e-4  # loss-free runs: retransmissions per packet sent
 
 
@@ -371,14 +375,15 @@ def gloo_allreduce(workers: int, elements: int, iterations: int) -> dict[str, An
     return {"workers": workers, "seconds": seconds, "gbit_per_s_per_worker": elements * 4 * 8 / seconds / 1e9}
 
 
-# ---- 7. torch's all_reduce on backend "passing", nothing configured, vs gloo ------------------
+# ---- 7. torch's all_reduce on backend "passing", no controller configured, vs gloo -------------
 
 
 def torch_worker(elements: int, iterations: int) -> None:
-    """One rank (torchrun's variables): backend "passing" with no controller configured (rank 0's
-    embedded controller and aggregator), and gloo among the same processes. Each call is timed
-    after a barrier; the two alternate call by call, so both see the same machine, and each
-    reports its median (a descheduled call on a shared 2-core machine moves a mean). Prints JSON."""
+    """One rank (torchrun's variables): backend "passing" with no controller configured (the mode
+    PASSING_EMBEDDED picks: the ring, or rank 0's embedded controller and aggregator), and gloo among
+    the same processes. Each call is timed after a barrier; the two alternate call by call (which
+    goes first alternates too), so both see the same machine, and each reports its median (a
+    descheduled call on a shared 2-core machine moves a mean). Prints JSON."""
     import torch
     import torch.distributed as dist
 
@@ -401,7 +406,8 @@ def torch_worker(elements: int, iterations: int) -> None:
     for i in range(1 + iterations):  # the first of each is a warm-up
         if i == 1:
             before = stats()
-        for name, group in (("passing", None), ("gloo", gloo)):
+        order = (("passing", None), ("gloo", gloo))
+        for name, group in order if i % 2 else reversed(order):  # neither always first after the barrier
             work = x.clone()
             dist.barrier(group=gloo)
             start = time.perf_counter()
@@ -436,15 +442,15 @@ def _mtu(network: Any, mtu: int) -> None:
             _sh("ip", "link", "set", name, "mtu", str(mtu), ns=network.switch.namespace)
 
 
-def torch_allreduce(servers: int, ranks: int, elements: int, iterations: int, mtu: int | None = None) \
-        -> dict[str, Any]:
-    """s servers x n ranks of torch_worker, nothing configured; with ``mtu``, each server a network
-    namespace on a veth of that MTU (root), else all on loopback."""
+def torch_allreduce(servers: int, ranks: int, elements: int, iterations: int, mtu: int | None = None,
+                    embedded: str = "off") -> dict[str, Any]:
+    """s servers x n ranks of torch_worker, no controller, PASSING_EMBEDDED=``embedded``; with ``mtu``,
+    each server a network namespace on a veth of that MTU (root), else all on loopback."""
     from cluster import netns
     from cluster.local import collect, launch_ranks
 
     argv = [sys.executable, __file__, "--torch-worker", str(elements), str(iterations)]
-    clean = {"PASSING_CONTROLLER": "", "PASSING_REPORT_INTERVAL": "0"}
+    clean = {"PASSING_CONTROLLER": "", "PASSING_EMBEDDED": embedded, "PASSING_REPORT_INTERVAL": "0"}
     if mtu is None:
         outcomes = collect(launch_ranks(argv, servers, ranks, clean), 1800)
     else:
@@ -457,7 +463,7 @@ def torch_allreduce(servers: int, ranks: int, elements: int, iterations: int, mt
                                  master_host=net.hosts[names[0]].ip)
             outcomes = collect(procs, 1800)
     reports = [r for _, r, _ in outcomes]
-    row: dict[str, Any] = {"servers": servers, "ranks": ranks, "elements": elements, "mtu": mtu}
+    row: dict[str, Any] = {"servers": servers, "ranks": ranks, "elements": elements, "mtu": mtu, "embedded": embedded}
     if any(r is None for r in reports):
         rc, _, err = next(o for o in outcomes if o[1] is None)
         return {**row, "ok": False, "error": (err.strip().splitlines() or [f"exit {rc}"])[-1]}
@@ -473,7 +479,25 @@ def torch_allreduce(servers: int, ranks: int, elements: int, iterations: int, mt
             "packets_sent": sent, "retransmissions": resent}
 
 
-# ---- main ------------------------------------------------------------------------------------
+def _layout(text: str) -> tuple[int, int]:
+    """'4x2' -> (4 servers, 2 ranks each)."""
+    servers, _, ranks = text.partition("x")
+    try:
+        return int(servers), int(ranks)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a layout is SERVERSxRANKS, e.g. 4x2") from None
+
+
+def _veth(text: str) -> tuple[int, int, int]:
+    """'2x2@1500' -> (2 servers, 2 ranks each, MTU 1500)."""
+    layout, _, mtu = text.partition("@")
+    try:
+        return (*_layout(layout), int(mtu))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a veth row is SERVERSxRANKS@MTU, e.g. 2x2@1500") from None
+
+
+# ---- the sections ------------------------------------------------------------------------------
 
 
 def _done(row: dict[str, Any] | None) -> bool:
@@ -485,6 +509,254 @@ def _ms(row: dict[str, Any] | None) -> str:
     if row is None:
         return "n/a"
     return f"{row['seconds'] * 1e3:.1f}" if "seconds" in row else "FAILED"
+
+
+def section_raw(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    print("\n== 1. raw batched UDP blast (one sender process, one receiver process) ==")
+    raw: dict[str, Any] = {}
+    for mode, offload in (("offload", True), ("plain", False)):
+        raw[mode] = r = raw_blast(args.lanes, args.blast_seconds, offload)
+        print(f"{mode:>7}: {r['packets_per_s'] / 1e3:7.0f} kpps received ({r['gbit_per_s']:.2f} Gbit/s; "
+              f"{r['received']}/{r['sent']} delivered)", flush=True)
+    return raw
+
+
+def section_capacity(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    print("\n== 2. the aggregator alone, open loop, GSO/GRO ==")
+    print(f"{'engine':>7} | {'workers':>7} | {'taken kpps':>10} | {'CPU':>5} | {'us/packet':>9} | "
+          f"{'kpps per busy core':>18} | {'vs raw GSO':>10}")
+    raw = results["raw"]
+    capacity: dict[str, dict[str, Any]] = {e: {} for e in args.engines}
+    for engine in args.engines:
+        for n in args.workers:
+            c = aggregator_capacity(engine, n, args.lanes, args.pool, args.blast_seconds)
+            c["vs_raw_gso"] = c["capacity_packets_per_s"] / raw["offload"]["packets_per_s"] if raw else None
+            capacity[engine][str(n)] = c
+            print(f"{engine:>7} | {n:>7} | {c['packets_per_s'] / 1e3:10.0f} | {c['cpu_share']:5.0%} | "
+                  f"{c['cpu_us_per_packet']:9.3f} | {c['capacity_packets_per_s'] / 1e3:18.0f} | "
+                  f"{c['vs_raw_gso'] or 0:10.0%}", flush=True)
+    return capacity
+
+
+def section_allreduce(args: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
+    engines = args.engines
+    print(f"\n== 3. allreduce of {args.elements} float32, ms per call (1 warm-up + {args.iterations} timed), "
+          f"aggregator CPU ms per call ==")
+    print(f"{'workers':>7} | {'lanes':>5} | {'native ms':>9} | {'numpy ms':>9} | {'gloo ms':>8} | "
+          f"{'native/numpy speed-up':>21} | {'native/gloo':>11} | {'agg CPU ms nat/np':>17} | "
+          f"{'retx nat/np':>11} | {'exact':>5}")
+    configs = [(n, args.lanes, args.pool) for n in args.workers]
+    if args.wide_lanes:
+        configs.append((2, args.wide_lanes, args.wide_pool))
+    gloo: dict[int, dict[str, Any] | None] = {}
+    allreduce: list[dict[str, Any]] = []
+    for n, lanes, pool in configs:
+        if n not in gloo:
+            gloo[n] = gloo_allreduce(n, args.elements, args.iterations)
+        row: dict[str, Any] = {"workers": n, "lanes": lanes, "pool": pool, "gloo": gloo[n]}
+        for engine in engines:
+            row[engine] = passing_allreduce(engine, n, args.elements, lanes, pool, args.iterations)
+        nat, nump, gl = row.get("native"), row.get("numpy"), gloo[n]
+        row["speedup"] = nump["seconds"] / nat["seconds"] if _done(nat) and _done(nump) else None
+        row["native_vs_gloo"] = nat["seconds"] / gl["seconds"] if _done(nat) and gl else None
+        allreduce.append(row)
+        cpu = "/".join(f"{row[e]['aggregator_cpu_ms_per_call']:.0f}" if _done(row[e]) else "-" for e in engines)
+        retx = "/".join(str(row[e]["retransmissions"]) if _done(row[e]) else "-" for e in engines)
+        exact = all(row[e]["ok"] for e in engines)
+        speedup = f"{row['speedup']:.1f}x" if row["speedup"] else "n/a"
+        vs_gloo = f"{row['native_vs_gloo']:.1f}x" if row["native_vs_gloo"] else "n/a"
+        print(f"{n:>7} | {lanes:>5} | {_ms(nat):>9} | {_ms(nump):>9} | {_ms(gl):>8} | {speedup:>21} | "
+              f"{vs_gloo:>11} | {cpu:>17} | {retx:>11} | {'yes' if exact else 'NO':>5}", flush=True)
+    return allreduce
+
+
+def section_steady(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    print(f"\n== 4. aggregator CPU at a steady {args.steady_rate:.0f} packets/s (2-worker job, "
+          f"{args.steady_seconds:g} s, every round completes) ==")
+    steady: dict[str, Any] = {}
+    for engine in args.engines:
+        s = steady[engine] = aggregator_steady(engine, args.steady_rate, args.steady_seconds, args.lanes, args.pool)
+        print(f"{engine:>7}: {s['cpu_share']:6.2%} of a core ({s['cpu_us_per_packet']:.1f} us/packet; idle "
+              f"{s['idle_cpu_share']:.2%}) at {s['offered_packets_per_s']:.0f} packets/s offered; "
+              f"{s['completed']}/{s['rounds']} rounds completed, "
+              f"{s['results_received']}/{s['packets']} RESULTs back", flush=True)
+    if "native" in args.engines:
+        f = steady["floor"] = aggregator_steady("native", args.steady_rate, args.steady_seconds, args.lanes,
+                                                args.pool, admit=False)
+        print(f"  floor: {f['cpu_share']:6.2%} of a core ({f['cpu_us_per_packet']:.1f} us/packet) for the same "
+              f"packets of a job not admitted ({f['rejected']}/{f['packets']} rejected, nothing sent): waking up, "
+              f"reading and parsing one packet at a time", flush=True)
+    return steady
+
+
+def section_memory(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    print(f"\n== 5. peak memory added by one allreduce of {args.memory_elements} float32 "
+          f"({args.memory_elements * 4 / MIB:.0f} MiB), 2 workers, native path ==")
+    memory: dict[str, Any] = {}
+    if "native" in args.engines:
+        for use_out in (True, False):
+            m = memory["out" if use_out else "out=None"] = allreduce_memory(
+                "native", args.memory_elements, args.lanes, args.pool, use_out)
+            resets = all(w["hwm_reset"] for w in m["workers"])
+            print(f"{'out=' if use_out else 'out=None':>8}: {m['added'] / MIB:7.1f} MiB peak over the RSS "
+                  "with input and output allocated (worst worker; VmHWM "
+                  f"{'reset' if resets else 'NOT reset: upper bound'}), "
+                  f"call {m['seconds'] * 1e3:.0f} ms", flush=True)
+    return memory
+
+
+def section_loss(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    print(f"\n== 6. loss: {args.loss_workers} workers, {args.loss_elements} float32, pool {args.loss_pool}, "
+          f"1 warm-up + {args.loss_iterations} timed, host-side loss each way at every worker ==")
+    print(f"{'engine':>7} | {'loss':>5} | {'ms/call':>8} | {'vs no loss':>10} | {'target':>6} | {'retx':>6} | "
+          f"{'exact':>5}")
+    loss: dict[str, list[dict[str, Any]]] = {}
+    for engine in args.engines:
+        loss[engine] = []
+        for p in sorted(args.loss):
+            r = passing_allreduce(engine, args.loss_workers, args.loss_elements, args.lanes, args.loss_pool,
+                                  args.loss_iterations, drop=p)
+            base = loss[engine][0] if loss[engine] else r
+            r["vs_no_loss"] = r["seconds"] / base["seconds"] if _done(r) and _done(base) else None
+            loss[engine].append(r)
+            ratio = f"{r['vs_no_loss']:.2f}x" if r["vs_no_loss"] else "n/a"
+            goal = f"{TARGET_LOSS[p]:g}x" if p in TARGET_LOSS else "-"
+            print(f"{engine:>7} | {p:5.0%} | {_ms(r):>8} | {ratio:>10} | {goal:>6} | "
+                  f"{r.get('retransmissions', '-'):>6} | {'yes' if r['ok'] else 'NO':>5}"
+                  + (f"  ({r['error']})" if "error" in r else ""), flush=True)
+    return loss
+
+
+def section_torch(args: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
+    print(f"\n== 7. torch all_reduce on backend \"passing\", no controller configured, vs gloo in the same processes "
+          f"(1 warm-up + {args.torch_iterations} timed, alternating; medians). embedded off: the ring (gloo among "
+          f"each local rank's peers); ps: rank 0's embedded controller and aggregator ==")
+    print(f"{'servers x ranks':>15} | {'where':>10} | {'elements':>9} | {'embedded':>8} | {'mode':>7} | {'lanes':>5} | "
+          f"{'passing ms':>10} | {'gloo ms':>8} | {'vs gloo':>7} | {'bit-identical':>13} | {'exact':>5} | "
+          f"{'retx/packets':>12} | load")
+    runs: list[tuple[int, int, int, int | None, str]] = []
+    if args.one_server_elements:
+        runs.append((1, 2, args.one_server_elements, None, "off"))
+    for embedded in args.torch_embedded:
+        runs += [(s, n, args.torch_elements, None, embedded) for s, n in args.torch_layouts]
+        if os.geteuid() == 0:
+            runs += [(s, n, args.torch_elements, mtu, embedded) for s, n, mtu in args.veths]
+    if os.geteuid() != 0 and args.veths:
+        print("  (the network-namespace rows need root: skipped)")
+    rows: list[dict[str, Any]] = []
+    for servers, ranks, elements, mtu, embedded in runs:
+        t = torch_allreduce(servers, ranks, elements, args.torch_iterations, mtu, embedded)
+        t["loadavg"] = os.getloadavg()[0]  # the machine's load over the last minute, next to the figure
+        rows.append(t)
+        where = f"veth {mtu}" if mtu else "loopback"
+        head = f"{f'{servers} x {ranks}':>15} | {where:>10} | {elements:>9} | {embedded:>8}"
+        if not t["ok"] and "error" in t:
+            print(f"{head} | FAILED: {t['error']}", flush=True)
+            continue
+        print(f"{head} | {t['mode']:>7} | {t['lanes'] or '-':>5} | {t['passing_seconds'] * 1e3:10.1f} | "
+              f"{t['gloo_seconds'] * 1e3:8.1f} | {t['vs_gloo']:6.2f}x | "
+              f"{'yes' if t['identical_to_gloo'] else 'no':>13} | {'yes' if t['ok'] else 'NO':>5} | "
+              f"{t['retransmissions']:>5}/{t['packets_sent']} | {t['loadavg']:.2f}", flush=True)
+    return rows
+
+
+# number -> (key in the results, the function that runs and prints it)
+SECTIONS: dict[int, tuple[str, Callable[[argparse.Namespace, dict[str, Any]], Any]]] = {
+    1: ("raw", section_raw), 2: ("aggregator_alone", section_capacity), 3: ("allreduce", section_allreduce),
+    4: ("steady", section_steady), 5: ("memory", section_memory), 6: ("loss", section_loss),
+    7: ("torch", section_torch),
+}
+EMPTY: dict[str, Any] = {"raw": {}, "aggregator_alone": {}, "allreduce": [], "steady": {}, "memory": {}, "loss": {},
+                         "torch": []}
+
+
+class Targets:
+    """The targets judged so far, each printed as it is judged."""
+
+    def __init__(self) -> None:
+        self.judged: list[dict[str, Any]] = []
+
+    def judge(self, what: str, value: float | None, goal: float, higher_is_better: bool, text: str) -> None:
+        met = value is not None and (value >= goal if higher_is_better else value <= goal)
+        self.judged.append({"what": what, "value": value, "target": goal, "met": met})
+        print(f"  {what}: {text} -> {_verdict(met)}")
+
+
+def judge_host_targets(args: argparse.Namespace, results: dict[str, Any], targets: Targets) -> None:
+    """Sections 1-6: the aggregator, the host engine, memory and loss."""
+    engines, raw, steady = args.engines, results["raw"], results["steady"]
+    if "native" in engines:
+        for n, c in results["aggregator_alone"].get("native", {}).items() if raw else []:
+            targets.judge(f"native aggregator alone, {n} workers, capacity vs raw GSO", c["vs_raw_gso"],
+                          TARGET_CAPACITY_VS_RAW, True,
+                          f"{c['vs_raw_gso']:.0%} (target >= {TARGET_CAPACITY_VS_RAW:.0%})")
+        for row in results["allreduce"]:
+            if row["speedup"] and row["workers"] == 2 and row["lanes"] == args.lanes:
+                targets.judge("native speed-up over numpy, 8 MiB, 2 workers", row["speedup"], TARGET_SPEEDUP, True,
+                              f"{row['speedup']:.1f}x (target >= {TARGET_SPEEDUP:g}x)")
+        for row in results["allreduce"]:
+            if row["native_vs_gloo"]:
+                targets.judge(f"native/gloo, {row['workers']} workers, {row['lanes']} lanes", row["native_vs_gloo"],
+                              TARGET_VS_GLOO, False, f"{row['native_vs_gloo']:.1f}x (target <= {TARGET_VS_GLOO:g}x)")
+        s = steady.get("native")
+        if s:
+            targets.judge(f"native aggregator CPU at {args.steady_rate:.0f} pps", s["cpu_share"], TARGET_STEADY_CPU,
+                          False, f"{s['cpu_share']:.2%} of a core (target <= {TARGET_STEADY_CPU:.0%}; the receive-only "
+                          f"floor on this machine: {steady['floor']['cpu_share']:.2%})")
+        m = results["memory"].get("out")
+        if m:
+            targets.judge(f"peak memory added, {args.memory_elements} floats, out=", m["added"] / MIB,
+                          TARGET_MEMORY / MIB, False,
+                          f"{m['added'] / MIB:.1f} MiB (target <= {TARGET_MEMORY / MIB:.0f} MiB)")
+    for engine in engines:
+        for r in results["loss"].get(engine, []):
+            goal = TARGET_LOSS.get(r["drop"])
+            if goal is not None:
+                value = r["vs_no_loss"] if r["ok"] else None
+                targets.judge(f"{engine} under {r['drop']:.0%} loss vs no loss (exact)", value, goal, False,
+                              f"{value:.2f}x (target <= {goal:g}x)" if value else "failed or inexact")
+    for row in results["allreduce"]:  # loss-free runs: spurious retransmissions
+        for engine in engines:
+            r = row.get(engine)
+            if _done(r) and r.get("packets_sent"):
+                rate = r["retransmissions"] / r["packets_sent"]
+                targets.judge(f"{engine} retransmissions per packet, {row['workers']} workers, {row['lanes']} lanes, "
+                              "no loss", rate, TARGET_RETRANSMISSIONS, False, f"{r['retransmissions']} of "
+                              f"{r['packets_sent']} (target <= 1 per {1 / TARGET_RETRANSMISSIONS:.0f})")
+
+
+def judge_torch_targets(results: dict[str, Any], targets: Targets) -> None:
+    """Section 7: the one-server row and the ring's rows against gloo; every row exact; the embedded
+    PS's rows are figures for the record, with no time target."""
+    for t in results["torch"]:
+        mode = f"embedded {t['embedded']}" if t["servers"] > 1 else "one server"
+        name = f"torch {t['servers']} x {t['ranks']} ({mode})"
+        if "error" in t:
+            targets.judge(name, None, 0, False, f"failed: {t['error']}")
+            continue
+        where = f"veths of MTU {t['mtu']}" if t["mtu"] else "loopback"
+        if t["servers"] == 1:
+            targets.judge(f"{name}: bit-identical to gloo", float(t["identical_to_gloo"]), 1.0, True,
+                          "yes" if t["identical_to_gloo"] else "no")
+            goal: float | None = TARGET_ONE_SERVER_VS_GLOO
+        elif t["embedded"] == "off":
+            goal = TARGET_RING_VS_GLOO if t["ranks"] == 1 else TARGET_HIERARCHY_VS_GLOO
+            if t["ranks"] == 1:
+                targets.judge(f"{name} on {where}: bit-identical to gloo", float(t["identical_to_gloo"]), 1.0, True,
+                              "yes" if t["identical_to_gloo"] else "no")
+        else:
+            goal = None
+        if goal is not None:
+            targets.judge(f"{name} on {where} vs gloo (exact)", t["vs_gloo"] if t["ok"] else None, goal, False,
+                          f"{t['vs_gloo']:.2f}x at load {t['loadavg']:.2f} (target <= {goal:g}x)"
+                          + ("" if t["ok"] else ", NOT exact"))
+        else:
+            targets.judge(f"{name} on {where}: exact", float(t["ok"]), 1.0, True,
+                          f"{'yes' if t['ok'] else 'NO'} ({t['vs_gloo']:.2f}x gloo at load {t['loadavg']:.2f}, "
+                          "for the record)")
+        if t["packets_sent"]:
+            targets.judge(f"{name} on {where}: retransmissions per packet", t["retransmissions"] / t["packets_sent"],
+                          TARGET_RETRANSMISSIONS, False, f"{t['retransmissions']} of {t['packets_sent']}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -509,22 +781,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--loss-iterations", type=int, default=10)
     p.add_argument("--loss", type=float, nargs="+", default=[0.0, 0.01, 0.05, 0.20],
                    help="host-side loss each way at every worker (0 is the reference)")
-    p.add_argument("--torch-servers", type=int, nargs="*", default=[2, 4, 8],
-                   help="section 7: single-rank servers on loopback (none: skip those rows)")
+    p.add_argument("--torch-layouts", type=_layout, nargs="*", default=[(2, 1), (4, 1), (8, 1), (2, 2), (4, 2)],
+                   metavar="SxN", help="section 7: servers x ranks per server on loopback (none: skip those rows)")
+    p.add_argument("--veths", type=_veth, nargs="*", default=[(2, 1, 1500), (2, 2, 1500), (4, 2, 1500), (2, 1, 9000)],
+                   metavar="SxN@MTU", help="section 7: servers in network namespaces on veths of that MTU (root only)")
+    p.add_argument("--torch-embedded", nargs="+", choices=("off", "ps"), default=["off", "ps"],
+                   help="section 7: the PASSING_EMBEDDED values to run the rows with (off: the ring; ps: rank 0's PS)")
     p.add_argument("--torch-elements", type=int, default=2 * 1024 * 1024)
     p.add_argument("--one-server-elements", type=int, default=1_000_000,
                    help="section 7: float32 elements of the one-server row (0: skip it)")
     p.add_argument("--torch-iterations", type=int, default=20,
                    help="section 7: timed calls of each (after one warm-up); the median is reported")
-    p.add_argument("--mtus", type=int, nargs="*", default=[1500, 9000],
-                   help="section 7: 2 servers in network namespaces on veths of these MTUs (root only)")
-    p.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7],
+    p.add_argument("--sections", type=int, nargs="+", choices=sorted(SECTIONS), default=sorted(SECTIONS),
                    help="run only these sections (the targets of the others are not judged)")
     p.add_argument("--out", type=Path, default=RESULTS / "core.json")
     args = p.parse_args()
     if args.quick:
         args.workers, args.blast_seconds, args.steady_seconds, args.loss = [2], 1.0, 2.0, [0.0, 0.05]
-        args.torch_servers, args.mtus = [2], []
+        args.torch_layouts, args.veths = [(2, 1), (2, 2)], []
     if 0.0 not in args.loss:
         args.loss = [0.0, *args.loss]
     return args
@@ -532,7 +806,6 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    engines = args.engines
     machine = {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                "numpy": np.__version__, "loadavg_at_start": os.getloadavg()}
     print(f"machine: {machine['cores']} cores, {machine['platform']}, python {machine['python']}, "
@@ -540,204 +813,23 @@ def main() -> int:
     print(f"buffer: {args.elements} float32 ({args.elements * 4 / MIB:.1f} MiB), "
           f"{args.lanes} lanes/packet ({wire.packet_size(args.lanes)} B), pool {args.pool}", flush=True)
     started = time.perf_counter()
-
-    raw: dict[str, Any] = {}
-    capacity: dict[str, dict[str, Any]] = {e: {} for e in engines}
-    allreduce: list[dict[str, Any]] = []
-    steady: dict[str, Any] = {}
-    memory: dict[str, Any] = {}
-    loss: dict[str, list[dict[str, Any]]] = {}
-    torch_rows: list[dict[str, Any]] = []
-    if 1 in args.sections:
-        print("\n== 1. raw batched UDP blast (one sender process, one receiver process) ==")
-        for mode, offload in (("offload", True), ("plain", False)):
-            raw[mode] = r = raw_blast(args.lanes, args.blast_seconds, offload)
-            print(f"{mode:>7}: {r['packets_per_s'] / 1e3:7.0f} kpps received ({r['gbit_per_s']:.2f} Gbit/s; "
-                  f"{r['received']}/{r['sent']} delivered)", flush=True)
-
-    if 2 in args.sections:
-        print("\n== 2. the aggregator alone, open loop, GSO/GRO ==")
-        print(f"{'engine':>7} | {'workers':>7} | {'taken kpps':>10} | {'CPU':>5} | {'us/packet':>9} | "
-              f"{'kpps per busy core':>18} | {'vs raw GSO':>10}")
-        for engine in engines:
-            for n in args.workers:
-                c = aggregator_capacity(engine, n, args.lanes, args.pool, args.blast_seconds)
-                c["vs_raw_gso"] = c["capacity_packets_per_s"] / raw["offload"]["packets_per_s"] if raw else None
-                capacity[engine][str(n)] = c
-                print(f"{engine:>7} | {n:>7} | {c['packets_per_s'] / 1e3:10.0f} | {c['cpu_share']:5.0%} | "
-                      f"{c['cpu_us_per_packet']:9.3f} | {c['capacity_packets_per_s'] / 1e3:18.0f} | "
-                      f"{c['vs_raw_gso'] or 0:10.0%}", flush=True)
-
-    if 3 in args.sections:
-        print(f"\n== 3. allreduce of {args.elements} float32, ms per call (1 warm-up + {args.iterations} timed), "
-              f"aggregator CPU ms per call ==")
-        print(f"{'workers':>7} | {'lanes':>5} | {'native ms':>9} | {'numpy ms':>9} | {'gloo ms':>8} | "
-              f"{'native/numpy speed-up':>21} | {'native/gloo':>11} | {'agg CPU ms nat/np':>17} | "
-              f"{'retx nat/np':>11} | {'exact':>5}")
-        configs = [(n, args.lanes, args.pool) for n in args.workers]
-        if args.wide_lanes:
-            configs.append((2, args.wide_lanes, args.wide_pool))
-        gloo: dict[int, dict[str, Any] | None] = {}
-        for n, lanes, pool in configs:
-            if n not in gloo:
-                gloo[n] = gloo_allreduce(n, args.elements, args.iterations)
-            row: dict[str, Any] = {"workers": n, "lanes": lanes, "pool": pool, "gloo": gloo[n]}
-            for engine in engines:
-                row[engine] = passing_allreduce(engine, n, args.elements, lanes, pool, args.iterations)
-            nat, nump, gl = row.get("native"), row.get("numpy"), gloo[n]
-            row["speedup"] = nump["seconds"] / nat["seconds"] if _done(nat) and _done(nump) else None
-            row["native_vs_gloo"] = nat["seconds"] / gl["seconds"] if _done(nat) and gl else None
-            allreduce.append(row)
-            cpu = "/".join(f"{row[e]['aggregator_cpu_ms_per_call']:.0f}" if _done(row[e]) else "-" for e in engines)
-            retx = "/".join(str(row[e]["retransmissions"]) if _done(row[e]) else "-" for e in engines)
-            exact = all(row[e]["ok"] for e in engines)
-            speedup = f"{row['speedup']:.1f}x" if row["speedup"] else "n/a"
-            vs_gloo = f"{row['native_vs_gloo']:.1f}x" if row["native_vs_gloo"] else "n/a"
-            print(f"{n:>7} | {lanes:>5} | {_ms(nat):>9} | {_ms(nump):>9} | {_ms(gl):>8} | {speedup:>21} | "
-                  f"{vs_gloo:>11} | {cpu:>17} | {retx:>11} | {'yes' if exact else 'NO':>5}", flush=True)
-
-    if 4 in args.sections:
-        print(f"\n== 4. aggregator CPU at a steady {args.steady_rate:.0f} packets/s (2-worker job, "
-              f"{args.steady_seconds:g} s, every round completes) ==")
-        for engine in engines:
-            s = steady[engine] = aggregator_steady(engine, args.steady_rate, args.steady_seconds, args.lanes, args.pool)
-            print(f"{engine:>7}: {s['cpu_share']:6.2%} of a core ({s['cpu_us_per_packet']:.1f} us/packet; idle "
-                  f"{s['idle_cpu_share']:.2%}) at {s['offered_packets_per_s']:.0f} packets/s offered; "
-                  f"{s['completed']}/{s['rounds']} rounds completed, "
-                  f"{s['results_received']}/{s['packets']} RESULTs back", flush=True)
-        if "native" in engines:
-            f = steady["floor"] = aggregator_steady("native", args.steady_rate, args.steady_seconds, args.lanes,
-                                                    args.pool, admit=False)
-            print(f"  floor: {f['cpu_share']:6.2%} of a core ({f['cpu_us_per_packet']:.1f} us/packet) for the same "
-                  f"packets of a job not admitted ({f['rejected']}/{f['packets']} rejected, nothing sent): waking up, "
-                  f"reading and parsing one packet at a time", flush=True)
-
-    if 5 in args.sections:
-        print(f"\n== 5. peak memory added by one allreduce of {args.memory_elements} float32 "
-              f"({args.memory_elements * 4 / MIB:.0f} MiB), 2 workers, native path ==")
-        if "native" in engines:
-            for use_out in (True, False):
-                m = memory["out" if use_out else "out=None"] = allreduce_memory(
-                    "native", args.memory_elements, args.lanes, args.pool, use_out)
-                resets = all(w["hwm_reset"] for w in m["workers"])
-                print(f"{'out=' if use_out else 'out=None':>8}: {m['added'] / MIB:7.1f} MiB peak over the RSS "
-                      "with input and output allocated (worst worker; VmHWM "
-                      f"{'reset' if resets else 'NOT reset: upper bound'}), "
-                      f"call {m['seconds'] * 1e3:.0f} ms", flush=True)
-
-    if 6 in args.sections:
-        print(f"\n== 6. loss: {args.loss_workers} workers, {args.loss_elements} float32, pool {args.loss_pool}, "
-              f"1 warm-up + {args.loss_iterations} timed, host-side loss each way at every worker ==")
-        print(f"{'engine':>7} | {'loss':>5} | {'ms/call':>8} | {'vs no loss':>10} | {'target':>6} | {'retx':>6} | "
-              f"{'exact':>5}")
-        for engine in engines:
-            loss[engine] = []
-            for p in sorted(args.loss):
-                r = passing_allreduce(engine, args.loss_workers, args.loss_elements, args.lanes, args.loss_pool,
-                                      args.loss_iterations, drop=p)
-                base = loss[engine][0] if loss[engine] else r
-                r["vs_no_loss"] = r["seconds"] / base["seconds"] if _done(r) and _done(base) else None
-                loss[engine].append(r)
-                ratio = f"{r['vs_no_loss']:.2f}x" if r["vs_no_loss"] else "n/a"
-                goal = f"{TARGET_LOSS[p]:g}x" if p in TARGET_LOSS else "-"
-                print(f"{engine:>7} | {p:5.0%} | {_ms(r):>8} | {ratio:>10} | {goal:>6} | "
-                      f"{r.get('retransmissions', '-'):>6} | {'yes' if r['ok'] else 'NO':>5}"
-                      + (f"  ({r['error']})" if "error" in r else ""), flush=True)
-
-    if 7 in args.sections:
-        print(f"\n== 7. torch all_reduce on backend \"passing\", nothing configured (embedded aggregator), vs gloo in "
-              f"the same processes (1 warm-up + {args.torch_iterations} timed, alternating; medians) ==")
-        print(f"{'servers x ranks':>15} | {'where':>10} | {'elements':>9} | {'mode':>6} | {'lanes':>5} | "
-              f"{'passing ms':>10} | {'gloo ms':>8} | {'vs gloo':>7} | {'bit-identical':>13} | {'exact':>5} | "
-              f"{'retx/packets':>12}")
-        runs = [(1, 2, args.one_server_elements, None)] if args.one_server_elements else []
-        runs += [(n, 1, args.torch_elements, None) for n in args.torch_servers]
-        if os.geteuid() == 0:
-            runs += [(2, 1, args.torch_elements, mtu) for mtu in args.mtus]
-        elif args.mtus:
-            print("  (the network-namespace rows need root: skipped)")
-        for servers, ranks, elements, mtu in runs:
-            t = torch_allreduce(servers, ranks, elements, args.torch_iterations, mtu)
-            torch_rows.append(t)
-            where = f"veth {mtu}" if mtu else "loopback"
-            if not t["ok"] and "error" in t:
-                print(f"{f'{servers} x {ranks}':>15} | {where:>10} | {elements:>9} | FAILED: {t['error']}", flush=True)
-                continue
-            print(f"{f'{servers} x {ranks}':>15} | {where:>10} | {elements:>9} | {t['mode']:>6} | "
-                  f"{t['lanes'] or '-':>5} | {t['passing_seconds'] * 1e3:10.1f} | {t['gloo_seconds'] * 1e3:8.1f} | "
-                  f"{t['vs_gloo']:6.2f}x | {'yes' if t['identical_to_gloo'] else 'no':>13} | "
-                  f"{'yes' if t['ok'] else 'NO':>5} | {t['retransmissions']:>5}/{t['packets_sent']}", flush=True)
+    results = dict(EMPTY)
+    for number in sorted(args.sections):
+        key, run = SECTIONS[number]
+        results[key] = run(args, results)
 
     print("\n== targets ==")
-    targets: list[dict[str, Any]] = []
-
-    def target(what: str, value: float | None, goal: float, higher_is_better: bool, text: str) -> None:
-        met = value is not None and (value >= goal if higher_is_better else value <= goal)
-        targets.append({"what": what, "value": value, "target": goal, "met": met})
-        print(f"  {what}: {text} -> {_verdict(met)}")
-
-    if "native" in engines:
-        for n, c in capacity["native"].items() if raw else []:
-            target(f"native aggregator alone, {n} workers, capacity vs raw GSO", c["vs_raw_gso"],
-                   TARGET_CAPACITY_VS_RAW, True, f"{c['vs_raw_gso']:.0%} (target >= {TARGET_CAPACITY_VS_RAW:.0%})")
-        for row in allreduce:
-            if row["speedup"] and row["workers"] == 2 and row["lanes"] == args.lanes:
-                target("native speed-up over numpy, 8 MiB, 2 workers", row["speedup"], TARGET_SPEEDUP, True,
-                       f"{row['speedup']:.1f}x (target >= {TARGET_SPEEDUP:g}x)")
-        for row in allreduce:
-            if row["native_vs_gloo"]:
-                target(f"native/gloo, {row['workers']} workers, {row['lanes']} lanes", row["native_vs_gloo"],
-                       TARGET_VS_GLOO, False, f"{row['native_vs_gloo']:.1f}x (target <= {TARGET_VS_GLOO:g}x)")
-        s = steady.get("native")
-        if s:
-            target(f"native aggregator CPU at {args.steady_rate:.0f} pps", s["cpu_share"], TARGET_STEADY_CPU, False,
-                   f"{s['cpu_share']:.2%} of a core (target <= {TARGET_STEADY_CPU:.0%}; the receive-only floor "
-                   f"on this machine: {steady['floor']['cpu_share']:.2%})")
-        m = memory.get("out")
-        if m:
-            target(f"peak memory added, {args.memory_elements} floats, out=", m["added"] / MIB, TARGET_MEMORY / MIB,
-                   False, f"{m['added'] / MIB:.1f} MiB (target <= {TARGET_MEMORY / MIB:.0f} MiB)")
-    for engine in engines:
-        for r in loss.get(engine, []):
-            goal = TARGET_LOSS.get(r["drop"])
-            if goal is not None:
-                value = r["vs_no_loss"] if r["ok"] else None
-                target(f"{engine} under {r['drop']:.0%} loss vs no loss (exact)", value, goal, False,
-                       f"{value:.2f}x (target <= {goal:g}x)" if value else "failed or inexact")
-
-    for row in allreduce:  # loss-free runs: spurious retransmissions
-        for engine in engines:
-            r = row.get(engine)
-            if _done(r) and r.get("packets_sent"):
-                rate = r["retransmissions"] / r["packets_sent"]
-                target(f"{engine} retransmissions per packet, {row['workers']} workers, {row['lanes']} lanes, "
-                       "no loss", rate, TARGET_RETRANSMISSIONS, False, f"{r['retransmissions']} of "
-                       f"{r['packets_sent']} (target <= 1 per {1 / TARGET_RETRANSMISSIONS:.0f})")
-    for t in torch_rows:
-        if "error" in t:
-            target(f"torch {t['servers']} x {t['ranks']}", None, 0, False, f"failed: {t['error']}")
-            continue
-        where = f"veths of MTU {t['mtu']}" if t["mtu"] else "loopback"
-        goal = TARGET_ONE_SERVER_VS_GLOO if t["servers"] == 1 else TARGET_EMBEDDED_VS_GLOO
-        if t["servers"] == 1:
-            target("torch one server x 2 ranks: bit-identical to gloo", float(t["identical_to_gloo"]), 1.0, True,
-                   "yes" if t["identical_to_gloo"] else "no")
-        target(f"torch {t['servers']} x {t['ranks']} on {where} vs gloo (exact)", t["vs_gloo"] if t["ok"] else None,
-               goal, False, f"{t['vs_gloo']:.2f}x (target <= {goal:g}x)" + ("" if t["ok"] else ", NOT exact"))
-        if t["packets_sent"]:
-            target(f"torch {t['servers']} x {t['ranks']} on {where}: retransmissions per packet",
-                   t["retransmissions"] / t["packets_sent"], TARGET_RETRANSMISSIONS, False,
-                   f"{t['retransmissions']} of {t['packets_sent']}")
+    targets = Targets()
+    judge_host_targets(args, results, targets)
+    judge_torch_targets(results, targets)
 
     elapsed = time.perf_counter() - started
     machine["loadavg_at_end"] = os.getloadavg()
     print(f"\nran {elapsed:.0f} s; load average at end {machine['loadavg_at_end'][0]:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "config": vars(args) | {"out": str(args.out)}, "machine": machine, "seconds": elapsed, "raw": raw,
-        "aggregator_alone": capacity, "allreduce": allreduce, "steady": steady, "memory": memory, "loss": loss,
-        "torch": torch_rows, "targets": targets,
-    }, indent=2))
+    config = vars(args) | {"out": str(args.out)}
+    args.out.write_text(json.dumps({"config": config, "machine": machine, "seconds": elapsed, **results,
+                                    "targets": targets.judged}, indent=2))
     print(f"wrote {args.out}")
     return 0
 

@@ -66,6 +66,7 @@ class LocalServices:
 
     ps: int = 1
     aggregator_args: list[str] = field(default_factory=list)
+    popen: Any = subprocess.Popen  # what starts them (the tests fork them: tests/cluster.service_popen)
 
     def __post_init__(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="passing-services-")
@@ -73,11 +74,12 @@ class LocalServices:
         try:
             endpoints = []
             for _ in range(self.ps):
-                proc, ready = start_aggregator(self.aggregator_args)
+                proc, ready = start_aggregator(self.aggregator_args, popen=self.popen)
                 self.procs.append(proc)
                 endpoints.append({"data": ready["data"], "control": ready["control"]})
             self.controller = f"tcp://127.0.0.1:{free_tcp_port()}"
-            proc, self.ready = start_controller({"ps": endpoints}, Path(self._tmp.name), self.controller)
+            proc, self.ready = start_controller({"ps": endpoints}, Path(self._tmp.name), self.controller,
+                                                popen=self.popen)
             self.procs.append(proc)
         except BaseException:
             self.stop()

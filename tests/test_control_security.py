@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import zmq
 
-from cluster.local import BIN, free_tcp_port, start_controller
+from cluster.local import BIN, free_tcp_port
 from passing import Group
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports, start_aggregator
+from passing.cli import free_udp_ports
 from passing.control import ControllerError, join, leave, request
 from passing.keys import ClientKeys, KeysError
-from tests.cluster import run_threads
+from tests.cluster import run_threads, start_aggregator, start_controller
 from tests.keys import ask
 
 WORKER = ClientKeys.load  # the session's worker key: what every job's workers hold
@@ -237,11 +237,16 @@ def test_forged_heartbeats_and_stuck_reports_change_nothing(services):
 def test_only_the_controller_key_reaches_an_aggregator(services):
     control = services["ps"]["control"]
     victim = services["job"].answers[0]["job_id"]
-    for keys in (ClientKeys.load(role="worker", server="aggregator"), ClientKeys.load(role="operator",
-                                                                                     server="aggregator")):
-        with pytest.raises(TimeoutError):  # CURVE refuses the handshake: no answer at all
-            ControlClient(control, timeout=1.0, keys=keys).request("remove_job", job=victim)
-    assert raw_request(control, [b'{"version": 3, "cmd": "remove_job", "job": 1}'], None, timeout=1.0) is None
+    others = [ClientKeys.load(role=role, server="aggregator") for role in ("worker", "operator")]
+
+    def attempt(i: int) -> object:  # each waits out its 1 s for an answer that never comes: the three at once
+        if i == len(others):
+            return raw_request(control, [b'{"version": 3, "cmd": "remove_job", "job": 1}'], None, timeout=1.0)
+        return ControlClient(control, timeout=1.0, keys=others[i]).request("remove_job", job=victim)
+
+    outcomes = run_threads(attempt, len(others) + 1)
+    assert all(isinstance(o, TimeoutError) for o in outcomes[:-1]), outcomes  # CURVE refuses the handshake
+    assert outcomes[-1] is None  # and without a key: no answer at all
     jobs = ControlClient(control).request("jobs")["jobs"]
     assert [j["job"] for j in jobs] == [victim]  # untouched
 
@@ -249,13 +254,16 @@ def test_only_the_controller_key_reaches_an_aggregator(services):
 @pytest.mark.timeout(120)
 def test_no_key_no_answer_and_an_oversized_message_is_dropped(services):
     endpoint = services["controller"]
-    assert raw_request(endpoint, [b'{"version": 3, "cmd": "status"}'], None, timeout=1.0) is None
-    stranger = zmq.curve_keypair()
-    keys = ClientKeys(ClientKeys.load().server, *stranger)
-    assert raw_request(endpoint, [b'{"version": 3, "cmd": "join"}'], keys, timeout=1.0) is None
+    stranger = ClientKeys(ClientKeys.load().server, *zmq.curve_keypair())
+    unanswered = [(b'{"version": 3, "cmd": "status"}', None), (b'{"version": 3, "cmd": "join"}', stranger)]
+    # no key, a stranger's key: each request waits out its 1 s for no answer, the two at once
+    assert run_threads(lambda i: raw_request(endpoint, [unanswered[i][0]], unanswered[i][1], timeout=1.0),
+                       len(unanswered)) == [None, None]
     before = rss_kib(services["ctl_proc"].pid)
-    for _ in range(4):  # 256 MiB once took ~830 MB and 9 s: now the connection is dropped unread
-        assert raw_request(endpoint, [b" " * (64 << 20)], WORKER(), timeout=1.0) is None
+    # 256 MiB once took ~830 MB and 9 s: now each connection is dropped unread. Four at once (each
+    # request waits out its 1 s for the answer that never comes): 256 MiB in flight together.
+    oversized = b" " * (64 << 20)
+    assert run_threads(lambda _: raw_request(endpoint, [oversized], WORKER(), timeout=1.0), 4) == [None] * 4
     assert rss_kib(services["ctl_proc"].pid) - before < 32 * 1024
     assert ask(endpoint, "status")["ok"]
 
@@ -380,6 +388,7 @@ def blast(endpoint: str, keys: ClientKeys, messages: list[bytes], window: int = 
     return replies
 
 
+@pytest.mark.slow  # the campaign: `make test-all` runs it
 @pytest.mark.timeout(600)
 def test_campaign_of_100000_hostile_messages_while_a_job_runs(services):
     job, rng = services["job"], np.random.default_rng(21)

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from passing import Group
-from passing.cli import free_udp_ports, start_aggregator
+from passing.cli import free_udp_ports
 from passing.control import Failover, join
 from passing_controller.service import CHECK_TIMEOUT
 from passing_controller.topology import Topology
-from tests.cluster import run_threads
+from tests.cluster import run_threads, start_aggregator
 from tests.keys import ask, controller
 
 

@@ -14,10 +14,10 @@ import pytest
 
 from passing import Group
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports, start_aggregator
+from passing.cli import free_udp_ports
 from passing.control import ControllerError, join, leave
 from passing_controller.topology import Topology, TopologyError
-from tests.cluster import run_threads
+from tests.cluster import run_threads, start_aggregator
 from tests.keys import ask, controller, operator_keys
 
 

@@ -16,11 +16,11 @@ import time
 import numpy as np
 import pytest
 
-from cluster.local import BIN, free_tcp_port, start_controller
+from cluster.local import BIN, free_tcp_port
 from passing import Group
-from passing.cli import free_udp_ports, start_aggregator
+from passing.cli import free_udp_ports
 from passing.control import join, leave, report
-from tests.cluster import run_threads
+from tests.cluster import run_threads, start_aggregator, start_controller
 
 pyte = pytest.importorskip("pyte", reason="pyte is not installed (pip install -e 'controller[test]')")
 

@@ -18,11 +18,11 @@ import pytest
 
 from passing import Group, wire
 from passing.aggregator import SoftwareAggregator
-from passing.cli import free_udp_ports, start_aggregator
+from passing.cli import free_udp_ports
 from passing.control import Failover, join, request
 from passing.stream import GroupFailed
 from passing_controller.topology import Topology
-from tests.cluster import run_threads
+from tests.cluster import run_threads, start_aggregator
 from tests.test_controller_ps_fallback import Running
 
 AFTER = 0.5  # failover_after of these tests: silence this long starts a move

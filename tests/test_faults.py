@@ -14,10 +14,11 @@ import pytest
 
 from passing import Group, wire
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports, start_aggregator
-from tests.cluster import run_threads
+from passing.cli import free_udp_ports
+from tests.cluster import run_threads, start_aggregator
 
 LANES = wire.DEFAULT_LANES
+pytestmark = pytest.mark.slow  # a soak and a campaign: `make test-all` runs them
 
 
 def admitted_job(ready: dict, workers: int, pool: int) -> tuple[list[str], int]:

@@ -16,14 +16,15 @@ import numpy as np
 
 from passing import wire
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports, start_aggregator
+from passing.cli import free_udp_ports
 from passing.stream import Group
 from passing.transport import BatchSocket, parse_endpoint
-from tests.cluster import run_threads
+from tests.cluster import run_threads, start_aggregator
 
 WORKERS, POOL, LANES = 2, 16, 64
 SIZE = 64 * 400  # 400 packets per worker and call
 CALLS = 12  # per allocation: long enough for the replay to land between and inside calls
+REPLAYED_FIRST = 100  # copies fired before the calls start (the replay goes on meanwhile)
 
 
 def _inputs(generation: int, worker: int) -> np.ndarray:
@@ -50,7 +51,7 @@ def _run_allocation(ready: dict, addresses: list[str], generation: int, replay: 
     aggregator = parse_endpoint(ready["data"], wire.UDP_PORT)
     groups = [Group(2, w, WORKERS, [ready["data"]], pool=POOL, lanes=LANES, generation=generation,
                     bind=addresses[w], timeout=20) for w in range(WORKERS)]
-    stop = threading.Event()
+    stop, under_way = threading.Event(), threading.Event()
     fired = 0
 
     def fire() -> None:
@@ -62,11 +63,16 @@ def _run_allocation(ready: dict, addresses: list[str], generation: int, replay: 
                 w, raw = copies[i]
                 groups[w].socket.sock.sendto(raw, aggregator)
                 fired += 1
+            if fired >= REPLAYED_FIRST:
+                under_way.set()
             time.sleep(float(rng.uniform(0, 0.002)))
 
     replayer = threading.Thread(target=fire)
     if replay:
         replayer.start()
+        # the calls start once REPLAYED_FIRST copies are out, and the replay goes on all through them: at
+        # least that many, however fast the calls are on this machine (once all 12 calls were over after 40)
+        assert under_way.wait(30), "the replay did not get under way"
     try:
         results = run_threads(lambda w: [groups[w].allreduce(_inputs(generation, w)) for _ in range(CALLS)], WORKERS)
     finally:
@@ -101,7 +107,7 @@ def test_late_copies_of_the_previous_allocation_never_touch_the_next_one():
                     break
                 time.sleep(0.02)
             if generation == 1:
-                assert fired >= 100
+                assert fired >= REPLAYED_FIRST
                 # every copy was rejected at admission; nothing else of this allocation was
                 assert after["rejected"] - before["rejected"] == fired
                 assert after["stale"] == before["stale"]

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.local import BIN, free_tcp_port, start_controller
+from cluster.local import BIN, free_tcp_port
 from passing import Group
-from passing.cli import free_udp_ports, start_aggregator
+from passing.cli import free_udp_ports
 from passing.control import join, leave, report
-from tests.cluster import run_threads
+from tests.cluster import run_threads, start_aggregator, start_controller
 
 LANES = 64
 PACKETS, CALLS, WORKERS = 10, 3, 2  # int32 arrays of 10 packets: exact sums, no scaling round

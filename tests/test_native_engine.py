@@ -32,8 +32,8 @@ from passing.aggregation import (
     make_engine,
 )
 from passing.aggregator import ControlClient, Impairment, SoftwareAggregator, job_from_json
-from passing.cli import start_aggregator
 from passing.transport import TransportStats
+from tests.cluster import start_aggregator
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native library is not built")
 

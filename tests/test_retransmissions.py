@@ -19,9 +19,10 @@ import time
 import numpy as np
 import pytest
 
-from cluster.local import REPO
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports, start_aggregator
+from passing.cli import free_udp_ports
+from tests.cluster import start_aggregator
+from tests.zygote import CLI_PRELOAD, shared
 
 WORKERS, CALLS, ELEMENTS, LANES, POOL = 4, 24, 300_000, 256, 64
 LATE = 0.04  # s: before call k, worker k mod WORKERS starts this late
@@ -48,9 +49,10 @@ def test_a_loss_free_run_with_late_peers_resends_nothing(engine):
     try:
         addresses = [f"127.0.0.1:{p}" for p in free_udp_ports(WORKERS)]
         ControlClient(ready["control"]).request("add_job", job={"job": 1, "pool": POOL, "workers": addresses})
-        procs = [subprocess.Popen([sys.executable, "-m", "tests.test_retransmissions", str(w), str(WORKERS),
-                                   ready["data"], addresses[w], engine], cwd=REPO, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for w in range(WORKERS)]
+        popen = shared(CLI_PRELOAD).popen  # forked from a process that imported passing already
+        procs = [popen([sys.executable, "-m", "tests.test_retransmissions", str(w), str(WORKERS), ready["data"],
+                        addresses[w], engine], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for w in range(WORKERS)]
         reports = []
         for p in procs:
             out, err = p.communicate(timeout=150)

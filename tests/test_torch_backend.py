@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
 
 from cluster.local import BIN, REPO, LocalServices, collect, free_tcp_port, launch_ranks  # noqa: E402
+from tests.cluster import service_popen  # noqa: E402
 from tests.zygote import torch_ranks  # noqa: E402
 
 WORKER = [sys.executable, "-m", "tests.torch_worker"]
@@ -19,7 +20,7 @@ WORKER = [sys.executable, "-m", "tests.torch_worker"]
 
 @pytest.fixture(scope="module")
 def services():
-    with LocalServices() as s:
+    with LocalServices(popen=service_popen) as s:  # forked from a process that imported passing already
         yield s
 
 

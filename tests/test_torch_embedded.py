@@ -1,6 +1,8 @@
-"""backend "passing" with no controller configured: rank 0 runs an embedded controller and
-software aggregator; with torchrun on one machine and across network namespaces. A configured
-controller that does not answer is still an error (never a silent fallback)."""
+"""backend "passing" with no controller configured. Nothing else set: no aggregator, the network
+stage is gloo among each local rank's peers (mode "ring"), on loopback and across network
+namespaces. PASSING_EMBEDDED=ps: rank 0 runs an embedded controller and software aggregator;
+with torchrun on one machine and across network namespaces. A configured controller that
+does not answer is still an error (never a silent fallback)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,12 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from cluster import netns  # noqa: E402
 from cluster.local import BIN, REPO, collect, free_tcp_port, launch_ranks  # noqa: E402
+from tests.zygote import torch_ranks, torch_ranks_in  # noqa: E402
 
 WORKER = [sys.executable, "-m", "tests.torch_worker"]
 ANNOUNCEMENT = "no controller configured (PASSING_CONTROLLER unset, no pg_options.controller)"
+RING = "nothing configured (no PASSING_CONTROLLER or pg_options.controller, PASSING_EMBEDDED off)"
+SIZES = ("1", "4099", str(2 * 1024 * 1024))  # up to 8 MiB of float32
 
 
 def without_controller(env: dict[str, str]) -> dict[str, str]:
@@ -48,11 +53,55 @@ def torchrun_standalone(ranks: int, scenario: str, **env: str) -> tuple[list[dic
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], proc.stderr
 
 
+def check_ring(outcomes: list[tuple[int, dict | None, str]], ranks: int) -> None:
+    """Every rank summed right, the same bits on all, with no aggregator: nothing streamed, no
+    stream, no embedded controller; with one rank per server, gloo's own bits. Rank 0 said why, once."""
+    for rank, (rc, report, stderr) in enumerate(outcomes):
+        assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
+        assert report["mode"] == "ring" and "PASSING_EMBEDDED=ps" in report["reason"], report["reason"]
+        assert not report["stream"] and not report["embedded"], report
+        assert len(report["checks"]) == len(SIZES) * 4  # sync/async x SUM/AVG
+        for c in report["checks"]:
+            assert not c["streamed"] and c["identical"] and c["error"] <= c["bound"], c
+            if ranks == 1:
+                assert c["identical_to_gloo"], c
+    stderr = "".join(err for _, _, err in outcomes)
+    assert stderr.count(RING) == 1, stderr[-3000:]
+    assert ANNOUNCEMENT not in stderr, stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers,ranks", [(2, 1), (2, 2), (4, 2), (2, 4)])
+def test_nothing_configured_sums_among_the_peers_over_gloo(servers, ranks):
+    """torchrun alone on several servers: no controller, no aggregator; the in-host stages around gloo among
+    each local rank's peers (n x 1: the whole group's gloo all_reduce, bit for bit)."""
+    procs = launch_ranks([*WORKER, "allreduce", *SIZES], servers, ranks,
+                         {"PASSING_CONTROLLER": "", "PASSING_TIMEOUT": "20"}, popen_for_server=torch_ranks)
+    check_ring(collect(procs, 240), ranks)
+
+
+@pytest.mark.timeout(300)
+def test_nothing_configured_across_network_namespaces():
+    """2 servers x 2 ranks, each server a network namespace: the peers' gloo groups meet where gloo's own do."""
+    why = netns.available()
+    if why:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    servers = ["server0", "server1"]
+    with netns.EmulatedNetwork(servers) as net:
+        fork_in = torch_ranks_in([net.hosts[n].namespace for n in servers])  # forked from a process with torch
+        procs = launch_ranks([*WORKER, "allreduce", *SIZES], 2, 2, {"PASSING_TIMEOUT": "20"},
+                             popen_for_server=lambda s: lambda argv, env, **kw: fork_in(s)(
+                                 argv, env=without_controller(env), **kw),
+                             env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},
+                             master_host=net.hosts["server0"].ip)
+        check_ring(collect(procs, 240), 2)
+
+
 @pytest.mark.timeout(180)
-def test_torchrun_standalone_needs_nothing_else():
-    """`torchrun --standalone --nproc-per-node 4 train.py`, nothing configured, with a scheme that streams
-    every rank (switchml): the embedded controller and aggregator serve it."""
-    reports, stderr = torchrun_standalone(4, "embedded", PASSING_SCHEME="switchml")
+def test_the_embedded_ps_is_one_option_away():
+    """`PASSING_EMBEDDED=ps torchrun --standalone --nproc-per-node 4 train.py`, no controller, with a scheme
+    that streams every rank (switchml): rank 0's embedded controller and aggregator serve it."""
+    reports, stderr = torchrun_standalone(4, "embedded", PASSING_SCHEME="switchml", PASSING_EMBEDDED="ps")
     check_embedded(reports, "127.0.0.1")
     assert stderr.count(ANNOUNCEMENT) == 1, stderr[-3000:]  # said once, by rank 0
 
@@ -76,16 +125,19 @@ def test_one_server_has_no_network_stage(scheme):
 
 
 @pytest.mark.timeout(180)
-def test_across_network_namespaces():
-    """2 servers × 2 ranks, each server a network namespace: the others reach rank 0 at its server's address."""
+def test_the_embedded_ps_across_network_namespaces():
+    """PASSING_EMBEDDED=ps, 2 servers × 2 ranks, each server a network namespace: the others reach rank 0 at
+    its server's address."""
     why = netns.available()
     if why:
         pytest.skip(f"network namespaces unavailable: {why}")
     servers = ["server0", "server1"]
     with netns.EmulatedNetwork(servers) as net:
-        procs = launch_ranks([*WORKER, "embedded"], 2, 2, {"PASSING_TIMEOUT": "20", "PASSING_REPORT_INTERVAL": "0.2"},
-                             popen_for_server=lambda s: lambda argv, env, **kw: net.popen(
-                                 servers[s], argv, env=without_controller(env), **kw),
+        fork_in = torch_ranks_in([net.hosts[n].namespace for n in servers])  # forked from a process with torch
+        procs = launch_ranks([*WORKER, "embedded"], 2, 2, {"PASSING_TIMEOUT": "20", "PASSING_REPORT_INTERVAL": "0.2",
+                                                           "PASSING_EMBEDDED": "ps"},
+                             popen_for_server=lambda s: lambda argv, env, **kw: fork_in(s)(
+                                 argv, env=without_controller(env), **kw),
                              env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},
                              master_host=net.hosts["server0"].ip)
         outcomes = collect(procs, 150)
@@ -98,9 +150,11 @@ def test_across_network_namespaces():
 
 @pytest.mark.timeout(120)
 def test_a_configured_controller_that_does_not_answer_is_an_error():
+    """Not the ring, and not the embedded PS: the error, with the controller's name."""
     silent = f"tcp://127.0.0.1:{free_tcp_port()}"
     # (two servers: a job on one server has no network stage and asks no controller)
-    procs = launch_ranks([*WORKER, "embedded"], 2, 1, {"PASSING_CONTROLLER": silent, "PASSING_JOIN_TIMEOUT": "1"})
+    procs = launch_ranks([*WORKER, "embedded"], 2, 1, {"PASSING_CONTROLLER": silent, "PASSING_JOIN_TIMEOUT": "1"},
+                         popen_for_server=torch_ranks)  # forked from a process that imported torch already
     for rc, report, stderr in collect(procs, 100):
         assert rc != 0 and report is None
         assert f"controller {silent} did not answer 'join'" in stderr, stderr[-3000:]

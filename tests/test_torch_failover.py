@@ -17,12 +17,14 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
 pytest.importorskip("sklearn", reason="scikit-learn is not installed (pip install -e 'host[test]')")
+pytestmark = pytest.mark.slow  # the fault campaign's training rows: two 8-epoch trainings each (make test-all)
 
 from cluster import netns  # noqa: E402
 from cluster.local import LocalServices, collect, launch_ranks, start_controller  # noqa: E402
+from tests.cluster import service_popen  # noqa: E402
 from tests.keys import ask  # noqa: E402
 from tests.test_torch_backend import WORKER  # noqa: E402
-from tests.zygote import torch_ranks  # noqa: E402
+from tests.zygote import torch_ranks, torch_ranks_in  # noqa: E402
 
 EPOCHS = 8
 
@@ -35,14 +37,14 @@ def restart_controller(services: LocalServices) -> None:
     time.sleep(2.0)  # the groups' heartbeats find nobody meanwhile; their data path does not need it
     workdir = Path(services._tmp.name)
     topology = json.loads((workdir / "topology.json").read_text())
-    services.procs[-1], _ = start_controller(topology, workdir, services.controller)
+    services.procs[-1], _ = start_controller(topology, workdir, services.controller, popen=services.popen)
 
 
 def train_through_a_kill(ps: int, tmp_path: Path, victim: str = "ps") -> tuple[list[dict], float]:
     """Start the training, SIGKILL PS 0 (or restart the controller) once every group runs and a
     few steps are done; returns each rank's report and when the kill came (time.time())."""
     marker = tmp_path / "training"
-    with LocalServices(ps=ps) as services:
+    with LocalServices(ps=ps, popen=service_popen) as services:
         procs = launch_ranks([*WORKER, "ddp_fault", str(EPOCHS)], 2, 2,
                              {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": "60",
                               "PASSING_FAILOVER_AFTER": "1", "PASSING_TEST_MARKER": str(marker),
@@ -130,8 +132,7 @@ def test_ps_killed_mid_training_across_network_namespaces(tmp_path):
         procs = launch_ranks([*WORKER, "ddp_fault", str(EPOCHS)], 2, 2,
                              {"PASSING_CONTROLLER": controller, "PASSING_TIMEOUT": "60", "PASSING_FAILOVER_AFTER": "1",
                               "PASSING_TEST_MARKER": str(marker)},
-                             popen_for_server=lambda s: lambda argv, env, **kw: net.popen(servers[s], argv, env=env,
-                                                                                          **kw),
+                             popen_for_server=torch_ranks_in([net.hosts[n].namespace for n in servers]),
                              env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},
                              master_host=ip["server0"])
         while not marker.exists():

@@ -65,7 +65,9 @@ def allreduce(sizes: list[int]) -> dict:
                 checks.append({"size": size, "async": async_op, "op": str(op), "error": err, "bound": b,
                                "identical": bool(lo == hi), "streamed": streamed,
                                "identical_to_gloo": bool(torch.equal(mine, expected))})
-    return {"checks": checks, "mode": pg.mode, "servers": servers, "ranks_per_server": pg.layout.ranks_per_server}
+    return {"checks": checks, "mode": pg.mode, "reason": pg.reason, "servers": servers,
+            "ranks_per_server": pg.layout.ranks_per_server, "stream": pg.stream is not None,
+            "embedded": pg.embedded is not None}
 
 
 def bytes_per_allreduce(size: int) -> dict:

@@ -4,14 +4,21 @@ an 8-rank launch spent 10 s importing it 8 times over).
 
 ``Zygote(preload)`` starts ``python -m tests.zygote MODULE...``, which imports the modules and
 then, for every request on its stdin, forks a child that runs ``python -m MODULE ARGS`` as a
-fresh process would: its own environment, argv, stdout and stderr (files the test reads back).
+fresh process would: its own environment, argv, stdout and stderr (``PIPE``: files the test reads
+back once it ended; ``live_stdout=True``: a pipe read while it runs, as ``proc.stdout``; ``None``:
+the zygote's stderr, which is the test session's, as a Popen child inherits the caller's).
 The zygote reaps its children and reports their exit status. ``Zygote.popen`` has
 ``subprocess.Popen``'s call signature and returns an object with the part of its interface
-the tests use (``communicate``, ``poll``, ``wait``, ``returncode``, ``pid``, ``send_signal``,
-``kill``, ``terminate``), so it drops into ``cluster.local.launch_ranks(popen_for_server=...)``.
+the tests use (``communicate``, ``poll``, ``wait``, ``returncode``, ``pid``, ``stdout``,
+``send_signal``, ``kill``, ``terminate``), so it drops into
+``cluster.local.launch_ranks(popen_for_server=...)`` and ``passing.cli.start_aggregator(popen=...)``.
 
-Only for processes that would exec this same interpreter with ``-m``; torchrun, and ranks in a
-network namespace, are started as before.
+``Zygote.popen(..., netns=NAME)`` puts the child in network namespace NAME (as ``ip netns exec``
+would; root only): the ranks of an emulated cluster (cluster/netns.py) are forked too.
+
+Only for processes that would exec this same interpreter with ``-m``, or a console script of its
+environment (``passing-controller``: its entry point is called as the script would call it);
+torchrun is started as before.
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ REPO = Path(__file__).resolve().parents[1]
 class ForkedProcess:
     """A child of the zygote, seen through the slice of ``subprocess.Popen`` the tests use."""
 
-    def __init__(self, zygote: Zygote, pid: int, out: Path, err: Path, text: bool) -> None:
+    def __init__(self, zygote: Zygote, pid: int, out: Path | None, err: Path | None, text: bool,
+                 stdout: Any = None) -> None:
         self.zygote, self.pid, self.out, self.err, self.text = zygote, pid, out, err, text
+        self.stdout = stdout  # the live pipe's reading end, or None
         self.returncode: int | None = None
         self.args = ["<forked>", str(pid)]
 
@@ -53,9 +62,19 @@ class ForkedProcess:
         return self.returncode
 
     def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        """Waits for the end, then reads: a live stdout must not fill its pipe (64 KiB) meanwhile."""
         self.wait(timeout)
-        out, err = self.out.read_bytes(), self.err.read_bytes()
-        return (out.decode(), err.decode()) if self.text else (out, err)
+        if self.stdout is not None:
+            with self.stdout:
+                out = self.stdout.read()
+        else:
+            out = self._read(self.out)
+        return out, self._read(self.err)
+
+    def _read(self, path: Path | None) -> Any:
+        if path is None:
+            return None
+        return path.read_text() if self.text else path.read_bytes()
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -111,22 +130,45 @@ class Zygote:
             return self._changed.wait_for(predicate, timeout)
 
     def popen(self, argv: Sequence[str], env: dict[str, str] | None = None, stdout: Any = None, stderr: Any = None,
-              text: bool = False, **_: Any) -> ForkedProcess:
-        """``argv``: [python, "-m", module, *args], as subprocess.Popen would run it."""
-        if len(argv) < 3 or argv[1] != "-m":
-            raise ValueError(f"the zygote runs `python -m MODULE ...` only, not {list(argv)}")
+              text: bool = False, netns: str | None = None, live_stdout: bool = False, **_: Any) -> ForkedProcess:
+        """``argv``: [python, "-m", module, *args], as subprocess.Popen would run it; ``netns``: the
+        network namespace (an ``ip netns`` name) to run it in; ``live_stdout``: stdout is a pipe,
+        ``proc.stdout``, read while the child runs (a service's ready line)."""
+        if len(argv) >= 3 and argv[1] == "-m":
+            run = {"module": argv[2], "argv": list(argv[3:])}
+        elif (entry := console_script(argv[0])) is not None:
+            run = {"entry": entry, "script": str(argv[0]), "argv": list(argv[1:])}
+        else:
+            raise ValueError(f"the zygote runs `python -m MODULE ...` or a console script only, not {list(argv)}")
         with self._lock:
             self._count += 1
-            out, err = (Path(self._dir.name) / f"{self._count}.{name}" for name in ("out", "err"))
-            request = {"module": argv[2], "argv": list(argv[3:]), "env": dict(env if env is not None else os.environ),
-                       "stdout": str(out), "stderr": str(err)}
+            out, err, fifo = (Path(self._dir.name) / f"{self._count}.{name}" for name in ("out", "err", "fifo"))
+            out = out if stdout is not None and not live_stdout else None
+            err = err if stderr is not None else None
+            reading = None
+            if live_stdout:  # opened before the zygote opens its writing end: neither open waits
+                os.mkfifo(fifo, 0o600)
+                reading = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+            request = {**run, "env": dict(env if env is not None else os.environ),
+                       "stdout": str(out) if out else None, "stderr": str(err) if err else None, "netns": netns,
+                       "stdout_fifo": str(fifo) if live_stdout else None}
             with self._changed:
                 self._forked.clear()
-            self._proc.stdin.write(json.dumps(request) + "\n")
-            self._proc.stdin.flush()
-            if not self._wait_for(lambda: self._forked or not self._ready, 30) or not self._forked:
-                raise RuntimeError("the zygote did not fork")
-            return ForkedProcess(self, self._forked[0], out, err, text)
+            try:
+                self._proc.stdin.write(json.dumps(request) + "\n")
+                self._proc.stdin.flush()
+                if not self._wait_for(lambda: self._forked or not self._ready, 30) or not self._forked:
+                    raise RuntimeError("the zygote did not fork")
+            except BaseException:
+                if reading is not None:
+                    os.close(reading)
+                raise
+            live = None
+            if reading is not None:  # the child holds the writing end now: reads wait for its output
+                os.set_blocking(reading, True)
+                live = os.fdopen(reading, "r" if text else "rb")
+                fifo.unlink()
+            return ForkedProcess(self, self._forked[0], out, err, text, live)
 
     def status(self, pid: int, timeout: float | None) -> int | None:
         """The child's exit code (negative: the signal that ended it), or None while it runs."""
@@ -144,8 +186,19 @@ class Zygote:
 
 
 TORCH_PRELOAD = ("tests.torch_worker", "demo.train", "sklearn.datasets")  # what the torch tests' ranks import
-CLI_PRELOAD = ("passing.cli",)  # passing-allreduce workers (tests/cluster.py)
+CLI_PRELOAD = ("passing.cli", "passing_controller.cli")  # workers, aggregators, controllers (tests/cluster.py)
 _shared: dict[tuple[str, ...], Zygote] = {}
+
+
+def console_script(path: str | os.PathLike) -> str | None:
+    """"module:function" of ``path`` when it is a console script of this environment, else None."""
+    from importlib.metadata import entry_points
+
+    path = Path(path)
+    if path.parent != Path(sys.executable).parent:
+        return None
+    found = entry_points(group="console_scripts", name=path.name)
+    return next(iter(found)).value if found else None
 
 
 def shared(preload: tuple[str, ...]) -> Zygote:
@@ -161,24 +214,61 @@ def torch_ranks(_server: int = 0) -> Callable[..., ForkedProcess]:
     return shared(TORCH_PRELOAD).popen
 
 
+def torch_ranks_in(namespaces: Sequence[str]) -> Callable[[int], Callable[..., ForkedProcess]]:
+    """``popen_for_server`` for an emulated cluster: server i's ranks forked into network namespace
+    ``namespaces[i]`` (``EmulatedNetwork.hosts[name].namespace``)."""
+    popen = shared(TORCH_PRELOAD).popen
+    return lambda server: lambda argv, **kw: popen(argv, netns=namespaces[server], **kw)
+
+
 # ---- the zygote process -------------------------------------------------------------------------
 
 
-def _child(request: dict[str, Any]) -> None:
+def _enter_netns(name: str) -> None:
+    """setns(2) into the network namespace ``ip netns add NAME`` made (os.setns is Python 3.12's)."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into network namespace {name}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
+def _child(request: dict[str, Any], live_stdout: int | None) -> None:
     """In the forked child: become `python -m MODULE ARGS` with the request's environment and files."""
     import runpy
     import traceback
 
     code = 0
     try:
+        if live_stdout is not None:
+            os.dup2(live_stdout, 1)
+            os.close(live_stdout)
+        elif request["stdout"] is None:  # the zygote's stdout carries its events: its stderr stands in
+            os.dup2(2, 1)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            if path is None:
+                continue  # the live pipe, or the zygote's own stderr
             f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(f, fd)
             os.close(f)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        if request.get("netns"):  # the child is single-threaded: the whole process enters it
+            _enter_netns(request["netns"])
         os.environ.clear()
         os.environ.update(request["env"])
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if "entry" in request:  # what the console script does: sys.exit(function())
+            import importlib
+
+            sys.argv = [request["script"], *request["argv"]]
+            module, function = request["entry"].split(":")
+            sys.exit(getattr(importlib.import_module(module), function)())
         sys.argv = [request["module"], *request["argv"]]
         sys.modules.pop(request["module"], None)  # run as __main__, as `python -m` does (runpy warns otherwise)
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -228,12 +318,18 @@ def main() -> None:
     reaper: threading.Thread | None = None
     for line in sys.stdin:
         request = json.loads(line)
+        live_stdout = None
+        if request["stdout_fifo"]:  # the test holds the reading end open: this open does not wait
+            live_stdout = os.open(request["stdout_fifo"], os.O_WRONLY | os.O_NONBLOCK)
+            os.set_blocking(live_stdout, True)
         with report_lock:  # no thread is inside a write of sys.stdout: its buffer's lock is free in the child
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
         if pid == 0:
-            _child(request)
+            _child(request, live_stdout)
+        if live_stdout is not None:
+            os.close(live_stdout)
         children.add(pid)
         report({"event": "forked", "pid": pid})
         if reaper is None:  # started after the first fork: the children inherit no extra thread

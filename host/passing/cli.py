@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -284,12 +285,13 @@ def free_udp_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def start_aggregator(
-    extra: list[str] | None = None, host: str = "127.0.0.1"
+    extra: list[str] | None = None, host: str = "127.0.0.1", popen: Callable[..., Any] = subprocess.Popen
 ) -> tuple[subprocess.Popen, dict[str, Any]]:
-    """Start `passing-aggregator serve` on free ports; returns the process and its ready line."""
+    """Start `passing-aggregator serve` on free ports; returns the process and its ready line.
+    ``popen``: what starts it (the tests fork it from a process that imported passing already)."""
     cmd = [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", f"{host}:0",
            "--control", f"tcp://{host}:*", *(extra or [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = popen(cmd, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line:
         proc.wait()

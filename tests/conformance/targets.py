@@ -10,8 +10,8 @@ import numpy as np
 from passing import wire
 from passing.aggregation import JobSpec, make_engine
 from passing.aggregator import ControlClient
-from passing.cli import start_aggregator
 from passing.transport import pack_address
+from tests.cluster import start_aggregator
 
 from .runner import Origin
 from .scenarios import Job

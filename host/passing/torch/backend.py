@@ -3,10 +3,19 @@
 all_reduce of one float32 tensor with SUM or AVG goes through PASSING, and so do
 reduce_scatter and all_gather (passing.torch.sharded); everything else
 (other collectives, ops, dtypes, several tensors) goes to the gloo backend registered
-for the device, and each kind of fallback is logged once. A group whose ranks are all on
-one server needs no network stage: its all_reduce is gloo's (NCCL's) own, and it contacts no
-controller. Collectives run in issue
-order on one thread per group, so async_op=True overlaps them with the caller.
+for the device, and each kind of fallback is logged once. Which network stage runs
+(docs/torch.md, "Which mode runs when"):
+
+- a configured controller: the switch, or a PS when the switch cannot serve (mode "switch", "ps");
+- nothing configured: no aggregator at all; the in-host stages around an all_reduce of each
+  rank's chunk among its peers on the other servers, over gloo (NCCL for CUDA); with one rank
+  per server, the whole group's own all_reduce (mode "ring");
+- PASSING_EMBEDDED=ps and no controller: rank 0's embedded controller and software aggregator
+  (mode "ps");
+- every rank on one server: no network stage, the in-host group's own all_reduce (mode "in-host").
+
+Collectives run in issue order on one thread per group, so async_op=True overlaps them with
+the caller.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from ..keys import ClientKeys
 from ..stream import Group, GroupFailed, PassingError
 from ..transport import BatchSocket
 from . import embedded, sharded
-from .hierarchy import Layout, two_stage_allreduce
+from .hierarchy import Layout, NetworkStage, PeerStage, sum_through, two_stage_allreduce
 from .options import SCHEMES, OptionError, Options, route_source
 
 log = logging.getLogger("passing.torch")
@@ -92,8 +101,11 @@ class Membership:
                                                          self.group, e)
 
 
-def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta, address: str) -> C10dBackend:
-    """A gloo process group of ``size`` ranks that meet in ``store``, this one at ``address``."""
+def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta, address: str | None) -> C10dBackend:
+    """A gloo process group of ``size`` ranks that meet in ``store``, this one at ``address``
+    (None: where gloo's own groups are: GLOO_SOCKET_IFNAME's interfaces, else the host name's address)."""
+    if address is None:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)  # the constructor that reads GLOO_SOCKET_IFNAME
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
@@ -137,6 +149,9 @@ class FailoverStage:
     def _sum(self, tensor: torch.Tensor) -> None:
         assert self.gloo is not None
         self.gloo.allreduce([tensor], dist.AllreduceOptions()).wait()
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:  # the two-stage allreduce's network stage
+        return sum_through(self, tensor)
 
 
 class PassingWork(dist.Work):
@@ -198,14 +213,21 @@ class ProcessGroupPassing(ProcessGroup):
         self.mode = "gloo" if self.scheme.aggregator is None else ""
         self.reason = f"scheme {options.scheme}: every all_reduce is gloo's"
         self.local: dict[str, C10dBackend] = {}  # device type -> in-host group of this server's ranks
+        self.peers: dict[str, C10dBackend] = {}  # device type -> this local rank's group across servers (ring)
+        self.network: NetworkStage | None = None  # how a chunk is summed over the servers
         self.stream: Group | None = None
-        self.embedded_mode = False  # no controller configured: rank 0's embedded one serves the group
+        self._executor: ThreadPoolExecutor | None = None
+        self._membership: Membership | None = None
+        self.embedded_mode = False  # PASSING_EMBEDDED=ps, no controller: rank 0's embedded one serves the group
         self.embedded: embedded.Embedded | None = None  # rank 0's services in embedded mode
         self.keys: ClientKeys | None = None  # this rank's key toward the controller
         if self.scheme.aggregator is None:
             return
         if self.scheme.in_host and self.layout.servers == 1:
             self._in_host_only(rank)
+            return
+        if self.options.controller is None and self.options.embedded == "off":
+            self._ring(store, rank, timeout, name)
             return
         try:
             self._connect(store, rank, timeout, name)
@@ -217,7 +239,7 @@ class ProcessGroupPassing(ProcessGroup):
     # ---- set-up ------------------------------------------------------------------------
 
     def _connect(self, store: dist.Store, rank: int, timeout: timedelta, name: str) -> None:
-        """Join this rank's aggregation group through the controller (rank 0's embedded one if none is set)."""
+        """Join this rank's aggregation group through the controller (rank 0's embedded one if asked for)."""
         if self.options.controller is None:
             self._start_embedded(store, rank)
         else:
@@ -236,7 +258,7 @@ class ProcessGroupPassing(ProcessGroup):
         self.network = FailoverStage(self.stream, store, f"passing/fallback/{name}/{group}/", timeout)
         self.mode, self.reason = answer["mode"], answer["reason"]
         if self.embedded_mode:
-            self.reason = f"embedded controller in rank 0, no controller configured: {self.reason}"
+            self.reason = f"embedded controller in rank 0 (PASSING_EMBEDDED=ps): {self.reason}"
         assert self.keys is not None
         self._membership = Membership(str(self.options.controller), job, group, worker, str(answer["token"]),
                                       self.keys, self.stream, float(self.options.report_interval),
@@ -258,6 +280,41 @@ class ProcessGroupPassing(ProcessGroup):
             _in_host_logged = True
             log.warning("passing: %s", self.reason)
 
+    def _ring(self, store: dist.Store, rank: int, timeout: timedelta, name: str) -> None:
+        """Nothing configured: no switch to find and no aggregator asked for, and one would only add a
+        hop (every worker's bytes in and out of one process), so the network stage is an all_reduce
+        among the peers, gloo's (NCCL's): with the in-host stage, rank j of every server sums chunk j
+        (a ring of s, not s*n, across the servers, in n flows); without, the whole group's own all_reduce."""
+        global _ring_logged
+        self.mode = RING
+        s, n = self.layout.servers, self.layout.ranks_per_server
+        if self.scheme.in_host and n > 1:
+            self.local = self._local_groups(store, timeout)
+            self.peers = self._peer_groups(store, timeout)
+            self.network = PeerStage(self.peers)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"passing-pg{name}")
+            how = (f"in-host reduce-scatter among each server's {n} ranks, all_reduce of each rank's chunk among its "
+                   f"{s} peers on the other servers (gloo; NCCL for CUDA), in-host all-gather")
+        else:
+            how = f"the all_reduce of gloo (NCCL for CUDA) among all {self.size()} ranks"
+        self.reason = (f"nothing configured (no PASSING_CONTROLLER or pg_options.controller, PASSING_EMBEDDED off): "
+                       f"no switch or aggregator to use, so {how} (scheme {self.options.scheme}); set "
+                       f"PASSING_CONTROLLER for a switch, or PASSING_EMBEDDED=ps for a software aggregator in rank 0")
+        if rank == 0 and not _ring_logged:
+            _ring_logged = True
+            log.warning("passing: %s", self.reason)
+
+    def _peer_groups(self, store: dist.Store, timeout: timedelta) -> dict[str, C10dBackend]:
+        """Rank j's group of the rank j of every server, where gloo's own groups are (or at PASSING_HOST).
+        Each rank builds its own group from the process group's store: no new_group ordering to keep."""
+        s, j = self.layout.servers, self.layout.local_rank
+        prefix = f"passing/peers/{j}/"
+        groups: dict[str, C10dBackend] = {
+            "cpu": gloo_group(PrefixStore(prefix + "gloo/", store), self.layout.server, s, timeout, self.options.host)}
+        if torch.cuda.is_available() and dist.is_nccl_available():
+            groups["cuda"] = dist.ProcessGroupNCCL(PrefixStore(prefix + "nccl/", store), self.layout.server, s)
+        return groups
+
     def _start_embedded(self, store: dist.Store, rank: int) -> None:
         """Rank 0 starts the embedded controller and aggregator and publishes the endpoint in the
         group's store; every rank then uses it as its controller."""
@@ -276,9 +333,9 @@ class ProcessGroupPassing(ProcessGroup):
         self.embedded_mode = True
         if rank == 0 and not _embedded_logged:
             _embedded_logged = True
-            log.warning("passing: no controller configured (PASSING_CONTROLLER unset, no pg_options.controller): "
-                        "rank 0 runs an embedded controller and software aggregator at %s, and the groups "
-                        "aggregate there (PS mode); set PASSING_CONTROLLER to use a switch", endpoint)
+            log.warning("passing: no controller configured (PASSING_CONTROLLER unset, no pg_options.controller) "
+                        "and PASSING_EMBEDDED=ps: rank 0 runs an embedded controller and software aggregator at %s, "
+                        "and the groups aggregate there (PS mode); set PASSING_CONTROLLER to use a switch", endpoint)
         else:
             log.info("passing: embedded controller of rank 0 at %s", endpoint)
 
@@ -330,8 +387,8 @@ class ProcessGroupPassing(ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = dist.AllreduceOptions() if opts is None else opts
-        if self.mode == IN_HOST:
-            return self._in_host_allreduce(tensors, opts)
+        if self.mode == IN_HOST or (self.mode == RING and self.network is None):
+            return self._whole_group_allreduce(tensors, opts)
         why = self._unsupported(tensors, opts)
         if why:
             if why not in self._fallbacks_logged:
@@ -340,9 +397,10 @@ class ProcessGroupPassing(ProcessGroup):
             return self._get_backend(tensors[0].device).allreduce(tensors, opts)
         return self.submit(tensors[0], "avg" if opts.reduceOp.op == ReduceOp.AVG else "sum")
 
-    def _in_host_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        """One server: gloo's (NCCL's) own all_reduce among its ranks, so its very bits. gloo has no
-        AVG: a float AVG on the CPU is gloo's SUM divided by the world size, as PASSING's AVG is."""
+    def _whole_group_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        """One server, or nothing configured and one rank per server: gloo's (NCCL's) own all_reduce
+        among all ranks, so its very bits. gloo has no AVG: a float AVG on the CPU is gloo's SUM
+        divided by the world size, as PASSING's AVG is."""
         backend = self._get_backend(tensors[0].device)
         t = tensors[0]
         if opts.reduceOp.op != ReduceOp.AVG or len(tensors) != 1 or not t.is_floating_point() or \
@@ -367,6 +425,7 @@ class ProcessGroupPassing(ProcessGroup):
     def submit(self, tensor: torch.Tensor, op: str) -> PassingWork:
         """Allreduce ``tensor`` in place, in issue order; the work's future's value is [tensor]."""
         work = PassingWork()
+        assert self._executor is not None
         self._executor.submit(self._run, tensor, op, work)
         return work
 
@@ -377,7 +436,7 @@ class ProcessGroupPassing(ProcessGroup):
                 local = self.local.get(tensor.device.type) if self.local else None
                 if self.local and local is None:
                     raise PassingError(f"no in-host group for {tensor.device.type} tensors")
-                assert self.stream is not None
+                assert self.network is not None
                 # float16/bfloat16 (mixed precision) travel as their float32 values and come back cast
                 flat = tensor.detach().reshape(-1)
                 wide = flat if flat.dtype == torch.float32 else flat.float()
@@ -389,11 +448,12 @@ class ProcessGroupPassing(ProcessGroup):
         except BaseException as e:  # handed to whoever waits on the work
             work.fail(e)
             return
-        self._membership.record_call(time.monotonic() - start)
+        if self._membership is not None:
+            self._membership.record_call(time.monotonic() - start)
         work.future.set_result([tensor])
 
     def _unsupported(self, tensors: list[torch.Tensor], opts: Any) -> str:
-        if self.stream is None:
+        if self.network is None:
             return f"any tensor (scheme {self.options.scheme})"
         if len(tensors) != 1:
             return f"{len(tensors)} tensors at once"
@@ -413,8 +473,9 @@ class ProcessGroupPassing(ProcessGroup):
         return self.stream.stats.as_dict() if self.stream else {}
 
     def shutdown(self) -> None:
-        if self.stream is not None:
+        if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._membership is not None:
             _close(self._membership, self.embedded)
         super().shutdown()
 
@@ -512,9 +573,11 @@ def _close(membership: Membership, embedded_services: embedded.Embedded | None) 
 
 
 IN_HOST = "in-host"  # pg.mode of a group on one server: no network stage
+RING = "ring"  # pg.mode with nothing configured: gloo (NCCL) among the peers, no aggregator
 _inherited_options: Options | None = None  # the default group's, for subgroups made without pg_options
 _embedded_logged = False  # the embedded mode is announced once per process
 _in_host_logged = False  # and so is a group that needs no network stage
+_ring_logged = False  # and a group with nothing configured
 
 
 def create(backend_options: Any, pg_options: Any) -> ProcessGroupPassing:

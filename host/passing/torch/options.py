@@ -32,6 +32,9 @@ SCHEMES: dict[str, Scheme] = {
 
 
 SHARDED_COLLECTIVES = ("reduce_scatter", "all_gather")  # what keep_on_gloo may name
+# With no controller configured: "off", the network stage is a collective among the peers (no
+# aggregator, so as fast as gloo); "ps", rank 0 runs an embedded controller and software aggregator.
+EMBEDDED = ("off", "ps")
 
 
 class OptionError(ValueError):
@@ -42,7 +45,9 @@ class OptionError(ValueError):
 class Options:
     """Every field left at None is taken from its PASSING_* variable, else the default."""
 
-    controller: str | None = None  # PASSING_CONTROLLER: the controller's ZeroMQ endpoint; unset: embedded in rank 0
+    controller: str | None = None  # PASSING_CONTROLLER: the controller's ZeroMQ endpoint; unset: no aggregator
+    embedded: str | None = None  # PASSING_EMBEDDED: with no controller, "off" (peers sum over gloo/NCCL) or "ps"
+    # (rank 0 runs an embedded controller and software aggregator)
     scheme: str | None = None  # PASSING_SCHEME: passing | psring | switchml | ps | ring
     scale: str | float | None = None  # PASSING_SCALE: "auto" or a fixed scale such as 1e8
     on_overflow: str | None = None  # PASSING_ON_OVERFLOW: raise | auto (redo an overflowing call in auto)
@@ -61,7 +66,7 @@ class Options:
     keep_on_gloo: tuple[str, ...] | str | None = None  # PASSING_KEEP_ON_GLOO: sharded collectives that stay on the
     # device's backend, comma-separated: reduce_scatter, all_gather (default: none)
 
-    DEFAULTS = {"controller": None, "scheme": "passing", "scale": "auto", "on_overflow": "raise",
+    DEFAULTS = {"controller": None, "embedded": "off", "scheme": "passing", "scale": "auto", "on_overflow": "raise",
                 "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 1.0, "host": None, "server": None,
                 "job": None, "engine": "auto", "failover_after": None, "report_interval": 10.0, "mtu": None,
                 "keep_on_gloo": ()}
@@ -104,6 +109,11 @@ class Options:
         return raw
 
     def _check(self) -> None:
+        if self.embedded not in EMBEDDED:
+            raise OptionError(f"embedded must be one of {', '.join(EMBEDDED)}; got {self.embedded!r}")
+        if self.embedded == "ps" and self.controller is not None:
+            raise OptionError(f"embedded='ps' (PASSING_EMBEDDED) starts a controller in rank 0, and a controller "
+                              f"is configured ({self.controller}): set one or the other")
         if self.scheme not in SCHEMES:
             raise OptionError(f"scheme must be one of {', '.join(SCHEMES)}; got {self.scheme!r}")
         if self.scale != "auto" and not (isinstance(self.scale, (int, float)) and self.scale > 0):
