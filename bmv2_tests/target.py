@@ -28,7 +28,7 @@ class Bmv2Target:
         self.stranger = network.hosts[-1]
         self.origins: dict[str, tuple[Host, int]] = {}
         self.allocations: dict[int, Allocation] = {}
-        self.baseline = counters.totals(switch)
+        self.baseline = self._totals()
         self.sent = 0
         self.collected = 0
         # The counters as last read, while nothing was sent since: a read costs BMv2 about 50 ms per
@@ -97,5 +97,8 @@ class Bmv2Target:
 
     def counters(self) -> dict[str, int]:
         if self._counters is None:
-            self._counters = counters.totals(self.switch)
+            self._counters = self._totals()
         return dict(self._counters)
+
+    def _totals(self) -> dict[str, int]:
+        return counters.totals(self.switch)

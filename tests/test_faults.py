@@ -93,7 +93,7 @@ def hostile_datagrams(rng: np.random.Generator, count: int, template: np.ndarray
         elif kind == 3:
             hdr["slot"] = pool + int(rng.integers(0, 1000))  # outside the job's slots
         elif kind == 4:
-            hdr["version"] = int(rng.choice([0, 1, 3, 255]))
+            hdr["version"] = int(rng.choice([0, 1, 2, 255]))  # any but wire.VERSION
         elif kind == 5:
             hdr["type"] = wire.RESULT
         raw = p.tobytes()

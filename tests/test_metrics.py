@@ -94,6 +94,7 @@ def test_a_known_run_shows_in_both_endpoints(known_run):
     assert m[("passing_group_aggregated_packets_total", GROUP)] == WORKERS * PACKETS * CALLS
     assert m[("passing_group_completed_rounds_total", GROUP)] == PACKETS * CALLS
     assert m[("passing_group_rejected_packets_total", GROUP)] == 0
+    assert m[("passing_group_relayed_packets_total", GROUP)] == 0  # allreduce sends no GATHER or NACK
     # what the workers reported
     for w, s in enumerate(sent):
         host = (("group", "0"), ("job", "known"), ("worker", str(w)))

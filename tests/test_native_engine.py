@@ -85,16 +85,37 @@ def values(rng: np.random.Generator, lanes: int, op: int) -> np.ndarray:
     return rng.integers(-1000, 1000, lanes)
 
 
-def data_packet(job: LiveJob, worker: int, psn: int, rng: np.random.Generator) -> bytes:
+def data_packet(job: LiveJob, worker: int, psn: int, rng: np.random.Generator, owner: int | None = None) -> bytes:
+    """A DATA of the round psn; with an owner, an OWNER_ONLY round's."""
     pool, lanes = job.spec.pool, job.spec.lanes
     flags = int(rng.choice([0, 0, 0, 0, wire.FLAG_OVERFLOW, wire.FLAG_RETRANSMIT, 0xFF]))
-    set_ = (psn // pool) % 2
-    if rng.random() < 0.03:
-        set_ |= int(rng.integers(0, 128)) << 1  # set's other bits: ignored, but copied into the RESULT
+    if owner is not None:
+        flags |= wire.FLAG_OWNER_ONLY
+    elif flags != 0xFF:
+        owner = 0
+        if rng.random() < 0.03:
+            owner = int(rng.integers(0, 128))  # the owner bits of an ordinary round: carried into the RESULT
+    else:  # every flag, OWNER_ONLY among them: a random owner, at times not a worker (rejected)
+        owner = int(rng.integers(0, job.spec.workers + 2))
     op = job.op if rng.random() > 0.02 else int(rng.integers(2, 256))  # an unknown op sums
     return wire.encode(type=wire.DATA, job=job.spec.job, worker=worker, psn=psn & 0xFFFFFFFF, slot=psn % pool,
-                       set=set_, op=op, flags=flags, generation=job.spec.generation, payload=values(rng, lanes, op),
-                       lanes=lanes).tobytes()
+                       set=(psn // pool) % 2, owner=owner, op=op, flags=flags, generation=job.spec.generation,
+                       payload=values(rng, lanes, op), lanes=lanes).tobytes()
+
+
+def relayed_packet(job: LiveJob, worker: int, rng: np.random.Generator) -> bytes:
+    """A GATHER of the sender's own piece or a NACK to another worker; now and then one with an owner
+    admission refuses (another's piece, a NACK to itself or to no worker)."""
+    kind = int(rng.choice([wire.GATHER, wire.GATHER, wire.NACK]))
+    if kind == wire.GATHER:
+        owner = worker if rng.random() > 0.05 else int(rng.integers(0, job.spec.workers + 1))
+    else:
+        owner = int(rng.integers(0, job.spec.workers + (1 if rng.random() < 0.05 else 0)))
+    flags = int(rng.choice([0, 0, wire.FLAG_RETRANSMIT]))
+    return wire.encode(type=kind, job=job.spec.job, worker=worker, psn=int(rng.integers(0, 1 << 32)),
+                       slot=int(rng.integers(0, 65536)), set=int(rng.integers(0, 2)), owner=owner, flags=flags,
+                       generation=job.spec.generation, lanes=job.spec.lanes,
+                       payload=rng.integers(wire.INT32_MIN, wire.INT32_MAX, job.spec.lanes, endpoint=True)).tobytes()
 
 
 def hostile(rng: np.random.Generator, jobs: dict[int, LiveJob], retired: list[LiveJob], lanes: int,
@@ -116,7 +137,7 @@ def hostile(rng: np.random.Generator, jobs: dict[int, LiveJob], retired: list[Li
         traffic.add(good, source, length=int(rng.integers(size + 1, 70000)))  # oversized, e.g. a bad GRO buffer
     elif kind in (4, 5):
         bad = bytearray(good)
-        bad[0 if kind == 4 else 1] = int(rng.choice([0, 1, 3, wire.RESULT, 255]))  # version / type
+        bad[0 if kind == 4 else 1] = int(rng.choice([0, 1, 2, wire.RESULT, wire.ACK, 6, 255]))  # version / type
         if kind == 5 and bad[1] == wire.DATA:
             bad[1] = wire.RESULT
         traffic.add(bytes(bad), source)
@@ -159,10 +180,15 @@ def rounds(rng: np.random.Generator, jobs: dict[int, LiveJob], lanes: int, traff
         if not jobs:
             return
         job = list(jobs.values())[int(rng.integers(len(jobs)))]
+        if rng.random() < 0.1:  # GATHER and NACK traffic of the job, relayed without state
+            w = int(rng.integers(job.spec.workers))
+            traffic.add(relayed_packet(job, w, rng), job.spec.sources[w])
+            continue
         psn = job.next_psn
         job.next_psn += 1
+        owner = int(rng.integers(job.spec.workers)) if rng.random() < 0.3 else None  # a reduce_scatter round
         for w in rng.permutation(job.spec.workers):
-            pkt = data_packet(job, int(w), psn, rng)
+            pkt = data_packet(job, int(w), psn, rng, owner)
             job.history.append(pkt)
             source = job.spec.sources[int(w)]
             r = rng.random()
@@ -194,6 +220,7 @@ class Pair:
         self.numpy = AggregationEngine(slots, lanes, max_jobs)
         self.native = NativeAggregationEngine(slots, lanes, max_jobs)
         self.results = 0
+        self.kinds: dict[int, int] = {}  # packets emitted per type: RESULT, ACK, GATHER, NACK
 
     def add_job(self, spec: JobSpec) -> JobSpec:
         # each engine its own copy: admission fills in the generation and lanes
@@ -215,6 +242,8 @@ class Pair:
         assert got.dest.tolist() == want.dest.tolist()
         assert got.multicast.tolist() == want.multicast.tolist()
         self.results += len(want)
+        for kind in want.packets["hdr"]["type"].tolist():
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
         self.check_counters()
 
     def check_counters(self) -> None:
@@ -295,10 +324,15 @@ def test_random_streams_give_identical_results_and_counters(seed):
 def test_the_random_streams_reach_every_outcome():
     """The generator is worth something only if it hits every branch of the state machine."""
     totals = dict.fromkeys(COUNTERS, 0)
+    kinds = dict.fromkeys((wire.RESULT, wire.ACK, wire.GATHER, wire.NACK), 0)
     for seed in range(12):
-        for name, value in play(seed, lanes=4).native.counters().items():
+        pair = play(seed, lanes=4)
+        for name, value in pair.native.counters().items():
             totals[name] += value
+        for kind, n in pair.kinds.items():
+            kinds[kind] += n
     assert all(v > 0 for v in totals.values()), totals
+    assert all(v > 0 for v in kinds.values()), kinds  # and every kind an aggregator sends
 
 
 def test_one_batch_with_every_slot_hit_many_times():

@@ -46,5 +46,8 @@ def test_table_covers_the_design():
         "slot_reuse_many_rounds", "slot_reuse_by_next_job", "late_packet_of_previous_allocation",
         "stale_packet", "unknown_job", "unadmitted_source",
         "slot_out_of_range", "overflow", "single_worker", "max_workers", "normal_forwarding", "lanes_per_allocation",
+        # sharded data parallelism (docs/protocol.md, Kinds)
+        "owner_only_round", "owner_only_rotating_owners", "owner_only_overflow", "owner_only_owner_not_a_worker",
+        "gather_relay", "gather_admission",
     }
     assert required <= names

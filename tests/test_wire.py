@@ -12,9 +12,12 @@ from passing.scapy_layer import Passing
 
 def test_header_layout_is_the_documented_one():
     pkt = wire.encode(type=wire.RESULT, job=0x0102, worker=5, psn=0x0A0B0C0D, slot=0x0304, set=1, op=wire.MAX,
-                      flags=wire.FLAG_OVERFLOW, generation=0xBEEF, payload=np.arange(4) - 2, lanes=4)
+                      flags=wire.FLAG_OVERFLOW, generation=0xBEEF, payload=np.arange(4) - 2, lanes=4, owner=9)
     raw = pkt.tobytes()
-    assert raw[:16] == bytes([2, 2, 1, 1, 1, 2, 3, 4, 5, 1, 0xBE, 0xEF, 0x0A, 0x0B, 0x0C, 0x0D])
+    assert raw[:16] == bytes([3, 2, 1, 1, 1, 2, 3, 4, 5, 9 << 1 | 1, 0xBE, 0xEF, 0x0A, 0x0B, 0x0C, 0x0D])
+    assert wire.owner_of(pkt["hdr"]["set"]).tolist() == [9] and (pkt["hdr"]["set"] & 1).tolist() == [1]
+    with pytest.raises(wire.WireError, match="owner"):
+        wire.encode(type=wire.DATA, job=1, worker=0, psn=0, pool=1, payload=[0] * 4, lanes=4, owner=128)
     assert raw[16:] == (np.arange(4) - 2).astype(">i4").tobytes()
     assert len(raw) == wire.packet_size(4) == 32
 
@@ -62,6 +65,10 @@ def test_scapy_layer_matches_wire_bytes():
                           set=1, generation=513, psn=123456, values=values))
     ref = wire.encode(type=wire.RESULT, op=wire.MAX, flags=3, job=7, slot=9, worker=3, set=1, generation=513,
                       psn=123456, payload=values, lanes=64).tobytes()
+    assert built == ref
+    built = bytes(Passing(type=wire.GATHER, flags="OWNER_ONLY", owner=31, set=1, values=values))
+    ref = wire.encode(type=wire.GATHER, flags=wire.FLAG_OWNER_ONLY, job=0, worker=0, psn=0, slot=0, set=1, owner=31,
+                      payload=values, lanes=64).tobytes()
     assert built == ref
 
 

@@ -9,7 +9,7 @@ if TYPE_CHECKING:  # the session needs the switch extra; importing this module d
 
 MAX_JOBS = 1024  # PASSING_MAX_JOBS in p4/include/constants.p4: counters are indexed by job mod this
 INGRESS = ("received", "rejected", "aggregated", "completed", "duplicate", "duplicate_answered", "stale",
-           "overflow")
+           "overflow", "relayed")
 EGRESS = ("results_sent",)
 NAMES = tuple(f"PassingIngress.{n}" for n in (*INGRESS, "malformed")) + tuple(f"PassingEgress.{n}" for n in EGRESS)
 

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 # The aggregation state machine's counters (docs/protocol.md) and what each one counts.
 COUNTER_UNITS = {"received": "packets", "rejected": "packets", "aggregated": "packets", "completed": "rounds",
                  "duplicate": "packets", "duplicate_answered": "packets", "stale": "packets", "overflow": "packets",
-                 "results_sent": "packets", "malformed": "packets"}
+                 "relayed": "packets", "results_sent": "packets", "malformed": "packets"}
 # What a worker reports (docs/control.md, report): field -> (metric, help)
 HOST_COUNTERS = {
     "packets_sent": ("passing_host_sent_packets", "DATA packets the worker sent, retransmissions included"),

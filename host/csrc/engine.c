@@ -2,6 +2,8 @@
  * passing/aggregation.py's AggregationEngine is the specification: the same admission,
  * the same slot/set state, the same counters and byte-identical RESULTs, in the same order:
  * the arrival order of the packets that caused them (a completion's replicas in worker order).
+ * GATHER and NACK packets are relayed without state; an OWNER_ONLY round answers its
+ * non-owners with ACKs (docs/protocol.md, Kinds).
  *
  * Every job has a lane count of its own (at most the engine's, the width of a slot): its
  * packets are that long, and it uses that many accumulators of each of its slots.
@@ -246,25 +248,50 @@ PN_LANE_LOOP static void lanes_store(uint8_t *restrict packet, const int32_t *re
     for (uint32_t i = 0; i < n; i++) pn_lane_set(packet, i, acc[i]);
 }
 
-/* One RESULT of the round in slot/set k, caused by the packet with header h, for worker w;
- * its lanes are those of `same` (a RESULT of the same round just emitted) when given. */
-static void emit(pn_engine *e, batch_output *o, const job_entry *j, const pn_header *h, size_t k, uint32_t w,
-                 int multicast, const uint8_t *same) {
+/* One RESULT of the round in slot/set k, caused by the packet with header h, for worker w: an
+ * ACK (the header alone) when the round is OWNER_ONLY and w is not its owner. Its lanes are
+ * those of `same` (a RESULT of the same round just emitted) when given. Returns its row. */
+static const uint8_t *emit(pn_engine *e, batch_output *o, const job_entry *j, const pn_header *h, size_t k,
+                           uint32_t w, int multicast, const uint8_t *same) {
     uint8_t *p = o->packets + o->count * e->packet_size;
-    pn_header r = *h;  /* op, job, slot, set, generation, psn: the causing packet's */
+    int ack = (h->flags & PN_FLAG_OWNER_ONLY) && w != h->owner;
+    pn_header r = *h;  /* op, job, slot, owner, set, generation, psn: the causing packet's */
     r.version = PN_VERSION;
-    r.type = PN_RESULT;
+    r.type = ack ? PN_ACK : PN_RESULT;
     r.flags = e->overflow[k] ? PN_FLAG_OVERFLOW : 0;
     r.worker = (uint8_t)w;
     pn_header_write(p, &r);
-    if (same)
+    if (ack)
+        ;  /* the header alone */
+    else if (same)
         memcpy(p + PN_HEADER_SIZE, same + PN_HEADER_SIZE, 4 * (size_t)j->lanes);
     else
         lanes_store(p, e->acc + k * e->lanes, j->lanes);
     o->dest[o->count] = j->sources[w];
     o->multicast[o->count] = (uint8_t)multicast;
-    o->length[o->count] = (uint32_t)j->packet_size;
+    o->length[o->count] = ack ? PN_HEADER_SIZE : (uint32_t)j->packet_size;
     o->count++;
+    return p;
+}
+
+/* An admitted GATHER or NACK: no state; a replica for each receiver (a GATHER's: every worker
+ * but its sender, in worker order; a NACK's: its owner), the packet as sent but for `worker`,
+ * the receiver's. */
+static void relay(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t *packet, batch_output *o) {
+    uint32_t first = h->type == PN_GATHER ? 0 : h->owner;
+    uint32_t last = h->type == PN_GATHER ? j->workers - 1 : h->owner;
+    count(e, j, PN_C_RELAYED, 1);
+    for (uint32_t w = first; w <= last; w++) {
+        if (h->type == PN_GATHER && w == h->worker) continue;
+        uint8_t *p = o->packets + o->count * e->packet_size;
+        memcpy(p, packet, j->packet_size);
+        p[8] = (uint8_t)w;  /* the header's worker byte (docs/protocol.md) */
+        o->dest[o->count] = j->sources[w];
+        o->multicast[o->count] = 1;
+        o->length[o->count] = (uint32_t)j->packet_size;
+        o->count++;
+        count(e, j, PN_C_RESULTS_SENT, 1);
+    }
 }
 
 /* The state machine for one admitted DATA packet in slot/set k. */
@@ -311,8 +338,11 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
     if (e->bitmap[k] == j->full) {  /* complete: one replica per worker, replication id = worker */
         count(e, j, PN_C_COMPLETED, 1);
         count(e, j, PN_C_RESULTS_SENT, j->workers);
-        const uint8_t *first = o->packets + o->count * e->packet_size;
-        for (uint32_t w = 0; w < j->workers; w++) emit(e, o, j, h, k, w, 1, w ? first : NULL);
+        const uint8_t *with_lanes = NULL;  /* the first RESULT of the completion (ACKs have no lanes) */
+        for (uint32_t w = 0; w < j->workers; w++) {
+            const uint8_t *row = emit(e, o, j, h, k, w, 1, with_lanes);
+            if (!with_lanes && row[1] == PN_RESULT) with_lanes = row;
+        }
     }
 }
 
@@ -329,7 +359,7 @@ static size_t run(pn_engine *e, const batch_input *in, size_t n, batch_output *o
                           length <= e->packet_size && readable >= length;
         if (well_formed) {
             pn_header_read(packet, &h);
-            well_formed = h.version == PN_VERSION && h.type == PN_DATA;
+            well_formed = h.version == PN_VERSION && (h.type == PN_DATA || h.type == PN_GATHER || h.type == PN_NACK);
         }
         if (well_formed && e->dense[h.job] != NO_JOB) j = &e->jobs[e->dense[h.job] - 1];
         /* stop before a packet whose RESULTs might not fit */
@@ -343,9 +373,20 @@ static size_t run(pn_engine *e, const batch_input *in, size_t n, batch_output *o
             e->totals[PN_C_REJECTED]++;  /* no job to charge it to */
             continue;
         }
-        if (h.generation != j->generation || h.worker >= j->workers || j->sources[h.worker] != in->sources[i] ||
-            h.slot >= j->pool || length != j->packet_size) {
+        int admitted = h.generation == j->generation && h.worker < j->workers &&
+                       j->sources[h.worker] == in->sources[i] && length == j->packet_size;
+        if (h.type == PN_DATA)  /* a relayed kind's slot is no slot */
+            admitted = admitted && h.slot < j->pool && (!(h.flags & PN_FLAG_OWNER_ONLY) || h.owner < j->workers);
+        else if (h.type == PN_GATHER)  /* a piece of the sender's own */
+            admitted = admitted && h.owner == h.worker;
+        else  /* a NACK, to another worker of the job */
+            admitted = admitted && h.owner < j->workers && h.owner != h.worker;
+        if (!admitted) {
             count(e, j, PN_C_REJECTED, 1);
+            continue;
+        }
+        if (h.type != PN_DATA) {
+            relay(e, j, &h, packet, o);
             continue;
         }
         size_t k = ((size_t)j->base + h.slot) * 2 + (h.set & 1);

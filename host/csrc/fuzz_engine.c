@@ -8,10 +8,11 @@
  *
  * Checked after every batch (abort on violation):
  *  - every datagram consumed is counted once: received == malformed + rejected +
- *    aggregated + duplicate + duplicate_answered + stale (deltas of the totals);
- *  - results_sent grew by the RESULTs emitted; the replicas are completed x workers, the
- *    unicast answers are duplicate_answered;
- *  - each RESULT is a version-2 RESULT, and goes to an admitted worker's origin;
+ *    aggregated + duplicate + duplicate_answered + stale + relayed (deltas of the totals);
+ *  - results_sent grew by the packets emitted; the unicast answers are duplicate_answered;
+ *  - each packet emitted is of this version: a RESULT (as long as its job's packets) or an
+ *    ACK (the header alone), flagged at most OVERFLOW, or a relayed GATHER or NACK (a
+ *    multicast replica as long as its job's packets), and goes to an admitted worker's origin;
  *  - the engine never takes more than it was given nor emits more than it had room for.
  */
 #include <stdio.h>
@@ -111,10 +112,11 @@ static void raw_datagram(state *s, reader *r) {
     s->n++;
 }
 
-/* A well-formed DATA packet from a few bytes: usually of an admitted job, from its origin. */
+/* A well-formed packet from a few bytes: usually a DATA of an admitted job, from its origin;
+ * now and then OWNER_ONLY, a GATHER or a NACK. */
 static void built_datagram(state *s, reader *r) {
     if (s->n == MAX_BATCH) return;
-    uint8_t pick = byte(r), where = byte(r), fields = byte(r);
+    uint8_t pick = byte(r), where = byte(r), fields = byte(r), kind = byte(r);
     uint32_t j = pick & 3;
     const shadow_job *sj = &s->jobs[j];
     pn_header h = {
@@ -125,7 +127,12 @@ static void built_datagram(state *s, reader *r) {
     };
     uint32_t pool = sj->pool ? sj->pool : 1;
     h.slot = (uint16_t)(fields & 0x40 ? where : h.psn % pool);
-    h.set = (uint8_t)(fields & 0x80 ? where : (h.psn / pool) % 2);
+    h.set = (uint8_t)(fields & 0x80 ? where & 1 : (h.psn / pool) % 2);
+    h.type = (uint8_t)(kind % 8 == 6 ? PN_GATHER : kind % 8 == 7 ? PN_NACK : PN_DATA);
+    if (kind & 0x08) h.flags |= PN_FLAG_OWNER_ONLY;
+    /* the owner: a GATHER's sender, a NACK's other worker, a round's owner; or any */
+    uint32_t workers = sj->workers ? sj->workers : 1;
+    h.owner = (uint8_t)(kind & 0x80 ? kind >> 4 & 7 : h.type == PN_GATHER ? h.worker : (h.worker + 1u) % workers);
     uint8_t *row = s->rows[s->n];
     pn_header_write(row, &h);
     uint8_t size = byte(r);  /* now and then a lane count other than the job's */
@@ -167,21 +174,24 @@ static void process(state *s, reader *r) {
         for (int i = 0; i < PN_COUNTERS; i++) d[i] = after[i] - before[i];
         CHECK(d[PN_C_RECEIVED] == (int64_t)consumed);
         CHECK(d[PN_C_RECEIVED] == d[PN_C_MALFORMED] + d[PN_C_REJECTED] + d[PN_C_AGGREGATED] + d[PN_C_DUPLICATE] +
-                                      d[PN_C_DUPLICATE_ANSWERED] + d[PN_C_STALE]);
+                                      d[PN_C_DUPLICATE_ANSWERED] + d[PN_C_STALE] + d[PN_C_RELAYED]);
         CHECK(d[PN_C_RESULTS_SENT] == (int64_t)emitted);
         CHECK(d[PN_C_COMPLETED] <= d[PN_C_AGGREGATED] && d[PN_C_OVERFLOW] <= d[PN_C_AGGREGATED]);
         int64_t unicast = 0;
         for (size_t i = 0; i < emitted; i++) {
             pn_header h;
             pn_header_read(out + i * PACKET, &h);
-            CHECK(h.version == PN_VERSION && h.type == PN_RESULT && (h.flags & ~PN_FLAG_OVERFLOW) == 0);
-            CHECK(multicast[i] <= 1);
+            int relayed = h.type == PN_GATHER || h.type == PN_NACK;
+            CHECK(h.version == PN_VERSION);
+            CHECK(relayed || ((h.type == PN_RESULT || h.type == PN_ACK) && (h.flags & ~PN_FLAG_OVERFLOW) == 0));
+            CHECK(multicast[i] <= 1 && (!relayed || multicast[i] == 1));
             unicast += multicast[i] == 0;
             int known = 0;
             for (int j = 0; j < 4; j++)
                 if (s->jobs[j].admitted && JOB_IDS[j] == h.job && h.worker < s->jobs[j].workers)
                     known = s->jobs[j].sources[h.worker] == dest[i] && s->jobs[j].generation == h.generation &&
-                            length[i] == PN_HEADER_SIZE + 4 * s->jobs[j].lanes;  /* as long as the job's packets */
+                            length[i] == (h.type == PN_ACK ? PN_HEADER_SIZE  /* the header alone */
+                                                           : PN_HEADER_SIZE + 4 * s->jobs[j].lanes);
             CHECK(known);
         }
         CHECK(unicast == d[PN_C_DUPLICATE_ANSWERED]);

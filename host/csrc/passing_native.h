@@ -18,14 +18,18 @@
 #define PN_API __attribute__((visibility("default")))
 
 /* ---- wire format (mirrors passing/wire.py) ---------------------------------------- */
-#define PN_VERSION 2
+#define PN_VERSION 3
 #define PN_HEADER_SIZE 16
 #define PN_DATA 1
 #define PN_RESULT 2
+#define PN_ACK 3      /* header only: an OWNER_ONLY round is complete, its sums went to the owner */
+#define PN_GATHER 4   /* relayed unchanged to every other worker of the job */
+#define PN_NACK 5     /* relayed to its owner */
 #define PN_OP_SUM 0
 #define PN_OP_MAX 1
 #define PN_FLAG_OVERFLOW 0x01
 #define PN_FLAG_RETRANSMIT 0x02
+#define PN_FLAG_OWNER_ONLY 0x04
 #define PN_MAX_WORKERS 32
 #define PN_GENERATIONS 65536
 
@@ -33,7 +37,8 @@
 typedef struct {
     uint8_t version, type, op, flags;
     uint16_t job, slot;
-    uint8_t worker, set;
+    uint8_t worker;
+    uint8_t owner, set;  /* byte 9: owner in bits 7..1, set in bit 0 */
     uint16_t generation;
     uint32_t psn;
 } pn_header;
@@ -80,7 +85,7 @@ static inline void pn_lane_set(uint8_t *packet, uint32_t i, int32_t v) {
 /* Counters, in the order of passing.aggregation.COUNTERS. */
 enum {
     PN_C_RECEIVED, PN_C_MALFORMED, PN_C_REJECTED, PN_C_AGGREGATED, PN_C_COMPLETED,
-    PN_C_DUPLICATE, PN_C_DUPLICATE_ANSWERED, PN_C_STALE, PN_C_OVERFLOW, PN_C_RESULTS_SENT,
+    PN_C_DUPLICATE, PN_C_DUPLICATE_ANSWERED, PN_C_STALE, PN_C_OVERFLOW, PN_C_RESULTS_SENT, PN_C_RELAYED,
     PN_COUNTERS
 };
 
@@ -102,14 +107,15 @@ PN_API int pn_engine_remove_job(pn_engine *e, uint32_t job);
 /* job < 0: the totals. */
 PN_API int pn_engine_counters(pn_engine *e, int64_t job, int64_t out[PN_COUNTERS]);
 
-/* Apply datagrams in arrival order: datagram i starts at in + i * in_stride, is lengths[i]
+/* Apply datagrams (DATA, and GATHER and NACK to relay) in arrival order: datagram i starts at in + i * in_stride, is lengths[i]
  * bytes long (only the first min(length, in_stride) bytes are read: a longer one is
  * malformed) and came from sources[i]. A datagram of 16 + 4 k bytes is a packet of k lanes,
  * admitted only for a job of k lanes. RESULTs go to out (one every pn_packet_size(the
  * engine's lanes) bytes, at most out_cap), with their length in out_length (their job's
  * packet size: the rest of the row is not part of them), their destination in out_dest and
  * whether they are a multicast replica (1) or a unicast answer (0) in out_multicast, in the
- * arrival order of the datagrams that caused them (a completion's replicas in worker order). Stops
+ * arrival order of the datagrams that caused them (a completion's replicas in worker order; an
+ * ACK is PN_HEADER_SIZE long; relayed replicas are marked multicast). Stops
  * before a datagram whose RESULTs might not fit (at most PN_MAX_WORKERS each); returns how
  * many datagrams it consumed, *emitted how many RESULTs. */
 PN_API size_t pn_engine_process(pn_engine *e, const uint8_t *in, size_t in_stride, const uint32_t *lengths,
@@ -152,6 +158,9 @@ typedef struct {
     uint32_t lanes;
     uint32_t job, generation, worker;
     uint32_t op;                 /* PN_OP_SUM or PN_OP_MAX */
+    uint32_t owner_packets;      /* 0: an allreduce. Else OWNER_ONLY rounds (reduce_scatter): packet i of
+                                    the array belongs to worker i / owner_packets, whose RESULT it is
+                                    (the others get an ACK); only this worker's rows are written */
     /* the shards: packets [start[s], start[s] + count[s]) of the array go to aggregator s */
     uint32_t shards;
     const int64_t *aggregator;   /* packed ip << 16 | port */
@@ -185,6 +194,13 @@ typedef struct {
     double silence, silence_every;
     int (*on_silence)(void *ctx);
     void *silence_ctx;
+    /* GATHER packets of this group that arrive during the call (a faster peer's next all_gather,
+     * docs/protocol.md): copied to `early` (rows of the packet size) with their sources, up to
+     * early_cap; *early_count says how many (in: already there). early_cap 0: dropped. */
+    uint8_t *early;
+    int64_t *early_source;
+    uint32_t early_cap;
+    uint32_t *early_count;
 } pn_stream_call;
 
 typedef struct {
@@ -200,6 +216,36 @@ typedef struct {
 
 /* One allreduce pass of every shard's packets (a MAX round or a SUM), start to finish. */
 PN_API int pn_stream_run(pn_stream_call *c, pn_stream_report *r);
+
+/* ---- the all_gather stream (mirrors passing/stream.py's Group._gather) --------------- */
+
+typedef struct {
+    int fd;                      /* the group's socket, as pn_stream_call's */
+    uint32_t lanes, job, generation, worker, workers;
+    int64_t aggregator;          /* the first aggregator: GATHERs, NACKs and the completion round */
+    uint32_t window;             /* this worker's packets sent ahead of what it holds from the slowest peer */
+    uint64_t start;              /* the call's first gather position G (unwrapped) */
+    const uint64_t *counts;      /* packets of each worker's piece */
+    uint8_t *packets;            /* this worker's GATHER packets, counts[worker] of the packet size, built */
+    uint8_t *staged;             /* the pieces' lanes: origin o's packet i at row sum(counts[:o]) + i, 4 x lanes bytes */
+    uint8_t *have;               /* per staged row: 1 when held (in: this worker's, and any kept from before) */
+    uint8_t *completion;         /* the completion round's DATA packet, built; its psn is the round's */
+    double rto_min, max_rto, timeout;
+    double *srtt, *rttvar, *last_loss;  /* as pn_stream_call's */
+    int32_t gso;
+    double drop;                 /* test impairment, as pn_stream_call's */
+    uint64_t *rng;
+    uint8_t *early;              /* GATHERs of the next call, as pn_stream_call's */
+    int64_t *early_source;
+    uint32_t early_cap;
+    uint32_t *early_count;
+    int32_t completion_sum;      /* out: lane 0 of the completion round's RESULT (the workers, in step) */
+} pn_gather_call;
+
+/* One all_gather: sends this worker's packets a window at a time, takes the others' into
+ * `staged`, answers NACKs, sends its own after a silence, and ends at the completion round's
+ * RESULT. PN_ETIMEOUT when nothing moved for `timeout` seconds. */
+PN_API int pn_gather_run(pn_gather_call *c, pn_stream_report *r);
 
 /* max |x| of n float32 as its bit pattern, in one pass (passing/quantize.py's
  * max_abs_bits): any NaN gives the canonical NaN's 0x7FC00000, which sorts above

@@ -230,8 +230,9 @@ static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) 
     uint64_t position = s->base + offset;
     pn_header h = {
         .version = PN_VERSION, .type = PN_DATA, .op = (uint8_t)c->op,
-        .flags = saturated ? PN_FLAG_OVERFLOW : 0,
+        .flags = (uint8_t)((saturated ? PN_FLAG_OVERFLOW : 0) | (c->owner_packets ? PN_FLAG_OWNER_ONLY : 0)),
         .job = (uint16_t)c->job, .slot = (uint16_t)(position % s->pool), .worker = (uint8_t)c->worker,
+        .owner = (uint8_t)(c->owner_packets ? row / c->owner_packets : 0),
         .set = (uint8_t)((position / s->pool) % 2), .generation = (uint16_t)c->generation, .psn = (uint32_t)position,
     };
     pn_header_write(p, &h);
@@ -326,13 +327,24 @@ static void smooth(double *srtt, double *rttvar, double sample) {
 }
 
 /* A datagram from the socket: a RESULT of this call goes into the output, and the window
- * moves on. Returns 1 for a RESULT that answered a packet still in flight. */
+ * moves on; so does an ACK (an OWNER_ONLY round this worker does not own: the header alone),
+ * without output. Returns 1 for an answer to a packet still in flight. */
 static int process_datagram(stream_state *st, const pn_datagram *d, double now) {
     const pn_stream_call *c = st->c;
-    if (d->length != st->packet_size) return 0;
+    if (d->length != st->packet_size && d->length != PN_HEADER_SIZE) return 0;
     pn_header h;
     pn_header_read(d->data, &h);
-    if (h.version != PN_VERSION || h.type != PN_RESULT) return 0;
+    int ack = d->length == PN_HEADER_SIZE;
+    if (h.version == PN_VERSION && h.type == PN_GATHER && !ack && h.job == c->job && h.generation == c->generation &&
+        h.worker == c->worker) {  /* a faster peer's next all_gather: kept for it */
+        if (*c->early_count < c->early_cap) {
+            memcpy(c->early + (size_t)*c->early_count * st->packet_size, d->data, st->packet_size);
+            c->early_source[*c->early_count] = d->source;
+            (*c->early_count)++;
+        }
+        return 0;
+    }
+    if (h.version != PN_VERSION || h.type != (ack ? PN_ACK : PN_RESULT)) return 0;
     if (h.job != c->job || h.generation != c->generation) {
         st->r->foreign_results++; /* another allocation's: never ours */
         return 0;
@@ -357,14 +369,18 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
         }
         if (w->retries == 0) smooth(&st->srtt, &st->rttvar, now - w->first_sent); /* Karn: unambiguous samples only */
         if (h.flags & PN_FLAG_OVERFLOW) st->r->overflow[k] = 1;
-        uint64_t first = (s->start + offset) * c->lanes;
-        uint32_t n = first + c->lanes <= c->elements ? c->lanes : (uint32_t)(c->elements - first);
-        /* A SUM lane at an int32 bound is a saturated sum: Tofino saturates without the flag
-         * (docs/tofino.md), so every target's is read as overflow (padding lanes too). */
-        if (c->op == PN_OP_SUM && saturated_lanes(d->data, c->lanes)) st->r->overflow[k] = 1;
-        if (c->kind == PN_IN_F32) dequantize_lanes(d->data, n, s, (float *)c->output + first);
-        else read_lanes(d->data, n, (int32_t *)c->output + first);
-        send_first(st, s, offset + s->pool, now); /* self-clocking: this RESULT releases offset + pool */
+        if (!ack) {
+            uint64_t first = (s->start + offset) * c->lanes;
+            uint32_t n = first + c->lanes <= c->elements ? c->lanes : (uint32_t)(c->elements - first);
+            /* A SUM lane at an int32 bound is a saturated sum: Tofino saturates without the flag
+             * (docs/tofino.md), so every target's is read as overflow (padding lanes too). Not in
+             * OWNER_ONLY rounds: only the owner sees the sums, and the workers must agree on an
+             * overflow, so there the flag alone tells (as in passing/stream.py). */
+            if (c->op == PN_OP_SUM && !c->owner_packets && saturated_lanes(d->data, c->lanes)) st->r->overflow[k] = 1;
+            if (c->kind == PN_IN_F32) dequantize_lanes(d->data, n, s, (float *)c->output + first);
+            else read_lanes(d->data, n, (int32_t *)c->output + first);
+        }
+        send_first(st, s, offset + s->pool, now); /* self-clocking: this answer releases offset + pool */
         return 1;
     }
     return 0;
@@ -443,6 +459,12 @@ static int validate(const pn_stream_call *c, const pn_stream_report *r) {
         c->drop >= 1 || !(c->silence >= 0) || (c->silence > 0 && (!c->on_silence || !(c->silence_every > 0))))
         return PN_EINVAL;
     if (c->elements && (!c->input || !c->output)) return PN_EINVAL;
+    if (!c->early_count || (c->early_cap && (!c->early || !c->early_source)) || *c->early_count > c->early_cap)
+        return PN_EINVAL;
+    /* an OWNER_ONLY round's owner is a worker: 7 bits on the wire, at most PN_MAX_WORKERS */
+    if (c->owner_packets && c->elements &&
+        ((c->elements + c->lanes - 1) / c->lanes - 1) / c->owner_packets >= PN_MAX_WORKERS)
+        return PN_EINVAL;
     if (c->kind == PN_IN_F32 && !c->scale) return PN_EINVAL;
     for (uint32_t k = 0; k < c->shards; k++) {
         if (c->pool[k] == 0 || c->pool[k] > 65536) return PN_EINVAL;
@@ -565,5 +587,247 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     c->gso = st.udp.gso;
     r->gso_fallbacks += st.udp.gso_fallbacks;
     free_state(&st);
+    return rc;
+}
+
+/* ---- the all_gather stream (docs/protocol.md, All-gather; passing/stream.py's _gather) ---- */
+
+typedef struct {
+    pn_gather_call *c;
+    pn_stream_report *r;
+    size_t packet_size;
+    pn_udp udp;
+    uint64_t *base;               /* per origin: its first row in staged */
+    uint64_t *prefix;             /* per origin: how many of its packets, from its first, are held */
+    uint64_t mine, sent, lacking, largest;
+    uint32_t completion_psn;
+    double *resent_at;            /* per packet of mine: when last sent again for a NACK */
+    uint8_t *nacks;               /* one NACK per origin */
+    const uint8_t **send_packets;
+    int64_t *send_dest;
+    uint32_t send_count, send_cap;
+} gather_state;
+
+static void gather_queue(gather_state *g, const uint8_t *packet) {
+    if (g->send_count == g->send_cap) return;  /* sized for every packet of a loop iteration */
+    g->send_packets[g->send_count] = packet;
+    g->send_dest[g->send_count] = g->c->aggregator;
+    g->send_count++;
+}
+
+static int gather_flush(gather_state *g) {
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < g->send_count; i++)  /* test impairment: lose some on the way out */
+        if (!(g->c->drop > 0) || uniform(g->c->rng) >= g->c->drop) g->send_packets[n++] = g->send_packets[i];
+    g->send_count = 0;
+    if (n == 0) return PN_OK;
+    uint64_t bytes = 0;
+    int r = pn_udp_send(&g->udp, g->send_packets, g->send_dest, n, (uint32_t)g->packet_size, SEND_TIMEOUT_MS,
+                        &bytes, NULL);
+    g->r->bytes_sent += bytes;
+    g->r->packets_sent += bytes / g->packet_size;
+    if (r < 0) {
+        g->r->error_errno = -r;
+        snprintf(g->r->error_call, sizeof g->r->error_call, "sendmmsg");
+        return PN_ESYS;
+    }
+    return PN_OK;
+}
+
+/* Send this worker's packets up to a window ahead of the slowest peer's prefix. */
+static void gather_send_ahead(gather_state *g) {
+    const pn_gather_call *c = g->c;
+    uint64_t slowest = UINT64_MAX;
+    for (uint32_t o = 0; o < c->workers; o++) {
+        while (g->prefix[o] < c->counts[o] && c->have[g->base[o] + g->prefix[o]]) g->prefix[o]++;
+        if (g->prefix[o] < c->counts[o] && g->prefix[o] < slowest) slowest = g->prefix[o];
+    }
+    uint64_t limit = slowest == UINT64_MAX ? g->mine : slowest + c->window;
+    if (limit > g->mine) limit = g->mine;
+    for (; g->sent < limit; g->sent++) gather_queue(g, c->packets + g->sent * g->packet_size);
+}
+
+/* One NACK per origin this worker lacks packets of: its first missing run, up to a window. */
+static void gather_nack(gather_state *g) {
+    const pn_gather_call *c = g->c;
+    for (uint32_t o = 0; o < c->workers; o++) {
+        if (g->prefix[o] >= c->counts[o]) continue;
+        uint64_t first = g->prefix[o], run = 0;
+        while (first + run < c->counts[o] && run < c->window && run < 0xFFFF && !c->have[g->base[o] + first + run]) run++;
+        uint8_t *p = g->nacks + (size_t)o * g->packet_size;
+        memset(p, 0, g->packet_size);
+        pn_header h = {.version = PN_VERSION, .type = PN_NACK, .job = (uint16_t)c->job, .slot = (uint16_t)run,
+                       .worker = (uint8_t)c->worker, .owner = (uint8_t)o, .generation = (uint16_t)c->generation,
+                       .psn = (uint32_t)(c->start + first)};
+        pn_header_write(p, &h);
+        gather_queue(g, p);
+    }
+}
+
+/* A datagram during the call: a GATHER of this call (held), of the next (kept), a NACK to this
+ * worker (its packets sent again), the completion round's RESULT (returns 1). */
+static int gather_datagram(gather_state *g, const pn_datagram *d, double now, double pto, int *progress) {
+    pn_gather_call *c = g->c;
+    if (d->length != g->packet_size || d->source != c->aggregator) return 0;
+    pn_header h;
+    pn_header_read(d->data, &h);
+    if (h.version != PN_VERSION || h.job != c->job || h.generation != c->generation || h.worker != c->worker)
+        return 0;
+    uint32_t offset = h.psn - (uint32_t)c->start;
+    if (h.type == PN_GATHER) {
+        if (h.owner < c->workers && h.owner != c->worker && offset < c->counts[h.owner]) {
+            uint64_t row = g->base[h.owner] + offset;
+            if (!c->have[row]) {
+                memcpy(c->staged + row * 4 * (size_t)c->lanes, d->data + PN_HEADER_SIZE, 4 * (size_t)c->lanes);
+                c->have[row] = 1;
+                g->lacking--;
+                *progress = 1;
+            }
+        } else if ((uint32_t)(offset - (uint32_t)g->largest) < UINT32_C(1) << 31 && *c->early_count < c->early_cap) {
+            memcpy(c->early + (size_t)*c->early_count * g->packet_size, d->data, g->packet_size);  /* the next call's */
+            c->early_source[*c->early_count] = d->source;
+            (*c->early_count)++;
+        }
+    } else if (h.type == PN_NACK && h.owner == c->worker) {
+        for (uint64_t i = offset; i < (uint64_t)offset + h.slot && i < g->sent; i++) {
+            if (now - g->resent_at[i] <= pto / 2) continue;  /* several receivers may ask for one loss */
+            uint8_t *p = c->packets + i * g->packet_size;
+            p[3] |= PN_FLAG_RETRANSMIT;
+            gather_queue(g, p);
+            g->resent_at[i] = now;
+            g->r->retransmissions++;
+        }
+    } else if (h.type == PN_RESULT && h.psn == g->completion_psn) {
+        c->completion_sum = pn_lane_get(d->data, 0);
+        return 1;
+    }
+    return 0;
+}
+
+static void gather_free(gather_state *g) {
+    free(g->base);
+    free(g->prefix);
+    free(g->resent_at);
+    free(g->nacks);
+    free(g->send_packets);
+    free(g->send_dest);
+    pn_udp_free(&g->udp);
+}
+
+int pn_gather_run(pn_gather_call *c, pn_stream_report *r) {
+    if (!c || !r || c->fd < 0 || c->lanes == 0 || c->lanes > 16000 || c->job > 0xFFFF ||
+        c->generation >= PN_GENERATIONS || c->workers == 0 || c->workers > PN_MAX_WORKERS || c->worker >= c->workers ||
+        c->window == 0 || !c->counts || !c->staged || !c->have || !c->completion || !c->srtt || !c->rttvar ||
+        !c->last_loss || !c->rng || !(c->timeout > 0) || !(c->rto_min > 0) || !(c->max_rto >= c->rto_min) ||
+        c->drop < 0 || c->drop >= 1 || !c->early_count || (c->early_cap && (!c->early || !c->early_source)) ||
+        *c->early_count > c->early_cap || (c->counts[c->worker] && !c->packets))
+        return PN_EINVAL;
+    gather_state g = {.c = c, .r = r, .packet_size = pn_packet_size(c->lanes)};
+    g.udp.fd = -1;
+    g.base = calloc(c->workers, sizeof *g.base);
+    g.prefix = calloc(c->workers, sizeof *g.prefix);
+    uint64_t rows = 0;
+    for (uint32_t o = 0; g.base && o < c->workers; o++) {
+        if (c->counts[o] > 0x7FFFFFFF) {  /* positions of one call stay in serial-number range */
+            gather_free(&g);
+            return PN_EINVAL;
+        }
+        g.base[o] = rows;
+        rows += c->counts[o];
+        if (c->counts[o] > g.largest) g.largest = c->counts[o];
+    }
+    g.mine = c->counts[c->worker];
+    for (uint64_t i = 0; i < rows; i++) g.lacking += !c->have[i];
+    g.completion_psn = (uint32_t)c->completion[12] << 24 | (uint32_t)c->completion[13] << 16 |
+                       (uint32_t)c->completion[14] << 8 | c->completion[15];
+    g.resent_at = malloc((g.mine ? g.mine : 1) * sizeof *g.resent_at);
+    g.nacks = malloc((size_t)c->workers * g.packet_size);
+    g.send_cap = (uint32_t)(2 * g.mine + c->workers + 2);
+    g.send_packets = malloc(g.send_cap * sizeof *g.send_packets);
+    g.send_dest = malloc(g.send_cap * sizeof *g.send_dest);
+    int u = g.base && g.prefix && g.resent_at && g.nacks && g.send_packets && g.send_dest
+                ? pn_udp_init(&g.udp, c->fd, (uint32_t)g.packet_size, RECV_BATCH, c->gso) : -ENOMEM;
+    if (u < 0) {
+        gather_free(&g);
+        return u == -ENOMEM ? PN_ENOMEM : PN_EINVAL;
+    }
+    for (uint64_t i = 0; i < g.mine; i++) g.resent_at[i] = -INFINITY;
+    stream_state timing = {.srtt = *c->srtt, .last_loss = *c->last_loss};  /* the probe rule's inputs */
+    pn_stream_call rule = {.rto_min = c->rto_min, .max_rto = c->max_rto};
+    timing.c = &rule;
+
+    uint32_t capacity = pn_udp_capacity(&g.udp);
+    pn_datagram *got = malloc(capacity * sizeof *got);
+    int rc = got ? PN_OK : PN_ENOMEM;
+    double now = now_s(), last_activity = now, last_progress = now;
+    uint32_t probes = 0;
+    int completion_sent = 0, done = 0;
+    gather_send_ahead(&g);
+    if (rc == PN_OK) rc = gather_flush(&g);
+    while (rc == PN_OK && !done) {
+        double wait = silence_timeout(&timing, now);
+        double pto = wait * (double)(1u << (probes < MAX_PROBE_DOUBLINGS ? probes : MAX_PROBE_DOUBLINGS));
+        double most = wait > c->max_rto ? wait : c->max_rto;
+        if (pto > most) pto = most;
+        double until = last_activity + pto - now_s();
+        if (until > 0) {
+            int w = pn_udp_wait(&g.udp, (int)ceil((until < MAX_WAIT_S ? until : MAX_WAIT_S) * 1000.0), -1);
+            if (w < 0) {
+                r->error_errno = -w;
+                snprintf(r->error_call, sizeof r->error_call, "poll");
+                rc = PN_ESYS;
+                break;
+            }
+        }
+        int n = pn_udp_recv(&g.udp, got, capacity);
+        if (n < 0) {
+            r->error_errno = -n;
+            snprintf(r->error_call, sizeof r->error_call, "recvmmsg");
+            rc = PN_ESYS;
+            break;
+        }
+        now = now_s();
+        int progress = 0;
+        for (int i = 0; i < n && !done; i++) {
+            r->packets_received++;
+            r->bytes_received += got[i].length;
+            if (c->drop > 0 && uniform(c->rng) < c->drop) continue;  /* test impairment: lost on the way in */
+            done = gather_datagram(&g, &got[i], now, probe_timeout(&timing), &progress) && completion_sent;
+        }
+        if (done) break;
+        if (progress) {
+            last_activity = last_progress = now;
+            probes = 0;
+            gather_send_ahead(&g);
+        }
+        if (g.lacking == 0 && !completion_sent) {
+            gather_queue(&g, c->completion);
+            completion_sent = 1;
+            last_activity = last_progress = now;
+            probes = 0;
+        }
+        if (now - last_progress > c->timeout) {
+            r->error_psn = (uint32_t)c->start;
+            rc = PN_ETIMEOUT;
+            break;
+        }
+        if (now >= last_activity + pto) {
+            if (completion_sent) {  /* its RESULT is lost, or a peer still lacks something */
+                c->completion[3] |= PN_FLAG_RETRANSMIT;
+                gather_queue(&g, c->completion);
+                r->retransmissions++;
+            } else {
+                gather_send_ahead(&g);  /* brings the prefixes up to date */
+                gather_nack(&g);
+            }
+            probes++;
+            last_activity = now;
+        }
+        rc = gather_flush(&g);
+    }
+    free(got);
+    c->gso = g.udp.gso;
+    r->gso_fallbacks += g.udp.gso_fallbacks;
+    gather_free(&g);
     return rc;
 }

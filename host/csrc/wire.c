@@ -28,7 +28,8 @@ void pn_header_read(const uint8_t *p, pn_header *h) {
     h->job = get16(p + 4);
     h->slot = get16(p + 6);
     h->worker = p[8];
-    h->set = p[9];
+    h->owner = (uint8_t)(p[9] >> 1);
+    h->set = p[9] & 1;
     h->generation = get16(p + 10);
     h->psn = get32(p + 12);
 }
@@ -41,7 +42,7 @@ void pn_header_write(uint8_t *p, const pn_header *h) {
     put16(p + 4, h->job);
     put16(p + 6, h->slot);
     p[8] = h->worker;
-    p[9] = h->set;
+    p[9] = (uint8_t)(h->owner << 1 | (h->set & 1));
     put16(p + 10, h->generation);
     put32(p + 12, h->psn);
 }

@@ -1,5 +1,9 @@
 """The aggregation state machine (design §4), one target-independent implementation.
 
+Besides DATA rounds it relays the stateless kinds (docs/protocol.md, Kinds): a GATHER goes
+unchanged to every other worker of its job, a NACK to its owner; and an OWNER_ONLY round's
+completion is a RESULT for its owner and a header-only ACK for every other worker.
+
 The software aggregator (PS fallback) runs it behind UDP sockets, the tests run it
 directly, and the P4 programs implement the very same rules in switch registers.
 
@@ -30,16 +34,18 @@ import numpy as np
 from . import native, wire
 
 COUNTERS = (
-    "received",  # DATA packets looked at
-    "malformed",  # wrong length, version or type
-    "rejected",  # unknown job, another generation, worker not from its origin, slot out of range, not the job's lanes
+    "received",  # datagrams looked at
+    "malformed",  # wrong length, version or type (one a host does not send)
+    "rejected",  # unknown job, another generation, worker not from its origin, slot out of range, not the job's
+    #              lanes, an owner that is not a worker (OWNER_ONLY, NACK) or not the sender (GATHER)
     "aggregated",  # payload written or added into a slot
     "completed",  # rounds whose bitmap became full (a RESULT multicast)
     "duplicate",  # retransmission of a contribution to a round still incomplete: dropped
     "duplicate_answered",  # retransmission to a completed round: RESULT unicast to the sender
     "stale",  # packet older than the round its slot/set holds: dropped
     "overflow",  # contributions that saturated a lane or arrived flagged OVERFLOW
-    "results_sent",  # RESULT packets emitted (multicast replicas + unicast answers)
+    "results_sent",  # packets emitted: RESULTs and ACKs (multicast replicas + unicast answers), relayed replicas
+    "relayed",  # GATHER and NACK packets admitted and replicated (no state touched)
 )
 _C = {name: i for i, name in enumerate(COUNTERS)}
 NO_SOURCE = -1
@@ -82,10 +88,11 @@ class JobSpec:
 
 @dataclass
 class Emission:
-    """RESULT packets to send: the first ``lengths[i]`` bytes of ``packets[i]`` go to origin ``dest[i]``.
+    """Packets to send: the first ``lengths[i]`` bytes of ``packets[i]`` go to origin ``dest[i]``.
 
     ``packets`` has the engine's width (its lanes); a RESULT of a job with fewer lanes is as long as
-    that job's packets, and the bytes of its row past that are not part of it."""
+    that job's packets, an ACK is its header alone, and the bytes of a row past its length are not
+    part of it."""
 
     packets: np.ndarray
     dest: np.ndarray
@@ -223,22 +230,30 @@ class AggregationEngine:
             lengths = np.full(n, row)
         lengths = np.asarray(lengths, dtype=np.int64)
         hdr = batch["hdr"]
-        # framing: a whole DATA packet of 1..lanes lanes that fits its row (a longer one was cut short)
+        # framing: a whole packet of a kind hosts send, 1..lanes lanes, that fits its row (a longer one was cut short)
         lanes = np.where(lengths <= row, wire.lanes_of(lengths, self.lanes), 0)
-        ok = (lanes > 0) & (hdr["version"] == wire.VERSION) & (hdr["type"] == wire.DATA)
+        kind = hdr["type"]
+        is_data = kind == wire.DATA
+        relay = (kind == wire.GATHER) | (kind == wire.NACK)
+        ok = (lanes > 0) & (hdr["version"] == wire.VERSION) & (is_data | relay)
         jobs = self._jobs
         worker = hdr["worker"].astype(np.int64)
+        owner = wire.owner_of(hdr["set"])
         slot = hdr["slot"].astype(np.int64)
         d = jobs.index[hdr["job"]]
         known = ok & (d >= 0)
         dc = np.where(known, d, 0)
+        owner_only = is_data & ((hdr["flags"] & wire.FLAG_OWNER_ONLY) != 0)
         admitted = (
             known
             & (hdr["generation"] == jobs.generation[dc])  # a late packet of an earlier allocation: rejected
             & (worker < jobs.workers[dc])
             & (jobs.sources[dc, np.minimum(worker, wire.MAX_WORKERS - 1)] == sources)
-            & (slot < jobs.pool[dc])
             & (lanes == jobs.lanes[dc])  # as long as the job's packets
+            & (~is_data | (slot < jobs.pool[dc]))  # a relayed kind's slot is no slot
+            & (~owner_only | (owner < jobs.workers[dc]))
+            & ((kind != wire.GATHER) | (owner == worker))  # a piece of the sender's own
+            & ((kind != wire.NACK) | ((owner < jobs.workers[dc]) & (owner != worker)))
         )
         tally = _Tally(self)
         tally.total("received", n)
@@ -250,8 +265,15 @@ class AggregationEngine:
         causes: list[np.ndarray] = []  # per RESULT, the batch index of the packet that caused it
         # Jobs of one lane count at a time: a job's packets all have its lane count, and jobs share no
         # slot, so this is arrival order per slot.
-        for count in np.unique(lanes[admitted]):
-            idx = np.flatnonzero(admitted & (lanes == count))
+        relayed = np.flatnonzero(admitted & relay)
+        if relayed.size:
+            emitted, cause = self._relay(batch[relayed], d[relayed], worker[relayed], owner[relayed], lanes[relayed],
+                                         tally)
+            out.append(emitted)
+            causes.append(relayed[cause])
+        aggregating = admitted & is_data
+        for count in np.unique(lanes[aggregating]):
+            idx = np.flatnonzero(aggregating & (lanes == count))
             key = (jobs.base[d[idx]] + slot[idx]) * 2 + (hdr["set"][idx] & 1)
             # Rank of each packet among those for the same slot/set, in arrival order.
             order = np.argsort(key, kind="stable")
@@ -263,7 +285,8 @@ class AggregationEngine:
             for r in range(int(rank.max()) + 1):
                 in_wave = rank == r
                 wave = idx[in_wave]  # ascending = arrival order
-                emitted, cause = self._wave(batch[wave], d[wave], worker[wave], key[in_wave], tally, int(count))
+                emitted, cause = self._wave(batch[wave], d[wave], worker[wave], owner[wave], key[in_wave], tally,
+                                            int(count))
                 out.append(emitted)
                 causes.append(wave[cause])
         tally.commit()
@@ -274,8 +297,34 @@ class AggregationEngine:
         return Emission(emission.packets[order], emission.dest[order], emission.multicast[order],
                         emission.lengths[order])
 
-    def _wave(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, k: np.ndarray, tally: _Tally,
-              lanes: int) -> tuple[Emission, np.ndarray]:
+    def _relay(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, owner: np.ndarray, lanes: np.ndarray,
+               tally: _Tally) -> tuple[Emission, np.ndarray]:
+        """Admitted GATHER and NACK packets: no state, one replica per receiver (a GATHER's: every worker
+        but its sender, in worker order; a NACK's: its owner), each with ``worker`` = its receiver and
+        otherwise the packet as sent. Returns them and, for each, the index of its packet in ``pkts``."""
+        jobs = self._jobs
+        gather = pkts["hdr"]["type"] == wire.GATHER
+        receivers = [np.flatnonzero(np.arange(jobs.workers[j]) != w) if g else np.array([o])
+                     for j, w, o, g in zip(d.tolist(), worker.tolist(), owner.tolist(), gather.tolist())]
+        counts = np.array([r.size for r in receivers], dtype=np.int64)
+        src = np.repeat(np.arange(len(pkts)), counts)
+        dest_worker = np.concatenate(receivers).astype(np.int64)
+        out = wire.empty(src.size, self.lanes)
+        out["hdr"] = pkts["hdr"][src]
+        out["hdr"]["worker"] = dest_worker
+        width = pkts["payload"].shape[1]  # the batch's rows may be narrower than the engine's
+        out["payload"][:, :width] = pkts["payload"][src]
+        tally.jobs("relayed", d)
+        tally.jobs("results_sent", d[src])
+        return Emission(
+            packets=out,
+            dest=jobs.sources[d[src], dest_worker],
+            multicast=np.ones(src.size, dtype=bool),
+            lengths=(wire.HEADER_SIZE + 4 * lanes[src]).astype(np.int64),
+        ), src
+
+    def _wave(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, owner: np.ndarray, k: np.ndarray,
+              tally: _Tally, lanes: int) -> tuple[Emission, np.ndarray]:
         """Packets of jobs of ``lanes`` lanes that all hit distinct slot/sets: one vectorised step of the
         state machine, on their first ``lanes`` accumulators. Returns the RESULTs and, for each, the index
         in ``pkts`` of the packet that caused it."""
@@ -347,16 +396,18 @@ class AggregationEngine:
         rh = res["hdr"]
         for name in ("op", "job", "generation", "slot", "set", "psn"):
             rh[name] = hdr[name][src]
-        rh["type"] = wire.RESULT
+        # An OWNER_ONLY round's sums go to its owner; every other worker gets the header alone, an ACK.
+        ack = ((hdr["flags"][src] & wire.FLAG_OWNER_ONLY) != 0) & (dest_worker != owner[src])
+        rh["type"] = np.where(ack, wire.ACK, wire.RESULT)
         rh["worker"] = dest_worker
         rh["flags"] = self.overflow[k[src]] * wire.FLAG_OVERFLOW
-        res["payload"][:, :lanes] = acc[k[src]]
+        res["payload"][:, :lanes] = np.where(ack[:, None], 0, acc[k[src]])
         tally.jobs("results_sent", d[src])
         return Emission(
             packets=res,
             dest=jobs.sources[d[src], dest_worker],
             multicast=np.arange(src.size) < src.size - ans_i.size,
-            lengths=np.full(src.size, wire.packet_size(lanes), dtype=np.int64),
+            lengths=np.where(ack, wire.HEADER_SIZE, wire.packet_size(lanes)).astype(np.int64),
         ), src
 
     def _empty_emission(self) -> Emission:

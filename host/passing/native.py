@@ -31,7 +31,7 @@ ERRORS = {
     PN_EFULL: "no room for another job", PN_ESYS: "system call failed", PN_ETIMEOUT: "timed out",
     PN_ESILENT: "given up after silence",
 }
-COUNTERS = 10
+COUNTERS = 11
 IN_F32, IN_I32 = 0, 1
 
 
@@ -59,14 +59,29 @@ class StreamCall(ctypes.Structure):
     _fields_ = [
         ("fd", ctypes.c_int), ("lanes", ctypes.c_uint32), ("job", ctypes.c_uint32),
         ("generation", ctypes.c_uint32), ("worker", ctypes.c_uint32), ("op", ctypes.c_uint32),
-        ("shards", ctypes.c_uint32), ("aggregator", _i64p), ("pool", _u32p), ("next_psn", _u64p),
-        ("start", _u64p), ("count", _u64p),
+        ("owner_packets", ctypes.c_uint32), ("shards", ctypes.c_uint32), ("aggregator", _i64p), ("pool", _u32p),
+        ("next_psn", _u64p), ("start", _u64p), ("count", _u64p),
         ("kind", ctypes.c_int32), ("input", _p), ("output", _p), ("elements", ctypes.c_uint64), ("scale", _dp),
         ("rto_min", ctypes.c_double), ("max_rto", ctypes.c_double), ("timeout", ctypes.c_double),
         ("srtt", _dp), ("rttvar", _dp), ("last_loss", _dp),
         ("gso", ctypes.c_int32), ("drop", ctypes.c_double), ("rng", _u64p),
         ("silence", ctypes.c_double), ("silence_every", ctypes.c_double), ("on_silence", SILENCE_CALLBACK),
-        ("silence_ctx", _p),
+        ("silence_ctx", _p), ("early", _p), ("early_source", _i64p), ("early_cap", ctypes.c_uint32),
+        ("early_count", _u32p),
+    ]
+
+
+class GatherCall(ctypes.Structure):
+    _fields_ = [
+        ("fd", ctypes.c_int), ("lanes", ctypes.c_uint32), ("job", ctypes.c_uint32),
+        ("generation", ctypes.c_uint32), ("worker", ctypes.c_uint32), ("workers", ctypes.c_uint32),
+        ("aggregator", ctypes.c_int64), ("window", ctypes.c_uint32), ("start", ctypes.c_uint64),
+        ("counts", _u64p), ("packets", _p), ("staged", _p), ("have", _p), ("completion", _p),
+        ("rto_min", ctypes.c_double), ("max_rto", ctypes.c_double), ("timeout", ctypes.c_double),
+        ("srtt", _dp), ("rttvar", _dp), ("last_loss", _dp),
+        ("gso", ctypes.c_int32), ("drop", ctypes.c_double), ("rng", _u64p),
+        ("early", _p), ("early_source", _i64p), ("early_cap", ctypes.c_uint32), ("early_count", _u32p),
+        ("completion_sum", ctypes.c_int32),
     ]
 
 
@@ -98,6 +113,7 @@ _PROTOTYPES = {
     "pn_server_stop": (None, [_p]),
     "pn_server_get_stats": (None, [_p, ctypes.POINTER(ServerStats)]),
     "pn_stream_run": (ctypes.c_int, [ctypes.POINTER(StreamCall), ctypes.POINTER(StreamReport)]),
+    "pn_gather_run": (ctypes.c_int, [ctypes.POINTER(GatherCall), ctypes.POINTER(StreamReport)]),
     "pn_max_abs_bits": (ctypes.c_uint32, [_p, ctypes.c_size_t, ctypes.c_int]),
 }
 

@@ -10,6 +10,7 @@ widths and constants come from ``passing.wire``, the one definition of the forma
 from __future__ import annotations
 
 from scapy.fields import (
+    BitField,
     ByteEnumField,
     ByteField,
     FieldListField,
@@ -28,13 +29,15 @@ class Passing(Packet):
     name = "PASSING"
     fields_desc = [
         ByteField("version", wire.VERSION),
-        ByteEnumField("type", wire.DATA, {wire.DATA: "DATA", wire.RESULT: "RESULT"}),
+        ByteEnumField("type", wire.DATA, {wire.DATA: "DATA", wire.RESULT: "RESULT", wire.ACK: "ACK",
+                                          wire.GATHER: "GATHER", wire.NACK: "NACK"}),
         ByteEnumField("op", wire.SUM, {wire.SUM: "SUM", wire.MAX: "MAX"}),
-        FlagsField("flags", 0, 8, ["OVERFLOW", "RETRANSMIT"]),
+        FlagsField("flags", 0, 8, ["OVERFLOW", "RETRANSMIT", "OWNER_ONLY"]),
         ShortField("job", 0),
         ShortField("slot", 0),
         ByteField("worker", 0),
-        ByteField("set", 0),
+        BitField("owner", 0, 7),  # byte 9: owner in bits 7..1 (wire.owner_of), set in bit 0
+        BitField("set", 0, 1),
         ShortField("generation", 0),
         IntField("psn", 0),
         FieldListField("values", [], SignedIntField("value", 0)),  # the rest of the datagram
@@ -43,7 +46,7 @@ class Passing(Packet):
     def mysummary(self) -> str:
         return self.sprintf(
             "PASSING %type% %op% job=%job% gen=%generation% worker=%worker% psn=%psn% slot=%slot% set=%set% "
-            "flags=%flags%"
+            "owner=%owner% flags=%flags%"
         )
 
 

@@ -26,6 +26,12 @@ lateness has a long tail: a loss-free run resends nothing, and the first loss af
 spell costs that once. A packet unanswered for ``timeout`` seconds ends the call with
 AggregatorUnreachable.
 
+``reduce_scatter`` is the same stream with OWNER_ONLY rounds (a packet's sums come back to the
+worker whose block it is, the others get a header-only ACK); ``allgather`` sends each worker's
+bytes once as GATHER packets the aggregator relays, with NACKs from the receivers and a completion
+round (docs/protocol.md, Kinds; docs/architecture.md). Both run in either engine (the native
+all_gather loop: host/csrc/stream.c's pn_gather_run; ``_gather`` is its specification).
+
 Two engines implement the stream: the native one (host/csrc/stream.c, through
 passing.native) and ``_stream`` below in numpy, the executable specification it is tested
 against. ``engine="auto"`` takes the native one where it loads.
@@ -95,6 +101,8 @@ REORDER_MIN = 200e-6  # and at least this: RESULTs come in batches
 PROBE_MIN = 1e-3  # a probe waits at least this
 MAX_PROBE_DOUBLINGS = 6  # unanswered probes double the wait, up to 64 x and max_rto; `timeout` tells a dead one
 SILENCE_EVERY = 0.5  # once silent for failover.after: how often to ask the controller again
+EARLY_GATHERS = 1 << 16  # GATHER packets of a call not begun yet that a worker keeps for it (more: NACKed then)
+EARLY_NATIVE = 4096  # of them, what one call of the native stream can keep
 LOSS_MEMORY = 10.0  # s: evidence of loss this recent makes a probe wait what the estimates say, not `rto`
 INT32_MAX, INT32_MIN = np.iinfo(np.int32).max, np.iinfo(np.int32).min
 
@@ -199,6 +207,12 @@ class Group:
         self._kept: dict[int, np.ndarray] = {}
         self._decision: dict[str, Any] | None = None
         self.moves = 0
+        # all_gather (docs/protocol.md, Kinds): the position of the next call's first GATHER packet (the
+        # same at every worker), and GATHER packets of a call this worker has not begun yet (a faster
+        # peer's), kept for it: (packets, lengths, sources) batches, at most EARLY_GATHERS packets
+        self._gather_position = 0
+        self._early: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._early_buffer: np.ndarray | None = None  # where the native stream puts them (EARLY_NATIVE rows)
         if isinstance(bind, BatchSocket):
             if bind.dtype != wire.packet_dtype(lanes):
                 raise ValueError(f"the socket was made for other than {lanes} lanes")
@@ -283,7 +297,90 @@ class Group:
             raise
         return result
 
-    def _allreduce_with_failover(self, flat: np.ndarray, out: np.ndarray, op: str) -> None:
+    # ---- sharded data parallelism (docs/protocol.md, Kinds) ------------------------------------
+
+    def reduce_scatter(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+        """Worker w's block of the sum (or average) of ``array`` over all workers: ``array`` is the
+        workers' blocks one after the other (its size a multiple of the workers), the answer block
+        ``worker`` (size / workers elements, into ``out`` when given). float32 or int32, as allreduce.
+
+        The reduce path with OWNER_ONLY rounds: each worker's block is padded to whole packets, and a
+        packet's sums come back to the block's worker alone; the others get a header-only ACK. Per
+        worker: up ``size``, down ``size / workers`` of sums and one ACK per packet of the others."""
+        x = np.asarray(array)
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        if x.dtype not in (np.float32, np.int32):
+            raise TypeError(f"reduce_scatter takes float32 or int32 arrays, got {x.dtype}")
+        if x.dtype == np.int32 and op == "avg":
+            raise TypeError("op 'avg' needs a float32 array (an int32 average is not an int32)")
+        if x.size % self.workers:
+            raise ValueError(f"reduce_scatter of {x.size} elements: not a multiple of the {self.workers} workers")
+        chunk = x.size // self.workers
+        if out is not None and (out.dtype != x.dtype or out.size != chunk or not out.flags.c_contiguous
+                                or not out.flags.writeable):
+            raise ValueError(f"out must be a writeable C-contiguous {x.dtype} array of {chunk} elements")
+        if self._failed:
+            raise PassingError(
+                f"job {self.job} worker {self.worker}: group unusable after an earlier error: {self._failed}"
+            )
+        result = np.empty(chunk, x.dtype) if out is None else out
+        if chunk == 0:
+            return result
+        per = -(-chunk // self.lanes)  # packets of each worker's block
+        padded = np.zeros((self.workers, per * self.lanes), x.dtype)
+        padded[:, :chunk] = x.reshape(self.workers, chunk)
+        flat = padded.reshape(-1)
+        try:
+            if self.failover is None:
+                self._allreduce(flat, flat, op, owner_packets=per)
+            else:
+                self._allreduce_with_failover(flat, flat, op, owner_packets=per)
+        except (AggregatorUnreachable, OSError) as e:
+            self._failed = str(e)
+            raise
+        result.reshape(-1)[:] = padded[self.worker, :chunk]
+        return result
+
+    def allgather(self, array: np.ndarray) -> np.ndarray:
+        """Every worker's ``array`` (the same shape and dtype at every worker), stacked: shape
+        ``(workers, *array.shape)``. Any dtype, bit for bit."""
+        x = np.ascontiguousarray(array)
+        out = np.empty((self.workers, *x.shape), x.dtype)
+        self.allgather_bytes(x.reshape(-1).view(np.uint8), [x.nbytes] * self.workers, out.reshape(-1).view(np.uint8))
+        return out
+
+    def allgather_bytes(self, piece: np.ndarray, sizes: Sequence[int], out: np.ndarray) -> np.ndarray:
+        """Every worker's ``piece`` of bytes, worker w's ``sizes[w]`` bytes at ``sum(sizes[:w])`` of
+        ``out`` (uint8, C-contiguous, ``sum(sizes)`` bytes). Every worker gives the same ``sizes``.
+
+        Each worker sends its piece once as GATHER packets, which the aggregator relays to the others;
+        a receiver asks for what it lacks with NACKs, and the call ends with a one-packet completion
+        round through the reduce path once every worker holds every piece."""
+        sizes = [int(v) for v in sizes]
+        if len(sizes) != self.workers or min(sizes) < 0:
+            raise ValueError(f"sizes must give {self.workers} byte counts >= 0, got {sizes}")
+        if piece.dtype != np.uint8 or piece.ndim != 1 or piece.size != sizes[self.worker]:
+            raise ValueError(f"piece must be {sizes[self.worker]} bytes (a 1-d uint8 array)")
+        if out.dtype != np.uint8 or out.size != sum(sizes) or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"out must be a writeable C-contiguous uint8 array of {sum(sizes)} bytes")
+        if self._failed:
+            raise PassingError(
+                f"job {self.job} worker {self.worker}: group unusable after an earlier error: {self._failed}"
+            )
+        offsets = np.r_[0, np.cumsum(sizes)]
+        out.reshape(-1)[offsets[self.worker] : offsets[self.worker + 1]] = piece
+        if self.workers == 1 or max(sizes) == 0:
+            return out  # nobody sends anything
+        try:
+            self._gather(piece, sizes, out.reshape(-1), offsets)
+        except (AggregatorUnreachable, OSError) as e:
+            self._failed = str(e)
+            raise
+        return out
+
+    def _allreduce_with_failover(self, flat: np.ndarray, out: np.ndarray, op: str,
+                                 owner_packets: int | None = None) -> None:
         """One call that survives moves: on a move every worker redoes, on the new allocation, the
         calls from the one the controller names (docs/control.md), then this one from its start."""
         call = self.calls
@@ -298,7 +395,7 @@ class Group:
                     self._allreduce(self._kept[k], np.empty_like(self._kept[k]), "sum")
                 redo = []
                 self._attempt = call
-                self._allreduce(source, out, op)
+                self._allreduce(source, out, op, owner_packets)
                 break
             except _Silenced:
                 decision, self._decision = self._decision, None
@@ -345,12 +442,14 @@ class Group:
         self._next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
         self.moves += 1
 
-    def _allreduce(self, flat: np.ndarray, out: np.ndarray, op: str) -> None:
+    def _allreduce(self, flat: np.ndarray, out: np.ndarray, op: str, owner_packets: int | None = None) -> None:
+        """The reduce path. With ``owner_packets`` every round is OWNER_ONLY: packet i's sums come back to
+        worker i // owner_packets alone (the others get ACKs), so ``out`` holds only this worker's block."""
         packets = -(-flat.size // self.lanes)
         bounds = np.linspace(0, packets, len(self.aggregators) + 1).astype(np.int64)
         starts, counts = bounds[:-1], np.diff(bounds)  # packets of each aggregator's contiguous block
         if flat.dtype == np.int32:
-            if any(self._pass(wire.SUM, flat, out, starts, counts)):
+            if any(self._pass(wire.SUM, flat, out, starts, counts, owner_packets=owner_packets)):
                 raise PassingOverflow(f"job {self.job}: an int32 sum left the int32 range")
             return
         mode = self.scale
@@ -361,11 +460,11 @@ class Group:
             if mode == "auto":
                 scales, nonfinite = self._auto_scales(flat, starts, counts)
                 if any(nonfinite):  # counted before the data round, which may overwrite an in-place input
-                    classes = self._nonfinite_classes(flat, starts, counts, nonfinite)
+                    classes = self._nonfinite_classes(flat, starts, counts, nonfinite, owner_packets)
             else:
                 scales, nonfinite = [float(mode)] * len(counts), [False] * len(counts)
             live = np.array([c if sc else 0 for c, sc in zip(counts, scales)], dtype=np.int64)
-            overflow = self._pass(wire.SUM, flat, target, starts, live, scales)
+            overflow = self._pass(wire.SUM, flat, target, starts, live, scales, owner_packets)
             # A non-finite element travels as 0 with OVERFLOW set; an auto scale cannot saturate.
             overflow = [o and not n for o, n in zip(overflow, nonfinite)]
             if not any(overflow):
@@ -427,7 +526,7 @@ class Group:
         return bool(self._max_round(rows)[:, 0].any())
 
     def _nonfinite_classes(self, flat: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-                           nonfinite: list[bool]) -> np.ndarray:
+                           nonfinite: list[bool], owner_packets: int | None = None) -> np.ndarray:
         """Per element, how many workers hold NaN, +inf and -inf there: one int32 SUM round over
         the shards that hold any, each worker contributing nan + (+inf << 6) + (-inf << 12) (at most
         32 workers: each count fits its 6 bits). Shards without any get zeros."""
@@ -435,16 +534,20 @@ class Group:
                  | (np.isneginf(flat).astype(np.int32) << 2 * NONFINITE_SHIFT))
         live = np.array([c if n else 0 for c, n in zip(counts, nonfinite)], dtype=np.int64)
         summed = np.zeros_like(codes)
-        self._pass(wire.SUM, codes, summed, starts, live)
+        self._pass(wire.SUM, codes, summed, starts, live, owner_packets=owner_packets)
         return summed
 
     def _pass(self, op: int, flat: np.ndarray, out: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-              scales: list[float] | None = None) -> list[bool]:
+              scales: list[float] | None = None, owner_packets: int | None = None) -> list[bool]:
         """One pass of every shard's packets through its aggregator: packets [start, start + count)
         of ``flat`` (zero-padded to whole packets; float32 quantized with the shard's scale) in,
-        their sums into ``out``. Returns per shard whether a RESULT overflowed."""
+        their sums into ``out``. Returns per shard whether a RESULT overflowed. With ``owner_packets``
+        the rounds are OWNER_ONLY, and
+        only the rows this worker owns are written to ``out``."""
         if self.native:
-            return self._pass_native(op, flat, out, starts, counts, scales)
+            return self._pass_native(op, flat, out, starts, counts, scales, owner_packets)
+        owners = None if owner_packets is None else [(start + np.arange(count)) // owner_packets
+                                                      for start, count in zip(starts, counts)]
         blocks, flags = [], []
         for i, (start, count) in enumerate(zip(starts, counts)):
             block = np.zeros(count * self.lanes, dtype=flat.dtype)
@@ -455,15 +558,19 @@ class Group:
                 block = q
                 flags.append(np.where(saturated.reshape(-1, self.lanes).any(axis=1), wire.FLAG_OVERFLOW, 0))
             blocks.append(block.reshape(-1, self.lanes))
-        sums, overflow = self._stream(blocks, op, flags if scales is not None else None)
+        sums, overflow = self._stream(blocks, op, flags if scales is not None else None, owners)
         for i, (start, s) in enumerate(zip(starts, sums)):
             part = out[start * self.lanes : (start * self.lanes + s.size)]
             values = s.reshape(-1)[: part.size]
-            part[:] = quantize.dequantize(values, scales[i]) if scales is not None else values
+            if owners is None:
+                part[:] = quantize.dequantize(values, scales[i]) if scales is not None else values
+                continue
+            mine = np.repeat(owners[i] == self.worker, self.lanes)[: part.size]  # the rows whose sums came here
+            part[mine] = quantize.dequantize(values[mine], scales[i]) if scales is not None else values[mine]
         return overflow
 
     def _pass_native(self, op: int, flat: np.ndarray, out: np.ndarray, starts: np.ndarray, counts: np.ndarray,
-                     scales: list[float] | None) -> list[bool]:
+                     scales: list[float] | None, owner_packets: int | None = None) -> list[bool]:
         n = len(self.aggregators)
         keep = dict(  # the arrays the call points into, alive until it returns
             aggregator=self._agg_ids.astype(np.int64), pool=np.array([a.pool for a in self.aggregators], np.uint32),
@@ -476,6 +583,7 @@ class Group:
 
         call = native.StreamCall(
             fd=self.socket.fd, lanes=self.lanes, job=self.job, generation=self.generation, worker=self.worker, op=op,
+            owner_packets=owner_packets or 0,
             shards=n, kind=native.IN_F32 if flat.dtype == np.float32 else native.IN_I32,
             input=native.address(flat), output=native.address(out), elements=flat.size,
             rto_min=self.rto_min, max_rto=self.max_rto, timeout=self.timeout, srtt=ctypes.pointer(srtt),
@@ -490,8 +598,21 @@ class Group:
         for name, ctype in (("aggregator", ctypes.c_int64), ("pool", ctypes.c_uint32), ("next_psn", ctypes.c_uint64),
                             ("start", ctypes.c_uint64), ("count", ctypes.c_uint64), ("scale", ctypes.c_double)):
             setattr(call, name, keep[name].ctypes.data_as(ctypes.POINTER(ctype)))
+        # a faster peer's next all_gather: its GATHERs that arrive during this call are kept for it
+        room = max(0, min(EARLY_NATIVE, EARLY_GATHERS - sum(len(b[1]) for b in self._early)))
+        if self._early_buffer is None or self._early_buffer.dtype != wire.packet_dtype(self.lanes):
+            self._early_buffer = wire.empty(EARLY_NATIVE, self.lanes)  # once per group (and lane count)
+        early = self._early_buffer
+        keep["early_source"], keep["early_count"] = np.zeros(room, np.int64), np.zeros(1, np.uint32)
+        call.early, call.early_cap = native.address(early) if room else None, room
+        call.early_source = keep["early_source"].ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
+        call.early_count = keep["early_count"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint32))
         report = native.StreamReport(overflow=keep["overflow"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
         rc = native.lib().pn_stream_run(ctypes.byref(call), ctypes.byref(report))
+        kept = int(keep["early_count"][0])
+        if kept:
+            self._early.append((early[:kept].copy(), np.full(kept, wire.packet_size(self.lanes)),
+                                keep["early_source"][:kept]))
         self._srtt, self._rttvar, self.socket.gso = srtt.value, rttvar.value, bool(call.gso)
         self._last_loss = last_loss.value
         stats = self.socket.stats
@@ -523,11 +644,14 @@ class Group:
         )
 
     def _stream(
-        self, blocks: list[np.ndarray], op: int, flags: list[np.ndarray] | None = None
+        self, blocks: list[np.ndarray], op: int, flags: list[np.ndarray] | None = None,
+        owners: list[np.ndarray] | None = None,
     ) -> tuple[list[np.ndarray], list[bool]]:
         """Aggregate one (n_i, lanes) int32 block per aggregator; all shards at once.
 
-        Returns each shard's summed rows and whether any of its RESULTs carried OVERFLOW.
+        Returns each shard's summed rows and whether any of its RESULTs carried OVERFLOW. With
+        ``owners`` (per shard, the owner of each row) the rounds are OWNER_ONLY: a row this worker does
+        not own is answered by an ACK, and its sums stay zero here.
         """
         counts = np.array([len(b) for b in blocks], dtype=np.int64)
         starts = np.r_[0, np.cumsum(counts)[:-1]]
@@ -544,8 +668,13 @@ class Group:
         hdr["type"], hdr["op"], hdr["job"], hdr["worker"] = wire.DATA, op, self.job, self.worker
         hdr["generation"] = self.generation
         hdr["psn"] = psn & 0xFFFFFFFF
-        hdr["slot"], hdr["set"] = wire.slot_and_set(psn, pools[shard])
+        hdr["slot"], set_ = wire.slot_and_set(psn, pools[shard])
         hdr["flags"] = np.concatenate(flags) if flags else 0
+        if owners is not None:
+            hdr["set"] = wire.owner_set(np.concatenate(owners), set_)
+            hdr["flags"] |= wire.FLAG_OWNER_ONLY
+        else:
+            hdr["set"] = set_
         at = 0
         for block in blocks:  # one pass each: int32 rows into big-endian packets
             packets["payload"][at : at + len(block)] = block
@@ -605,6 +734,7 @@ class Group:
                 view, lengths, sources = view[keep], lengths[keep], sources[keep]
             now = time.monotonic()
             if len(view):
+                self._keep_early(view, lengths, sources, self._gather_position)  # a faster peer's next all_gather
                 rows, positions = self._match(view, lengths, sources, starts, counts)
                 rows, first = np.unique(rows, return_index=True)
                 new = ~done[rows]
@@ -613,7 +743,7 @@ class Group:
                     # answered right after a resend: the resend was (most likely) needed, evidence of loss
                     if ((retries[rows] > 0) & (now - last_sent[rows] <= self._probe_timeout())).any():
                         self._last_loss = now
-                    results[rows] = got["payload"]
+                    results[rows] = np.where((got["hdr"]["type"] == wire.ACK)[:, None], 0, got["payload"])
                     result_flags[rows] = got["hdr"]["flags"]
                     done[rows] = True
                     remaining -= rows.size
@@ -681,13 +811,251 @@ class Group:
         self._next_psn = self._next_psn + counts
         out = [results[s : s + c] for s, c in zip(starts, counts)]
         flagged = (result_flags & wire.FLAG_OVERFLOW) != 0
-        if op == wire.SUM:
+        if op == wire.SUM and owners is None:
             # A lane at an int32 bound is a saturated sum: the Tofino program saturates
             # without flagging it (docs/tofino.md), so the host counts it as overflow on
-            # every target (an exact sum of -2^31 or 2^31-1 is taken for one too).
+            # every target (an exact sum of -2^31 or 2^31-1 is taken for one too). Not in an
+            # OWNER_ONLY pass: only the owner sees the sums, and every worker must agree on
+            # an overflow (to redo the call alike), so there the flag alone tells.
             flagged |= ((results == INT32_MAX) | (results == INT32_MIN)).any(axis=1)
         overflow = [bool(flagged[s : s + c].any()) for s, c in zip(starts, counts)]
         return out, overflow
+
+    def _gather(self, piece: np.ndarray, sizes: list[int], out: np.ndarray, offsets: np.ndarray) -> None:
+        """The all_gather stream (docs/protocol.md, All-gather). Worker w's piece is its GATHER positions
+        G .. G + counts[w] - 1 (G: this call's start, the same at every worker). A worker sends its own
+        packets at most a window (its first aggregator's pool) ahead of what it holds from the slowest
+        peer (all send at one pace, so a full receiver stops them all); sends its missing runs' NACKs
+        after a silence (the probe rule of the reduce stream); answers the NACKs it gets by sending
+        again; and, holding every piece, contributes its completion round (one DATA, lane 0 = 1), whose
+        RESULT ends the call for every worker at once."""
+        row_bytes = 4 * self.lanes
+        counts = np.array([-(-v // row_bytes) for v in sizes], dtype=np.int64)  # packets of each piece
+        start = self._gather_position
+        me, aggregator = self.worker, self._agg_ids[:1]  # GATHERs travel through the first aggregator
+        window = self.aggregators[0].pool
+        # my packets: the piece as raw bytes, zero-padded to whole packets
+        mine = int(counts[me])
+        packets = wire.empty(mine, self.lanes)
+        hdr = packets["hdr"]
+        hdr["type"], hdr["job"], hdr["worker"], hdr["generation"] = wire.GATHER, self.job, me, self.generation
+        hdr["set"] = wire.owner_set(me, 0)
+        hdr["psn"] = (start + np.arange(mine)) & 0xFFFFFFFF
+        body = np.zeros(mine * row_bytes, np.uint8)
+        body[: piece.size] = piece
+        rows_of_bytes = packets.view(np.uint8).reshape(mine, wire.packet_size(self.lanes))
+        rows_of_bytes[:, wire.HEADER_SIZE :] = body.reshape(mine, row_bytes)
+        dest = np.broadcast_to(aggregator, (mine,))
+        # what arrives: each origin's packets in a staging area of whole rows (origin o from row base[o])
+        base = np.r_[0, np.cumsum(counts)[:-1]]
+        staged = np.zeros((int(counts.sum()), row_bytes), np.uint8)
+        have = np.zeros(int(counts.sum()), dtype=bool)
+        have[base[me] : base[me] + mine] = True
+        lacking = int(counts.sum()) - mine
+        # the completion round: one DATA on the first aggregator's reduce stream
+        position = int(self._next_psn[0])
+        slot, set_ = wire.slot_and_set(position, self.aggregators[0].pool)
+        completion = wire.encode(type=wire.DATA, job=self.job, worker=me, psn=position, slot=int(slot), set=int(set_),
+                                 generation=self.generation, lanes=self.lanes,
+                                 payload=np.r_[1, np.zeros(self.lanes - 1, np.int64)])
+        completion_sent = False
+
+        sent = 0  # my packets sent once: a prefix
+        resent_at = np.full(mine, -np.inf)  # when each was last sent again for a NACK
+        now = time.monotonic()
+        last_activity = last_progress = now
+        probes = 0
+
+        prefixes = np.zeros(self.workers, dtype=np.int64)  # per origin: how many of its packets, from its first,
+        prefixes[me] = mine  # this worker holds
+
+        def hold(view: np.ndarray, lengths: np.ndarray, sources: np.ndarray) -> int:
+            """Take this call's GATHERs from the others into ``staged``; how many were new."""
+            h = view["hdr"]
+            ours = ((h["job"] == self.job) & (h["generation"] == self.generation) & (h["worker"] == me)
+                    & (sources[:, None] == self._agg_ids[None, :]).any(axis=1))
+            origin = wire.owner_of(h["set"])
+            offset = (h["psn"].astype(np.int64) - start) & 0xFFFFFFFF
+            valid_origin = origin < self.workers
+            piece_count = counts[np.where(valid_origin, origin, 0)]
+            current = (ours & wire.well_formed(view, lengths, self.lanes, wire.GATHER) & valid_origin
+                       & (origin != me) & (offset < piece_count))
+            rows = base[origin[current]] + offset[current]
+            fresh, first = np.unique(rows[~have[rows]], return_index=True)
+            if fresh.size:
+                payload = view.view(np.uint8).reshape(len(view), -1)[:, wire.HEADER_SIZE :]
+                staged[fresh] = payload[np.flatnonzero(current)[~have[rows]][first]]
+                have[fresh] = True
+            return int(fresh.size)
+
+        early, self._early = self._early, []
+        if early:  # first what arrived before this call began
+            # bytes, not np.concatenate of the packets: numpy would make their fields native-endian
+            lacking -= hold(np.concatenate([b[0].view(np.uint8) for b in early]).view(wire.packet_dtype(self.lanes)),
+                            np.concatenate([b[1] for b in early]), np.concatenate([b[2] for b in early]))
+
+        def send_ahead(now: float) -> None:
+            nonlocal sent
+            for o in range(self.workers):
+                while prefixes[o] < counts[o]:  # advance past what arrived, a bounded look at a time
+                    got = have[base[o] + prefixes[o] : base[o] + min(counts[o], prefixes[o] + 4 * window)]
+                    prefixes[o] += got.size if got.all() else int(np.argmin(got))
+                    if not got.all():
+                        break
+            behind = prefixes[prefixes < counts]
+            limit = min(mine, (int(behind.min()) if behind.size else mine) + window)
+            if limit > sent:
+                self._send(packets, dest, np.arange(sent, limit))
+                sent = limit
+
+        if self.native:  # the loop below, in C
+            self._gather_native(start, counts, packets, staged, have, completion, window)
+        else:
+            send_ahead(now)
+        while not self.native:
+            pto = self._probe_waits(np.array([probes]), now)[0]
+            self.socket.wait_readable(max(0.0, min(last_activity + pto - time.monotonic(), 0.05)))
+            view, lengths, sources = self.socket.recv_packets()
+            if self.drop and len(view):
+                keep = self._drop_rng.random(len(view)) >= self.drop
+                view, lengths, sources = view[keep], lengths[keep], sources[keep]
+            now = time.monotonic()
+            progress = False
+            if len(view):
+                fresh = hold(view, lengths, sources)
+                if fresh:
+                    lacking -= fresh
+                    progress = True
+                h = view["hdr"]
+                ours = ((h["job"] == self.job) & (h["generation"] == self.generation) & (h["worker"] == me)
+                        & (sources[:, None] == self._agg_ids[None, :]).any(axis=1))
+                origin = wire.owner_of(h["set"])
+                offset = (h["psn"].astype(np.int64) - start) & 0xFFFFFFFF
+                # the next call's, from a peer already in it: kept for that call
+                self._keep_early(view, lengths, sources, start + int(counts.max()))
+                nacks = ours & wire.well_formed(view, lengths, self.lanes, wire.NACK) & (origin == me)
+                for first_row, count in zip(offset[nacks].tolist(), h["slot"][nacks].tolist()):
+                    asked = np.arange(first_row, min(first_row + count, sent))  # a NACK of what the window
+                    asked = asked[now - resent_at[asked] > self._probe_timeout() / 2]  # will send is moot
+                    if asked.size:  # several receivers may ask for one loss: sent again once per half probe
+                        packets["hdr"]["flags"][asked] |= wire.FLAG_RETRANSMIT
+                        self._send(packets, dest, asked)
+                        resent_at[asked] = now
+                        self.socket.stats.retransmissions += asked.size
+                results = (ours & wire.well_formed(view, lengths, self.lanes, wire.RESULT)
+                           & (h["psn"] == position & 0xFFFFFFFF) & (sources == aggregator[0]))
+                if completion_sent and results.any():
+                    if int(view["payload"][np.flatnonzero(results)[0], 0]) != self.workers:
+                        raise PassingError(f"job {self.job}: the all_gather's completion round summed "
+                                           f"{int(view['payload'][np.flatnonzero(results)[0], 0])}, not "
+                                           f"{self.workers}: the workers are out of step")
+                    break
+            if progress:
+                last_activity = last_progress = now
+                probes = 0
+                send_ahead(now)
+            if lacking == 0 and not completion_sent:
+                self._send(completion, aggregator, np.array([0]))
+                completion_sent = True
+                last_activity = last_progress = now
+                probes = 0
+            if now - last_progress > self.timeout:
+                host, port = unpack_address(int(aggregator[0]))
+                raise AggregatorUnreachable(
+                    f"job {self.job} worker {self.worker}: all_gather made no progress through {host}:{port} in "
+                    f"{self.timeout:g} s ({lacking} packets lacking): the aggregator is unreachable or a peer "
+                    "stopped")
+            if now >= last_activity + self._probe_waits(np.array([probes]), now)[0]:
+                if completion_sent:  # its RESULT is lost, or a peer still lacks something
+                    completion["hdr"]["flags"] |= wire.FLAG_RETRANSMIT
+                    self._send(completion, aggregator, np.array([0]))
+                    self.socket.stats.retransmissions += 1
+                else:
+                    self._nack_missing(have, base, counts, start, window)
+                probes += 1
+                last_activity = now
+        self._gather_position = start + int(counts.max())
+        self._next_psn[0] += 1
+        for o in range(self.workers):
+            if o != me:
+                out[offsets[o] : offsets[o + 1]] = staged[base[o] : base[o] + counts[o]].reshape(-1)[: sizes[o]]
+
+    def _gather_native(self, start: int, counts: np.ndarray, packets: np.ndarray, staged: np.ndarray,
+                       have: np.ndarray, completion: np.ndarray, window: int) -> None:
+        """``_gather``'s loop in C (host/csrc/stream.c, pn_gather_run): the same packets, the same rules."""
+        room = max(0, min(EARLY_NATIVE, EARLY_GATHERS - sum(len(b[1]) for b in self._early)))
+        if self._early_buffer is None or self._early_buffer.dtype != wire.packet_dtype(self.lanes):
+            self._early_buffer = wire.empty(EARLY_NATIVE, self.lanes)
+        keep = dict(counts=counts.astype(np.uint64), have=have.view(np.uint8), early_source=np.zeros(room, np.int64),
+                    early_count=np.zeros(1, np.uint32))
+        srtt, rttvar, last_loss = (ctypes.c_double(v) for v in (self._srtt, self._rttvar, self._last_loss))
+        call = native.GatherCall(
+            fd=self.socket.fd, lanes=self.lanes, job=self.job, generation=self.generation, worker=self.worker,
+            workers=self.workers, aggregator=int(self._agg_ids[0]), window=window, start=start,
+            counts=keep["counts"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
+            packets=native.address(packets) if len(packets) else None, staged=native.address(staged),
+            have=native.address(keep["have"]), completion=native.address(completion),
+            rto_min=self.rto_min, max_rto=self.max_rto, timeout=self.timeout, srtt=ctypes.pointer(srtt),
+            rttvar=ctypes.pointer(rttvar), last_loss=ctypes.pointer(last_loss), gso=int(self.socket.gso),
+            drop=self.drop, rng=self._native_rng.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
+            early=native.address(self._early_buffer) if room else None,
+            early_source=keep["early_source"].ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), early_cap=room,
+            early_count=keep["early_count"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)),
+        )
+        report = native.StreamReport(overflow=ctypes.cast(None, ctypes.POINTER(ctypes.c_uint8)))
+        rc = native.lib().pn_gather_run(ctypes.byref(call), ctypes.byref(report))
+        self.socket.gso = bool(call.gso)
+        stats = self.socket.stats
+        for name in ("packets_sent", "bytes_sent", "packets_received", "bytes_received", "retransmissions",
+                     "gso_fallbacks"):
+            setattr(stats, name, getattr(stats, name) + getattr(report, name))
+        kept = int(keep["early_count"][0])
+        if kept:
+            self._early.append((self._early_buffer[:kept].copy(), np.full(kept, wire.packet_size(self.lanes)),
+                                keep["early_source"][:kept].copy()))
+        if rc == native.PN_ETIMEOUT:
+            host, port = unpack_address(int(self._agg_ids[0]))
+            raise AggregatorUnreachable(
+                f"job {self.job} worker {self.worker}: all_gather made no progress through {host}:{port} in "
+                f"{self.timeout:g} s: the aggregator is unreachable or a peer stopped")
+        if rc == native.PN_ESYS:
+            raise OSError(report.error_errno, f"{report.error_call.decode()}: {os.strerror(report.error_errno)}")
+        native.check(rc, "native all_gather")
+        if call.completion_sum != self.workers:
+            raise PassingError(f"job {self.job}: the all_gather's completion round summed {call.completion_sum}, "
+                               f"not {self.workers}: the workers are out of step")
+
+    def _nack_missing(self, have: np.ndarray, base: np.ndarray, counts: np.ndarray, start: int, window: int) -> None:
+        """One NACK per origin: its first missing run, up to ``window`` packets (a peer that is only
+        late is asked for no more than that)."""
+        nacks = []
+        for o in range(self.workers):
+            got = have[base[o] : base[o] + counts[o]]
+            if got.all():
+                continue
+            first = int(np.argmin(got))
+            run = got[first : first + window]
+            length = int(np.argmax(run)) if run.any() else run.size
+            nacks.append((o, first, min(length, 0xFFFF)))
+        if not nacks:
+            return
+        batch = wire.empty(len(nacks), self.lanes)
+        h = batch["hdr"]
+        h["type"], h["job"], h["worker"], h["generation"] = wire.NACK, self.job, self.worker, self.generation
+        h["set"] = wire.owner_set(np.array([o for o, _, _ in nacks]), 0)
+        h["psn"] = (start + np.array([f for _, f, _ in nacks])) & 0xFFFFFFFF
+        h["slot"] = [n for _, _, n in nacks]
+        self._send(batch, np.broadcast_to(self._agg_ids[:1], (len(nacks),)), np.arange(len(nacks)))
+
+    def _keep_early(self, view: np.ndarray, lengths: np.ndarray, sources: np.ndarray, next_start: int) -> None:
+        """Keep this group's GATHER packets of the all_gather that starts at position ``next_start`` or
+        later, which this worker has not begun (a faster peer's), for that call (up to EARLY_GATHERS)."""
+        h = view["hdr"]
+        mask = (wire.well_formed(view, lengths, self.lanes, wire.GATHER) & (h["job"] == self.job)
+                & (h["generation"] == self.generation) & (h["worker"] == self.worker)
+                & ((h["psn"].astype(np.int64) - next_start) & 0xFFFFFFFF < 1 << 31))
+        if mask.any() and sum(len(b[1]) for b in self._early) < EARLY_GATHERS:
+            self._early.append((view[mask].copy(), lengths[mask].copy(), sources[mask].copy()))
 
     def _send(self, packets: np.ndarray, dest: np.ndarray, rows: np.ndarray) -> None:
         if self.drop:
@@ -697,7 +1065,7 @@ class Group:
     def _match(self, view, lengths, sources, starts, counts) -> tuple[np.ndarray, np.ndarray]:
         """(row, position in view) of each received RESULT that belongs to this call."""
         hdr = view["hdr"]
-        valid = wire.well_formed(view, lengths, self.lanes, wire.RESULT)
+        valid = wire.well_formed(view, lengths, self.lanes, wire.RESULT) | wire.well_formed_ack(view, lengths)
         ours = (hdr["job"] == self.job) & (hdr["generation"] == self.generation)
         self.socket.stats.foreign_results += int((valid & ~ours).sum())  # another allocation's: never ours
         valid &= ours & (hdr["worker"] == self.worker)

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import numpy as np
 
-VERSION = 2  # 2: the allocation's generation in bytes 10-11 (version 1 had them reserved)
+VERSION = 3  # 3: owner in byte 9, OWNER_ONLY, ACK/GATHER/NACK; 2: the generation in bytes 10-11
 UDP_PORT = 9877  # well-known PASSING port: DATA goes to it, RESULT comes from it
 DEFAULT_LANES = 64  # int32 values per packet (the P4 program's compile-time constant)
 MAX_WORKERS = 32  # one bit per worker in the 32-bit bitmap
 GENERATIONS = 1 << 16  # generation numbers wrap around at this
 
 # type
-DATA = 1  # host -> aggregator
-RESULT = 2  # aggregator -> host
+DATA = 1  # host -> aggregator: a contribution to a round
+RESULT = 2  # aggregator -> host: a completed round's sums
+ACK = 3  # aggregator -> host, header only: an OWNER_ONLY round is complete, its sums went to its owner
+GATHER = 4  # host -> aggregator -> every other worker: a piece of the sender's data, relayed unchanged
+NACK = 5  # host -> aggregator -> owner: send GATHER positions psn .. psn + slot - 1 again
+RELAYED = (GATHER, NACK)  # the kinds an aggregator replicates without state
 
 # op
 SUM = 0
@@ -27,6 +31,10 @@ MAX = 1
 # flags
 FLAG_OVERFLOW = 0x01  # a lane saturated (set by the aggregator, or by a host whose quantization saturated)
 FLAG_RETRANSMIT = 0x02  # set by a host that resends a packet
+FLAG_OWNER_ONLY = 0x04  # on DATA: the round's sums go to its owner alone, the others get an ACK
+
+OWNER_SHIFT = 1  # byte 9 ("set"): bits 7..1 the owner, bit 0 the set
+MAX_OWNER = 0x7F
 
 HEADER_DTYPE = np.dtype(
     [
@@ -37,7 +45,7 @@ HEADER_DTYPE = np.dtype(
         ("job", ">u2"),
         ("slot", ">u2"),
         ("worker", "u1"),
-        ("set", "u1"),
+        ("set", "u1"),  # bit 0 the set; bits 7..1 the owner (owner_set, owner_of)
         ("generation", ">u2"),  # which allocation of this job id the packet belongs to
         ("psn", ">u4"),
     ]
@@ -85,6 +93,7 @@ def encode(
     flags: int | np.ndarray = 0,
     generation: int = 0,
     lanes: int = DEFAULT_LANES,
+    owner: int | np.ndarray = 0,
 ) -> np.ndarray:
     """Build a batch of packets; scalars broadcast over the batch.
 
@@ -112,7 +121,7 @@ def encode(
     hdr["generation"] = generation
     hdr["worker"] = worker
     hdr["slot"] = slot
-    hdr["set"] = set
+    hdr["set"] = owner_set(owner, set)
     hdr["psn"] = psn_arr & 0xFFFFFFFF
     batch["payload"] = rows
     return batch
@@ -126,6 +135,19 @@ def slot_and_set(position: np.ndarray | int, pool: int) -> tuple[np.ndarray, np.
     psn's wrap too (docs/protocol.md, The stream)."""
     p = np.asarray(position, dtype=np.int64)
     return p % pool, (p // pool) % 2
+
+
+def owner_set(owner: int | np.ndarray, set: int | np.ndarray) -> np.ndarray:
+    """Byte 9: the owner (0..127) in bits 7..1, the set (0 or 1) in bit 0."""
+    owner = np.asarray(owner, dtype=np.int64)
+    if ((owner < 0) | (owner > MAX_OWNER)).any():
+        raise WireError(f"owner outside 0..{MAX_OWNER}")
+    return (owner << OWNER_SHIFT) | (np.asarray(set, dtype=np.int64) & 1)
+
+
+def owner_of(set_byte: np.ndarray | int) -> np.ndarray:
+    """The owner in byte 9 (the header's "set" field)."""
+    return np.asarray(set_byte, dtype=np.int64) >> OWNER_SHIFT
 
 
 def decode(buffer: bytes | bytearray | memoryview | np.ndarray, lanes: int = DEFAULT_LANES) -> np.ndarray:
@@ -150,6 +172,12 @@ def well_formed(batch: np.ndarray, lengths: np.ndarray, lanes: int, type: int) -
     """Mask of packets in a received batch that have the right length, version and type."""
     hdr = batch["hdr"]
     return (lengths == packet_size(lanes)) & (hdr["version"] == VERSION) & (hdr["type"] == type)
+
+
+def well_formed_ack(batch: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Mask of the ACKs in a received batch: the header alone, this version."""
+    hdr = batch["hdr"]
+    return (lengths == HEADER_SIZE) & (hdr["version"] == VERSION) & (hdr["type"] == ACK)
 
 
 def newer(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -4,16 +4,20 @@
 #define PASSING_CONSTANTS_P4
 
 #define PASSING_UDP_PORT 9877
-#define PASSING_VERSION 2  /* 2: the header carries the allocation's generation */
+#define PASSING_VERSION 3  /* 3: owner in byte 9, OWNER_ONLY, ACK/GATHER/NACK; 2: the generation */
 
 #define PASSING_TYPE_DATA 1
 #define PASSING_TYPE_RESULT 2
+#define PASSING_TYPE_ACK 3      /* header only: an OWNER_ONLY round is complete, the sums went to its owner */
+#define PASSING_TYPE_GATHER 4   /* relayed to every other worker of the job, unchanged */
+#define PASSING_TYPE_NACK 5     /* relayed to its owner alone */
 
 #define PASSING_OP_SUM 0
 #define PASSING_OP_MAX 1
 
 #define PASSING_FLAG_OVERFLOW 0x01
 #define PASSING_FLAG_RETRANSMIT 0x02
+#define PASSING_FLAG_OWNER_ONLY 0x04
 
 /* int32 values per packet: a compile-time constant (-DPASSING_LANES=N to change). */
 #ifndef PASSING_LANES

@@ -15,6 +15,11 @@
  *     packet per round, and a retransmission answered from a completed round, make it.
  * A saturated lane is not flagged here (one output word per SALU); the host reads a SUM
  * lane at an int32 bound as overflow (docs/tofino.md).
+ *
+ * GATHER and NACK (docs/protocol.md, Kinds) touch no register: admitted, they go to the
+ * job's multicast group and the egress keeps the replicas they are for. An OWNER_ONLY
+ * round's RESULT is multicast as any, and the egress cuts the lanes off the copies of the
+ * workers that are not its owner (ACKs). Not compiled yet (issue 28): see docs/tofino.md.
  */
 #include <core.p4>
 #include <tna.p4>
@@ -52,6 +57,7 @@ const bit<7> PASSING_RECIRCULATION_PORT = 68;
 #define VERDICT_DUPLICATE 3
 #define VERDICT_CONTRIBUTED 4
 #define VERDICT_ANSWER 5
+#define VERDICT_RELAY 6
 
 struct round_t {
     bit<32> tag;    /* psn of the round the slot/set holds */
@@ -84,11 +90,15 @@ struct ingress_metadata_t {
     bit<8> fresh;
     bit<8> lane_op;
     bit<8> verdict;
+    bit<1> admitted;     /* admission hit: (job, generation, worker, ingress port) is admitted */
+    bit<1> relay_ok;     /* a GATHER of the sender's own piece, or a NACK to another worker of the job */
     bit<1> second_pass;  /* set by the parser: a recirculated packet */
 }
 
 struct egress_metadata_t {
     bit<32> job_index;  /* counter index: a plain field, as Tofino wants */
+    bit<16> to_owner;   /* a relayed packet's replica: egress_rid ^ owner, 0 for the owner's */
+    bit<1> lanes_skipped;  /* set by the parser: an OWNER_ONLY round's copy for a non-owner */
 }
 
 parser TnaIngressParser(packet_in pkt, out headers_t hdr, out ingress_metadata_t meta,
@@ -129,6 +139,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) duplicate_answered;
     Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) stale;
     Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) overflow;
+    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) relayed;
 
     /* ---- state per slot and set: entry set * PASSING_SLOTS + base + slot ---- */
     Hash<bit<32>>(HashAlgorithm_t.IDENTITY) slot_set_index;
@@ -247,9 +258,11 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         meta.full = full;
         meta.epoch = epoch;
         meta.group = group;
+        meta.admitted = 1;
     }
     action reject() {
         meta.slots_left = 0;  /* no slot is in the pool of an unknown (job, worker, port) */
+        meta.admitted = 0;
     }
     table admission {
         key = {
@@ -297,6 +310,41 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         const entries = { PASSING_IDS_32(WORKER_BIT_ENTRY) }
         const default_action = NoAction();
         size = 32;
+    }
+
+    /* ---- GATHER and NACK: whose piece, and for whom ---- */
+    /* A GATHER must carry its sender as owner; a NACK another worker of the job (its bit in
+     * `full`). Equality of two PHV fields and the AND with `full` are ternary entries here,
+     * as in `contribution`; the first entry that matches wins. */
+    action relay_allowed() {
+        meta.relay_ok = 1;
+    }
+    action relay_refused() {
+        meta.relay_ok = 0;
+    }
+    #define GATHER_OWN_ENTRY(i) (_, i, i, PASSING_TYPE_GATHER): relay_allowed();
+    #define NACK_SELF_ENTRY(i) (_, i, i, PASSING_TYPE_NACK): relay_refused();
+    #define NACK_PEER_ENTRY(i) (32w1 << i &&& 32w1 << i, i, _, PASSING_TYPE_NACK): relay_allowed();
+    table relay_check {
+        key = {
+            meta.full: ternary;
+            hdr.passing.owner: ternary;
+            hdr.passing.worker: ternary;
+            hdr.passing.type: exact;
+        }
+        actions = { relay_allowed; relay_refused; }
+        const entries = {
+            PASSING_IDS_32(GATHER_OWN_ENTRY)
+            PASSING_IDS_32(NACK_SELF_ENTRY)
+            PASSING_IDS_32(NACK_PEER_ENTRY)
+        }
+        const default_action = relay_refused();
+        size = 96;
+    }
+    /* through the job's multicast group; the egress prunes by replication id */
+    action relay() {
+        ig_tm_md.mcast_grp_a = meta.group;
+        hdr.bridged.relay = 1;
     }
 
     /* ---- a packet of the round under way: new contribution or duplicate? ---- */
@@ -369,11 +417,13 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     /* one action each, so that each takes one table beside the lanes (a counter needs a
      * table of its own: its index comes through the hash unit, the port through action data) */
     action complete_round() {
+        hdr.bridged.owner_only = hdr.passing.flags[2:2];  /* before to_second_pass rewrites the flags */
         to_second_pass(meta.group);
     }
     /* a retransmission to a completed round: answer this worker alone (the egress swaps
      * the addresses once the second pass has collected the sums) */
     action answer_sender() {
+        hdr.bridged.owner_only = hdr.passing.flags[2:2];
         hdr.bridged.answer = 1;
         to_second_pass(0);
     }
@@ -396,6 +446,8 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             hdr.bridged.result_multicast = 0;
             hdr.bridged.answer = 0;
             hdr.bridged.flood = 0;
+            hdr.bridged.owner_only = 0;
+            hdr.bridged.relay = 0;
             meta.lane_op = LANE_NONE;
         } else {
             meta.lane_op = LANE_HARVEST;
@@ -404,6 +456,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
 
         /* ---- stage 0: lookups and header checks ---- */
         bool well_formed = false;
+        bool relay_kind = false;
         bool slot_in_table = false;
         if (hdr.passing.isValid()) {
             meta.job_index = (bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1));
@@ -412,6 +465,10 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             worker_bit.apply();
             if (hdr.passing.version == PASSING_VERSION && hdr.passing.type == PASSING_TYPE_DATA) {
                 well_formed = true;
+            }
+            if (hdr.passing.version == PASSING_VERSION
+                    && (hdr.passing.type == PASSING_TYPE_GATHER || hdr.passing.type == PASSING_TYPE_NACK)) {
+                relay_kind = true;
             }
             if (hdr.passing.slot[15:PASSING_SLOT_BITS] == 0) {
                 slot_in_table = true;
@@ -454,6 +511,14 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                     }
                 } else if (well_formed) {
                     meta.verdict = VERDICT_REJECTED;
+                } else if (relay_kind) {
+                    /* no register: stage 1 (relay_check needs `full` from admission) */
+                    relay_check.apply();
+                    if (meta.admitted == 1 && meta.relay_ok == 1) {
+                        meta.verdict = VERDICT_RELAY;
+                    } else {
+                        meta.verdict = VERDICT_REJECTED;
+                    }
                 }
             }
         }
@@ -461,13 +526,13 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         /* ---- not for the round: malformed, or plain forwarding ---- */
         if (meta.second_pass == 1) {
             /* the second pass of a completed round or an answer (below) */
-        } else if (ig_prsr_md.parser_err != 0 || (to_aggregator && !well_formed)) {
+        } else if (ig_prsr_md.parser_err != 0 || (to_aggregator && !well_formed && !relay_kind)) {
             malformed.count(0);
             drop();
         } else if (!to_aggregator && hdr.ethernet.isValid()) {
             l2_forward.apply();
         }
-        if (to_aggregator && well_formed) {
+        if (to_aggregator && (well_formed || relay_kind)) {
             received.count(meta.job_index);
         }
 
@@ -503,6 +568,9 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         } else if (meta.verdict == VERDICT_REJECTED) {
             rejected.count(meta.job_index);
             drop();
+        } else if (meta.verdict == VERDICT_RELAY) {
+            relayed.count(meta.job_index);
+            relay();
         }
 
         /* ---- the lanes (stages 4 to 11; independent of the outcomes above) ---- */
@@ -523,13 +591,59 @@ control TnaIngressDeparser(packet_out pkt, inout headers_t hdr, in ingress_metad
     }
 }
 
+/* An OWNER_ONLY round's copy for a worker that is not its owner is an ACK, the header alone:
+ * the parser steps over its lanes, which are then not part of the packet the deparser builds
+ * (the owner's copy, or the owner's answer, keeps them). The owner is compared with the
+ * replication id (a multicast copy) or the sender (a unicast answer) by select entries.
+ * Only after the second pass (second_pass = 0): on its way to the recirculation port the
+ * packet keeps its lanes, which the second pass harvests into.
+ *
+ * Tofino 1 selects on 32 bits of parser match registers, and a select on bytes seen in an
+ * earlier state keeps them there until it: after the shared parser, the IPv4 select (4 bytes)
+ * would find two of them taken (bridged flags, replication id). So the bridged flags choose
+ * the path first, and such a RESULT, which this program's ingress made and checked (Ethernet,
+ * IPv4 without options, UDP to PASSING_UDP_PORT, a whole packet), is extracted with no select
+ * before the owner's; only the replication id (1 byte) waits for it. */
+#define PASSING_RESULT_HEADERS  \
+    pkt.extract(hdr.ethernet);  \
+    pkt.extract(hdr.ipv4);      \
+    pkt.extract(hdr.udp);       \
+    pkt.extract(hdr.passing);
+#define OWNER_ENTRY(i) (i, i): accept;
 parser TnaEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t meta,
                        out egress_intrinsic_metadata_t eg_intr_md) {
     PassingParser() passing_parser;
     state start {
         pkt.extract(eg_intr_md);
+        meta.lanes_skipped = 0;  /* Tofino does not zero user metadata by itself */
         pkt.extract(hdr.bridged);
+        transition select(hdr.bridged.second_pass, hdr.bridged.owner_only, hdr.bridged.answer) {
+            (0, 1, 0): owner_only_copy;
+            (0, 1, 1): owner_only_answer;
+            default: parse_packet;
+        }
+    }
+    state parse_packet {
         passing_parser.apply(pkt, hdr, false);  /* headers only: the lanes stay payload */
+        transition accept;
+    }
+    state owner_only_copy {  /* a replica: is it the owner's (replication id = owner)? */
+        PASSING_RESULT_HEADERS
+        transition select(eg_intr_md.egress_rid[6:0], hdr.passing.owner) {
+            PASSING_IDS_32(OWNER_ENTRY)
+            default: skip_lanes;
+        }
+    }
+    state owner_only_answer {  /* the answer to a retransmission: did the owner send it? */
+        PASSING_RESULT_HEADERS
+        transition select(hdr.passing.worker[6:0], hdr.passing.owner) {
+            PASSING_IDS_32(OWNER_ENTRY)
+            default: skip_lanes;
+        }
+    }
+    state skip_lanes {
+        pkt.advance(32 * PASSING_LANES);
+        meta.lanes_skipped = 1;  /* not the owner's copy: the control makes it an ACK */
         transition accept;
     }
 }
@@ -578,6 +692,17 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
         hdr.udp.checksum = 0;
     }
 
+    /* the header of an OWNER_ONLY round's copy for a non-owner (its lanes were skipped) */
+    action make_ack() {
+        hdr.passing.type = PASSING_TYPE_ACK;
+        hdr.ipv4.total_len = hdr.ipv4.total_len - 4 * PASSING_LANES;
+        hdr.udp.length = hdr.udp.length - 4 * PASSING_LANES;
+    }
+    /* a relayed packet's replica: which worker is it for, the owner or another one? */
+    action compare_with_owner() {
+        meta.to_owner = eg_intr_md.egress_rid ^ (bit<16>)hdr.passing.owner;
+    }
+
     apply {
         if (hdr.passing.isValid()) {
             meta.job_index = (bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1));
@@ -585,19 +710,37 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
         if (hdr.bridged.second_pass == 1) {
             /* to the recirculation port: the bridged header goes along into the second pass */
         } else {
+            /* result_rewrite is applied in one place, as on BMv2 (a table with one successor) */
+            bool addressed = false;  /* a replica for one worker: result_rewrite addresses it */
             bool sent = false;
             if (hdr.bridged.flood == 1 && eg_intr_md.egress_port == hdr.bridged.ingress_port) {
                 drop();  /* a flood never goes back where it came from */
+            } else if (hdr.bridged.relay == 1) {
+                /* a GATHER to every worker but its sender (= its owner), a NACK to its owner alone */
+                compare_with_owner();
+                /* spelt as ANDs and ORs of comparisons, the form a gateway takes */
+                if ((hdr.passing.type == PASSING_TYPE_GATHER && meta.to_owner == 0)
+                        || (hdr.passing.type != PASSING_TYPE_GATHER && meta.to_owner != 0)) {
+                    drop();
+                } else {
+                    addressed = true;
+                }
             } else if (hdr.bridged.answer == 1) {
                 answer_to_sender();
                 sent = true;
             } else if (hdr.bridged.result_multicast == 1) {
+                addressed = true;
+            }
+            if (addressed) {
                 if (result_rewrite.apply().hit) {
                     sent = true;
                 }
             }
             if (sent) {
                 results_sent.count(meta.job_index);
+                if (meta.lanes_skipped == 1) {
+                    make_ack();
+                }
             }
             hdr.bridged.setInvalid();
         }

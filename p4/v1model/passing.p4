@@ -1,5 +1,6 @@
 /* PASSING data plane for BMv2 (v1model): the aggregation state machine of
- * docs/protocol.md in registers, plus plain L2 forwarding for all other traffic.
+ * docs/protocol.md in registers, the stateless relay of GATHER and NACK, plus plain L2
+ * forwarding for all other traffic.
  *
  * Control-plane names (tables, actions, registers, counters) are shared with the TNA
  * program wherever the behaviour is the same; the controller programs both alike. */
@@ -24,6 +25,8 @@ struct metadata_t {
     bit<32> lane_base;   /* slot_set * PASSING_LANES */
     bit<1> admitted;
     bit<1> result_multicast;  /* a completed round: egress rewrites each replica */
+    bit<1> owner_only;        /* of an OWNER_ONLY round: egress makes the non-owners' replicas ACKs */
+    bit<1> relay;             /* a GATHER or NACK: egress keeps the replicas it goes to, addressed */
     bit<1> flood;
 }
 
@@ -58,6 +61,7 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
     counter(PASSING_MAX_JOBS, CounterType.packets) duplicate_answered;
     counter(PASSING_MAX_JOBS, CounterType.packets) stale;
     counter(PASSING_MAX_JOBS, CounterType.packets) overflow;
+    counter(PASSING_MAX_JOBS, CounterType.packets) relayed;
 
     action drop() {
         mark_to_drop(sm);
@@ -129,6 +133,14 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
         lane_acc.write(meta.lane_base + (i), updated);                                  \
         hdr.lanes.value_##i = updated;                                                   \
     }
+    /* An OWNER_ONLY round's answer to a worker that is not its owner: the header alone. */
+    action make_ack() {
+        hdr.lanes.setInvalid();
+        hdr.passing.type = PASSING_TYPE_ACK;
+        hdr.ipv4.total_len = hdr.ipv4.total_len - 4 * PASSING_LANES;
+        hdr.udp.length = hdr.udp.length - 4 * PASSING_LANES;
+    }
+
     /* A lane of a completed round, read back for a retransmitting worker. */
     #define LANE_READ(i) { lane_acc.read(hdr.lanes.value_##i, meta.lane_base + (i)); }
 
@@ -138,16 +150,33 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
             drop();
         } else if (hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT && aggregator_address.apply().hit) {
             if (!hdr.passing.isValid() || hdr.passing.version != PASSING_VERSION
-                    || hdr.passing.type != PASSING_TYPE_DATA) {
+                    || (hdr.passing.type != PASSING_TYPE_DATA && hdr.passing.type != PASSING_TYPE_GATHER
+                        && hdr.passing.type != PASSING_TYPE_NACK)) {
                 malformed.count(0);
                 drop();
             } else {
                 meta.job_index = (bit<32>)hdr.passing.job & (PASSING_MAX_JOBS - 1);
                 received.count(meta.job_index);
                 admission.apply();
-                if (meta.admitted == 0 || hdr.passing.slot >= meta.pool) {
+                /* the owner is a worker of the job: its bit is in the full bitmap (>= 32: no bit) */
+                bit<32> owner_bit = (bit<32>)1 << (bit<8>)hdr.passing.owner;
+                bool owner_is_worker = (meta.full & owner_bit) != 0;
+                bool relay = hdr.passing.type != PASSING_TYPE_DATA;
+                bool owner_only = (hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0;
+                if (meta.admitted == 0
+                        || (!relay && hdr.passing.slot >= meta.pool)  /* a relayed kind's slot is no slot */
+                        || (!relay && owner_only && !owner_is_worker)
+                        || (hdr.passing.type == PASSING_TYPE_GATHER && hdr.passing.owner != hdr.passing.worker[6:0])
+                        || (hdr.passing.type == PASSING_TYPE_NACK
+                            && (!owner_is_worker || hdr.passing.owner == hdr.passing.worker[6:0]))) {
                     rejected.count(meta.job_index);
                     drop();
+                } else if (relay) {
+                    /* GATHER to every other worker, NACK to its owner: the job's multicast group, the
+                     * egress keeps the replicas the packet goes to; no register touched */
+                    relayed.count(meta.job_index);
+                    sm.mcast_grp = meta.group;
+                    meta.relay = 1;
                 } else {
                     meta.worker_bit = (bit<32>)1 << (bit<8>)hdr.passing.worker;
                     meta.slot_set = ((meta.base + (bit<32>)hdr.passing.slot) << 1) | (bit<32>)hdr.passing.set[0:0];
@@ -195,6 +224,9 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                             hdr.passing.flags = round_overflow;
                             sm.mcast_grp = meta.group;
                             meta.result_multicast = 1;
+                            if (owner_only) {
+                                meta.owner_only = 1;
+                            }
                         } else {
                             drop();
                         }
@@ -214,6 +246,9 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                         hdr.udp.dst_port = hdr.udp.src_port;
                         hdr.udp.src_port = PASSING_UDP_PORT;
                         hdr.udp.checksum = 0;
+                        if (owner_only && hdr.passing.owner != hdr.passing.worker[6:0]) {
+                            make_ack();
+                        }
                     } else if (same_round) {
                         duplicate.count(meta.job_index);
                         drop();
@@ -246,6 +281,13 @@ control PassingEgress(inout headers_t hdr, inout metadata_t meta, inout standard
     action drop() {
         mark_to_drop(sm);
     }
+    /* An OWNER_ONLY round's replica for a worker that is not its owner: the header alone. */
+    action make_ack() {
+        hdr.lanes.setInvalid();
+        hdr.passing.type = PASSING_TYPE_ACK;
+        hdr.ipv4.total_len = hdr.ipv4.total_len - 4 * PASSING_LANES;
+        hdr.udp.length = hdr.udp.length - 4 * PASSING_LANES;
+    }
     table result_rewrite {
         key = {
             hdr.passing.job: exact @name("job");
@@ -257,12 +299,39 @@ control PassingEgress(inout headers_t hdr, inout metadata_t meta, inout standard
     }
 
     apply {
+        bit<32> job_index = (bit<32>)hdr.passing.job & (PASSING_MAX_JOBS - 1);
+        /* result_rewrite is applied in one place: BMv2 takes a table with one successor only */
+        bool addressed = false;  /* a replica for one worker: result_rewrite addresses it */
+        bool sent = false;
         if (meta.flood == 1 && sm.egress_port == sm.ingress_port) {
             drop();  /* a flood never goes back where it came from */
-        } else if (hdr.passing.isValid() && hdr.passing.type == PASSING_TYPE_RESULT) {
-            /* a unicast answer was addressed in ingress; a replica is addressed here */
-            if (meta.result_multicast == 0 || result_rewrite.apply().hit) {
-                results_sent.count((bit<32>)hdr.passing.job & (PASSING_MAX_JOBS - 1));
+        } else if (meta.relay == 1) {
+            /* a GATHER goes to every worker but its sender (= its owner), a NACK to its owner alone:
+             * the replication id is the worker */
+            bool to_owner = sm.egress_rid == (bit<16>)hdr.passing.owner;
+            if ((hdr.passing.type == PASSING_TYPE_GATHER) == to_owner) {
+                drop();
+            } else {
+                addressed = true;
+            }
+        } else if (hdr.passing.isValid()
+                   && (hdr.passing.type == PASSING_TYPE_RESULT || hdr.passing.type == PASSING_TYPE_ACK)) {
+            /* a unicast answer was addressed (and made an ACK) in ingress; a replica is addressed here */
+            if (meta.result_multicast == 1) {
+                addressed = true;
+            } else {
+                sent = true;
+            }
+        }
+        if (addressed) {
+            if (result_rewrite.apply().hit) {
+                sent = true;
+            }
+        }
+        if (sent) {
+            results_sent.count(job_index);
+            if (meta.owner_only == 1 && sm.egress_rid != (bit<16>)hdr.passing.owner) {
+                make_ack();
             }
         }
     }

@@ -88,7 +88,7 @@ def _play(target: Target, jobs: dict[int, Job], step: Send, where: str, build: B
     slot = step.psn % pool if step.slot is None else step.slot
     set_ = (step.psn // pool) % 2 if step.set is None else step.set
     generation = jobs[step.job].generation if step.job in jobs else 0
-    header = {"op": step.op, "job": step.job, "slot": slot, "set": set_, "psn": step.psn}
+    header = {"op": step.op, "job": step.job, "slot": slot, "set": set_, "psn": step.psn, "owner": step.owner}
     sent_generation = generation if step.generation is None else step.generation
     before = target.counters()
     origin = step.origin if step.origin is not None else (step.job, step.worker)
@@ -96,12 +96,13 @@ def _play(target: Target, jobs: dict[int, Job], step: Send, where: str, build: B
     def lanes(job: int) -> int:  # a job's lane count: the target's unless the scenario gives it one
         return (jobs[job].lanes if job in jobs else None) or target.lanes
 
-    target.send(origin, build(lanes=step.lanes or lanes(step.job), values=step.values, type=wire.DATA,
+    target.send(origin, build(lanes=step.lanes or lanes(step.job), values=step.values, type=step.kind,
                               worker=step.worker, flags=step.flags, generation=sent_generation, **header))
     got = target.collect()
     want = [
-        ((r.job, w), build(lanes=lanes(r.job), values=r.values, type=wire.RESULT, worker=w, flags=r.flags,
-                           generation=jobs[r.job].generation, **{**header, "op": r.op, "job": r.job, "psn": r.psn}))
+        ((r.job, w), build(lanes=lanes(r.job), values=r.values, type=r.kind, worker=w, flags=r.flags,
+                           generation=jobs[r.job].generation,
+                           **{**header, "op": r.op, "job": r.job, "psn": r.psn})[: _length(r.kind)])
         for r in step.expect
         for w in r.to
     ]
@@ -114,6 +115,11 @@ def _play(target: Target, jobs: dict[int, Job], step: Send, where: str, build: B
         raise AssertionError(f"{where}: sent {step}\n counters changed by {delta}\n expected {expected}")
 
 
+def _length(kind: int) -> int | None:
+    """How much of a built packet an answer of this kind is: an ACK is the header alone."""
+    return wire.HEADER_SIZE if kind == wire.ACK else None
+
+
 def _describe(packets: list[tuple[Origin, bytes]]) -> list[str]:
     out = []
     for dest, raw in sorted(packets):
@@ -121,8 +127,9 @@ def _describe(packets: list[tuple[Origin, bytes]]) -> list[str]:
             p = wire.decode(raw, max(1, (len(raw) - wire.HEADER_SIZE) // 4))[0]
             h = p["hdr"]
             out.append(f"to {dest}: type={h['type']} job={h['job']} gen={h['generation']} worker={h['worker']} "
+                       f"owner={wire.owner_of(h['set'])} "
                        f"psn={h['psn']} "
-                       f"slot={h['slot']} set={h['set']} flags={h['flags']} values={p['payload'][:4].tolist()}...")
+                       f"slot={h['slot']} set={h['set'] & 1} flags={h['flags']} values={p['payload'][:4].tolist()}...")
         except wire.WireError as e:
             out.append(f"to {dest}: malformed ({e})")
     return out

@@ -22,6 +22,7 @@ MAX32 = wire.INT32_MAX
 MIN32 = wire.INT32_MIN
 RT = wire.FLAG_RETRANSMIT
 OVF = wire.FLAG_OVERFLOW
+OWN = wire.FLAG_OWNER_ONLY
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Result:
     job: int = 1
     op: int = wire.SUM
     flags: int = 0
+    kind: int = wire.RESULT  # RESULT, ACK (compared as the header alone), or a relayed GATHER or NACK
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class Send:
     set: int | None = None  # default: (psn div pool) mod 2
     generation: int | None = None  # default: the generation of the job's allocation now
     lanes: int | None = None  # default: the lane count of the job's allocation
+    kind: int = wire.DATA  # DATA, or GATHER / NACK (relayed), or a kind no host sends
+    owner: int = 0  # byte 9's owner: of an OWNER_ONLY round, a GATHER's sender, a NACK's addressee
     expect: tuple[Result, ...] = ()
     counters: dict[str, int] = field(default_factory=dict)  # expected change of totals
 
@@ -85,8 +89,11 @@ def _both(job: Job) -> tuple[int, ...]:
 
 
 J2 = Job(job=1, workers=2, base=0, pool=4)
+J3 = Job(job=1, workers=3, base=0, pool=4)
 AGG = {"aggregated": 1}
 DONE = {"aggregated": 1, "completed": 1}
+RELAYED = {"relayed": 1}
+BITS = (MIN32, MAX32, -1, 0x7FC00000, 0x00800001, 0)  # any bit pattern (a float32 NaN among them) travels as it is
 
 
 def _round(psn: int, a: tuple[int, ...], b: tuple[int, ...], total: tuple[int, ...], job: int = 1) -> tuple[Send, ...]:
@@ -223,10 +230,84 @@ SCENARIOS: tuple[Scenario, ...] = (
         *_round(0, (1, 2, 3), (2, 4, 6), (3, 6, 9)),  # job 1 at the target's lane count, untouched
         *_round(1, (5, 6), (7, 8), (12, 14), job=2),
     ), software_only=True),
+    # Reduce-scatter: an OWNER_ONLY round's sums go to its owner, the others get the header alone (an ACK),
+    # on completion and on a retransmission after it; before completion a duplicate is dropped as ever.
+    Scenario("owner_only_round", (J3,), (
+        Send(0, 0, (1, 2), flags=OWN, owner=1, counters=AGG),
+        Send(0, 0, (1, 2), flags=OWN | RT, owner=1, counters={"duplicate": 1}),
+        Send(2, 0, (10, 20), flags=OWN, owner=1, counters=AGG),
+        Send(1, 0, (100, 200), flags=OWN, owner=1, counters=DONE, expect=(
+            Result((1,), 0, (111, 222)), Result((0, 2), 0, (), kind=wire.ACK))),
+        Send(0, 0, (1, 2), flags=OWN | RT, owner=1, expect=(Result((0,), 0, (), kind=wire.ACK),),
+             counters={"duplicate_answered": 1}),
+        Send(1, 0, (100, 200), flags=OWN | RT, owner=1, expect=(Result((1,), 0, (111, 222)),),
+             counters={"duplicate_answered": 1}),
+        # the next psn is an ordinary round: every worker gets the sums
+        Send(0, 1, (1,), counters=AGG),
+        Send(1, 1, (2,), counters=AGG),
+        Send(2, 1, (3,), expect=(Result((0, 1, 2), 1, (6,)),), counters=DONE),
+    )),
+    Scenario("owner_only_rotating_owners", (Job(1, 3, 0, 2),), tuple(
+        step for psn in range(9) for step in (
+            Send(0, psn, (psn,), flags=OWN, owner=psn // 3, counters=AGG),
+            Send(1, psn, (10 * psn,), flags=OWN, owner=psn // 3, counters=AGG),
+            Send(2, psn, (100 * psn,), flags=OWN, owner=psn // 3, counters=DONE, expect=(
+                Result((psn // 3,), psn, (111 * psn,)),
+                Result(tuple(w for w in range(3) if w != psn // 3), psn, (), kind=wire.ACK))),
+        )
+    )),
+    Scenario("owner_only_overflow", (J2,), (
+        Send(0, 0, (MAX32,), flags=OWN, owner=0, counters=AGG),
+        Send(1, 0, (1,), flags=OWN, owner=0, counters={**DONE, "overflow": 1}, expect=(
+            Result((0,), 0, (MAX32,), flags=OVF), Result((1,), 0, (), flags=OVF, kind=wire.ACK))),
+    )),
+    Scenario("owner_only_owner_not_a_worker", (J2,), (
+        Send(0, 0, (1,), flags=OWN, owner=2, counters={"rejected": 1}),
+        Send(0, 0, (1,), flags=OWN, owner=wire.MAX_OWNER, counters={"rejected": 1}),
+        # without OWNER_ONLY the owner bits are carried and mean nothing
+        Send(0, 0, (1,), owner=5, counters=AGG),
+        Send(1, 0, (2,), owner=5, expect=(Result((0, 1), 0, (3,)),), counters=DONE),
+    )),
+    # All-gather: a GATHER goes unchanged (any bits) to every other worker, a NACK to its owner alone;
+    # neither touches slot state, and a DATA round on the same slot, set and psn is untouched by them.
+    Scenario("gather_relay", (J3,), (
+        Send(0, 0, BITS, kind=wire.GATHER, owner=0, slot=0, set=0,
+             expect=(Result((1, 2), 0, BITS, kind=wire.GATHER),), counters=RELAYED),
+        Send(2, 7, (5, 6), kind=wire.GATHER, owner=2, slot=0, set=0,
+             expect=(Result((0, 1), 7, (5, 6), kind=wire.GATHER),), counters=RELAYED),
+        Send(1, 0, (0,), kind=wire.NACK, owner=0, slot=3, set=0,
+             expect=(Result((0,), 0, (0,), kind=wire.NACK),), counters=RELAYED),
+        Send(0, 0, BITS, kind=wire.GATHER, owner=0, flags=RT, slot=0, set=0,
+             expect=(Result((1, 2), 0, BITS, kind=wire.GATHER, flags=RT),), counters=RELAYED),
+        Send(0, 0, (1,), counters=AGG),
+        Send(1, 0, (2,), counters=AGG),
+        Send(2, 0, (3,), expect=(Result((0, 1, 2), 0, (6,)),), counters=DONE),
+        Send(1, 0, BITS, kind=wire.GATHER, owner=1, slot=0, set=0,
+             expect=(Result((0, 2), 0, BITS, kind=wire.GATHER),), counters=RELAYED),
+    )),
+    Scenario("gather_admission", (J3, Job(job=2, workers=2, base=4, pool=4)), (
+        Send(0, 0, (1,), kind=wire.GATHER, owner=1, slot=0, set=0, counters={"rejected": 1}),  # not its own piece
+        Send(0, 0, (1,), kind=wire.NACK, owner=0, slot=1, set=0, counters={"rejected": 1}),  # to itself
+        Send(0, 0, (1,), kind=wire.NACK, owner=3, slot=1, set=0, counters={"rejected": 1}),  # to no worker
+        Send(0, 0, (1,), kind=wire.GATHER, owner=0, slot=0, set=0, origin="stranger", counters={"rejected": 1}),
+        Send(0, 0, (1,), kind=wire.GATHER, owner=0, slot=0, set=0, origin=(2, 0), counters={"rejected": 1}),
+        Send(0, 0, (1,), kind=wire.GATHER, owner=0, slot=0, set=0, generation=1, counters={"rejected": 1}),
+        Send(0, 0, (1,), job=9, kind=wire.GATHER, owner=0, slot=0, set=0, origin=(1, 0), counters={"rejected": 1}),
+        # a relayed kind's slot is no slot: not checked against the pool
+        Send(1, 0, (4,), kind=wire.GATHER, owner=1, slot=65535, set=1,
+             expect=(Result((0, 2), 0, (4,), kind=wire.GATHER),), counters=RELAYED),
+        Send(1, 0, (4,), job=2, kind=wire.GATHER, owner=1, slot=0, set=0,
+             expect=(Result((0,), 0, (4,), job=2, kind=wire.GATHER),), counters=RELAYED),
+        # a kind no host sends is malformed, not relayed
+        Send(0, 0, (1,), kind=wire.RESULT, counters={"malformed": 1}),
+        Send(0, 0, (1,), kind=wire.ACK, counters={"malformed": 1}),
+        Send(0, 0, (1,), kind=6, counters={"malformed": 1}),
+    )),
     Scenario("normal_forwarding", (), (), switch_only=True),
 )
 
-COUNTER_NAMES = ("rejected", "aggregated", "completed", "duplicate", "duplicate_answered", "stale", "overflow")
+COUNTER_NAMES = ("malformed", "rejected", "aggregated", "completed", "duplicate", "duplicate_answered", "stale",
+                 "overflow", "relayed")
 
 
 def by_name(name: str) -> Scenario:

@@ -1,6 +1,7 @@
 """ProcessGroupPassing: torch.distributed's process group for backend "passing".
 
-all_reduce of one float32 tensor with SUM or AVG goes through PASSING; everything else
+all_reduce of one float32 tensor with SUM or AVG goes through PASSING, and so do
+reduce_scatter and all_gather (passing.torch.sharded); everything else
 (other collectives, ops, dtypes, several tensors) goes to the gloo backend registered
 for the device, and each kind of fallback is logged once. Which network stage runs
 (docs/torch.md, "Which mode runs when"):
@@ -40,7 +41,7 @@ from .. import control, wire
 from ..keys import ClientKeys
 from ..stream import Group, GroupFailed, PassingError
 from ..transport import BatchSocket
-from . import embedded
+from . import embedded, sharded
 from .hierarchy import Layout, NetworkStage, PeerStage, sum_through, two_stage_allreduce
 from .options import SCHEMES, OptionError, Options, route_source
 
@@ -559,6 +560,9 @@ def _coalesced(name: str, single: str) -> Any:
 for _name, _single in (("all_gather_single_coalesced", "_allgather_base"),
                        ("reduce_scatter_single_coalesced", "_reduce_scatter_base")):
     setattr(ProcessGroupPassing, _name, _coalesced(_name, _single))
+
+
+sharded.install(ProcessGroupPassing)  # reduce_scatter and all_gather through PASSING where it can take them
 
 
 def _close(membership: Membership, embedded_services: embedded.Embedded | None) -> None:

@@ -31,6 +31,7 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 
+SHARDED_COLLECTIVES = ("reduce_scatter", "all_gather")  # what keep_on_gloo may name
 # With no controller configured: "off", the network stage is a collective among the peers (no
 # aggregator, so as fast as gloo); "ps", rank 0 runs an embedded controller and software aggregator.
 EMBEDDED = ("off", "ps")
@@ -62,10 +63,13 @@ class Options:
     # default: 5 s, or half the timeout when that is shorter)
     report_interval: float | None = None  # PASSING_REPORT_INTERVAL: s between reports to the controller (0: at leave)
     mtu: int | None = None  # PASSING_MTU: path MTU to rank 0's embedded aggregator (default: its interface's)
+    keep_on_gloo: tuple[str, ...] | str | None = None  # PASSING_KEEP_ON_GLOO: sharded collectives that stay on the
+    # device's backend, comma-separated: reduce_scatter, all_gather (default: none)
 
     DEFAULTS = {"controller": None, "embedded": "off", "scheme": "passing", "scale": "auto", "on_overflow": "raise",
                 "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 1.0, "host": None, "server": None,
-                "job": None, "engine": "auto", "failover_after": None, "report_interval": 10.0, "mtu": None}
+                "job": None, "engine": "auto", "failover_after": None, "report_interval": 10.0, "mtu": None,
+                "keep_on_gloo": ()}
 
     def resolve(self, environ: dict[str, str] | None = None) -> Options:
         """A copy with every field filled in, checked."""
@@ -77,6 +81,9 @@ class Options:
                 raw = env.get(f"PASSING_{f.name.upper()}")
                 value = self._parse(f.name, raw) if raw not in (None, "") else self.DEFAULTS[f.name]
             values[f.name] = value
+        keep = values["keep_on_gloo"]
+        values["keep_on_gloo"] = tuple(v.strip() for v in (keep.split(",") if isinstance(keep, str) else keep)
+                                       if v.strip())
         if values["failover_after"] is None:
             values["failover_after"] = min(5.0, values["timeout"] / 2)
         if values["server"] is None:
@@ -125,6 +132,9 @@ class Options:
         if not 0 <= self.failover_after < self.timeout:
             raise OptionError(f"failover_after must be 0 (off) or below timeout ({self.timeout:g} s); "
                               f"got {self.failover_after}")
+        unknown = set(self.keep_on_gloo) - set(SHARDED_COLLECTIVES)
+        if unknown:
+            raise OptionError(f"keep_on_gloo takes {', '.join(SHARDED_COLLECTIVES)}; got {', '.join(sorted(unknown))}")
         if not self.report_interval >= 0:
             raise OptionError(f"report_interval must be 0 or more; got {self.report_interval}")
 

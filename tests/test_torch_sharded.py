@@ -1,0 +1,99 @@
+"""reduce_scatter and all_gather of backend "passing" (passing.torch.sharded) in real rank
+processes against a software aggregator behind a PS-only controller, compared with gloo's."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
+
+from cluster.local import collect, launch_ranks  # noqa: E402
+from tests.test_torch_backend import services  # noqa: E402, F401  (the fixture)
+from tests.zygote import torch_ranks  # noqa: E402
+
+WORKER = [sys.executable, "-m", "tests.torch_sharded_worker"]
+
+
+def run(services, scenario: str, servers: int, ranks: int, *args: str, timeout: float = 240,  # noqa: F811
+        **env: str) -> list[dict]:
+    procs = launch_ranks([*WORKER, scenario, *args], servers, ranks,
+                         {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": "20", **env},
+                         popen_for_server=torch_ranks)
+    outcomes = collect(procs, timeout)
+    for rank, (rc, report, stderr) in enumerate(outcomes):
+        assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
+    return [report for _, report, _ in outcomes]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers,ranks", [(2, 1), (2, 2), (3, 2)])
+def test_sharded_collectives_equal_gloo(services, servers, ranks):  # noqa: F811
+    for r in run(services, "collectives", servers, ranks, "0", "1", "1000"):
+        assert r["mode"] == "ps" and r["servers"] == servers
+        for c in r["checks"]:
+            assert c["streamed"] or c["empty"], f"not through PASSING: {c}"
+            if c["want_exact"]:
+                assert c["exact"], f"not bit for bit: {c}"
+            else:  # the quantisation of a float sum, well within this for these sizes
+                assert c["error"] <= 1e-5 * max(1.0, c["scale"]), c
+
+
+@pytest.mark.timeout(300)
+def test_keep_on_gloo_keeps_them_there(services):  # noqa: F811
+    for r in run(services, "collectives", 2, 1, "100", PASSING_KEEP_ON_GLOO="reduce_scatter,all_gather"):
+        for c in r["checks"]:
+            assert not c["streamed"], c
+            assert c["exact"], c  # gloo's own answers
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers,ranks", [(2, 1), (2, 2)])
+def test_after_a_failover_to_gloo_the_network_stage_is_gloo(services, servers, ranks):  # noqa: F811
+    """Once the group's all_reduce carries on over gloo (no aggregator left), so do reduce_scatter
+    and all_gather's network stage, with the same answers and nothing on the wire."""
+    for r in run(services, "on_gloo", servers, ranks, "1", "1000"):
+        for c in r["checks"]:
+            assert not c["streamed"], c
+            if c["want_exact"]:
+                assert c["exact"], c
+            else:
+                assert c["error"] <= 1e-5 * max(1.0, c["scale"]), c
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("servers,ranks", [(2, 1), (2, 2)])
+def test_fsdp2_fully_shard_trains_as_on_gloo(services, servers, ranks):  # noqa: F811
+    for r in run(services, "fsdp", servers, ranks, "30", timeout=360):
+        p, g = r["passing"], r["gloo"]
+        assert p["streamed"], "FSDP's collectives did not go through PASSING"
+        assert not g["streamed"]
+        assert p["losses"][-1] < 0.8 * p["losses"][0], p["losses"]  # it trains
+        for a, b in zip(p["losses"], g["losses"]):
+            assert abs(a - b) <= 1e-3 * max(abs(b), 1e-3), (p["losses"], g["losses"])
+
+
+@pytest.mark.timeout(400)
+def test_hsdp_trains_as_on_gloo(services):  # noqa: F811
+    """HSDP (fully_shard over a replicate x shard mesh of "passing" subgroups) on 4 single-rank servers:
+    the shard groups' reduce_scatter and all_gather and the replicate groups' all_reduce all go through
+    PASSING, and the losses are gloo's."""
+    for r in run(services, "hsdp", 4, 1, "20", timeout=360):
+        p, g = r["passing"], r["gloo"]
+        assert p["shard_streamed"] and p["replicate_streamed"], p  # reduce_scatter/all_gather; all_reduce
+        assert not g["shard_streamed"] and not g["replicate_streamed"]
+        assert p["losses"][-1] < 0.8 * p["losses"][0], p["losses"]
+        for a, b in zip(p["losses"], g["losses"]):
+            assert abs(a - b) <= 1e-3 * max(abs(b), 1e-3), (p["losses"], g["losses"])
+
+
+def test_keep_on_gloo_option_parses_and_refuses_unknown_names():
+    from passing.torch import OptionError, Options
+
+    assert Options().resolve({}).keep_on_gloo == ()
+    assert Options().resolve({"PASSING_KEEP_ON_GLOO": "reduce_scatter, all_gather"}).keep_on_gloo == (
+        "reduce_scatter", "all_gather")
+    assert Options(keep_on_gloo=["all_gather"]).resolve({}).keep_on_gloo == ("all_gather",)
+    with pytest.raises(OptionError, match="keep_on_gloo"):
+        Options(keep_on_gloo="all_reduce").resolve({})
