@@ -29,6 +29,18 @@ def without_controller(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k != "PASSING_CONTROLLER"}
 
 
+def launch_in_namespaces(net: netns.EmulatedNetwork, argv: list[str], env: dict[str, str]) -> list:
+    """2 ranks on each of the network's two servers, forked in its namespace from a process that imported torch
+    already, with no controller configured; gloo on the servers' links."""
+    servers = list(net.hosts)
+    fork_in = torch_ranks_in([net.hosts[n].namespace for n in servers])
+    return launch_ranks(argv, len(servers), 2, env,
+                        popen_for_server=lambda s: lambda argv, env, **kw: fork_in(s)(
+                            argv, env=without_controller(env), **kw),
+                        env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},
+                        master_host=net.hosts[servers[0]].ip)
+
+
 def clean_env() -> dict[str, str]:
     return {**without_controller(dict(os.environ)), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
             "PASSING_TIMEOUT": "20", "PASSING_REPORT_INTERVAL": "0.2"}
@@ -88,12 +100,7 @@ def test_nothing_configured_across_network_namespaces():
         pytest.skip(f"network namespaces unavailable: {why}")
     servers = ["server0", "server1"]
     with netns.EmulatedNetwork(servers) as net:
-        fork_in = torch_ranks_in([net.hosts[n].namespace for n in servers])  # forked from a process with torch
-        procs = launch_ranks([*WORKER, "allreduce", *SIZES], 2, 2, {"PASSING_TIMEOUT": "20"},
-                             popen_for_server=lambda s: lambda argv, env, **kw: fork_in(s)(
-                                 argv, env=without_controller(env), **kw),
-                             env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},
-                             master_host=net.hosts["server0"].ip)
+        procs = launch_in_namespaces(net, [*WORKER, "allreduce", *SIZES], {"PASSING_TIMEOUT": "20"})
         check_ring(collect(procs, 240), 2)
 
 
@@ -133,13 +140,9 @@ def test_the_embedded_ps_across_network_namespaces():
         pytest.skip(f"network namespaces unavailable: {why}")
     servers = ["server0", "server1"]
     with netns.EmulatedNetwork(servers) as net:
-        fork_in = torch_ranks_in([net.hosts[n].namespace for n in servers])  # forked from a process with torch
-        procs = launch_ranks([*WORKER, "embedded"], 2, 2, {"PASSING_TIMEOUT": "20", "PASSING_REPORT_INTERVAL": "0.2",
-                                                           "PASSING_EMBEDDED": "ps"},
-                             popen_for_server=lambda s: lambda argv, env, **kw: fork_in(s)(
-                                 argv, env=without_controller(env), **kw),
-                             env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},
-                             master_host=net.hosts["server0"].ip)
+        procs = launch_in_namespaces(net, [*WORKER, "embedded"], {"PASSING_TIMEOUT": "20",
+                                                                   "PASSING_REPORT_INTERVAL": "0.2",
+                                                                   "PASSING_EMBEDDED": "ps"})
         outcomes = collect(procs, 150)
     for rank, (rc, report, stderr) in enumerate(outcomes):
         assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"

@@ -97,6 +97,27 @@ static double now_s(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+/* Both loops' one blocking step: wait up to `wait` seconds (at most MAX_WAIT_S) for the socket, then take
+ * what has arrived. Returns the datagrams received (0 when the wait ran out) or -1 with the failed call in
+ * the report. */
+static int wait_and_receive(pn_udp *udp, double wait, pn_datagram *got, uint32_t capacity, pn_stream_report *r) {
+    if (wait > 0) {
+        int w = pn_udp_wait(udp, (int)ceil((wait < MAX_WAIT_S ? wait : MAX_WAIT_S) * 1000.0), -1);
+        if (w < 0) {
+            r->error_errno = -w;
+            snprintf(r->error_call, sizeof r->error_call, "poll");
+            return -1;
+        }
+    }
+    int n = pn_udp_recv(udp, got, capacity);
+    if (n < 0) {
+        r->error_errno = -n;
+        snprintf(r->error_call, sizeof r->error_call, "recvmmsg");
+        return -1;
+    }
+    return n;
+}
+
 /* splitmix64: the test impairment's generator; its state lives with the caller. */
 static double uniform(uint64_t *state) {
     uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
@@ -532,20 +553,8 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     double last_answer = now; /* the latest RESULT that answered a packet (or the call's start) */
     double silence_check = now + c->silence;
     while (rc == PN_OK && remaining) {
-        double wait = next_deadline - now_s();
-        if (wait > 0) {
-            int w = pn_udp_wait(&st.udp, (int)ceil((wait < MAX_WAIT_S ? wait : MAX_WAIT_S) * 1000.0), -1);
-            if (w < 0) {
-                r->error_errno = -w;
-                snprintf(r->error_call, sizeof r->error_call, "poll");
-                rc = PN_ESYS;
-                break;
-            }
-        }
-        int n = pn_udp_recv(&st.udp, got, capacity);
+        int n = wait_and_receive(&st.udp, next_deadline - now_s(), got, capacity, r);
         if (n < 0) {
-            r->error_errno = -n;
-            snprintf(r->error_call, sizeof r->error_call, "recvmmsg");
             rc = PN_ESYS;
             break;
         }
@@ -769,20 +778,8 @@ int pn_gather_run(pn_gather_call *c, pn_stream_report *r) {
         double pto = wait * (double)(1u << (probes < MAX_PROBE_DOUBLINGS ? probes : MAX_PROBE_DOUBLINGS));
         double most = wait > c->max_rto ? wait : c->max_rto;
         if (pto > most) pto = most;
-        double until = last_activity + pto - now_s();
-        if (until > 0) {
-            int w = pn_udp_wait(&g.udp, (int)ceil((until < MAX_WAIT_S ? until : MAX_WAIT_S) * 1000.0), -1);
-            if (w < 0) {
-                r->error_errno = -w;
-                snprintf(r->error_call, sizeof r->error_call, "poll");
-                rc = PN_ESYS;
-                break;
-            }
-        }
-        int n = pn_udp_recv(&g.udp, got, capacity);
+        int n = wait_and_receive(&g.udp, last_activity + pto - now_s(), got, capacity, r);
         if (n < 0) {
-            r->error_errno = -n;
-            snprintf(r->error_call, sizeof r->error_call, "recvmmsg");
             rc = PN_ESYS;
             break;
         }
