@@ -1,0 +1,269 @@
+"""P4Testgen's tests of the PASSING programs, kept as data beside them (docs/tofino.md, "Executed by P4Testgen").
+
+P4Testgen (upstream p4c, backends/p4tools) executes a P4 program symbolically and writes one test per path:
+table entries, initial register values, an input packet and port, and the expected output packet and port
+(or none: a drop). `make p4-testgen` runs it where it is installed and turns its output into *vectors*: one
+JSON file per program (``p4/tna/testgen.json``), one test a line, with the hash of the program (and of every
+file it includes) that they came from, so that a check needing no P4 tool can hold them against the protocol
+(issue 27: that checker is still to come; the v1model program joins once P4Testgen's bmv2 target gets past
+its worker-bit shift, docs/tofino.md).
+
+Standard library only: this runs on a machine that has P4Testgen and nothing of PASSING installed.
+
+    python3 p4/testgen_vectors.py generate tna        # p4testgen -> p4/tna/testgen.json
+    python3 p4/testgen_vectors.py check               # exit 1 if a vector file is missing or stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    source: str  # relative to the repository root
+    vectors: str
+    target: str  # p4testgen --target
+    arch: str  # p4testgen --arch
+    test_backend: str  # the output format whose parser is below
+
+
+# The tofino target writes initial registers only in PTF (its STF has none).
+PROGRAMS = {
+    "tna": Program("tna", "p4/tna/passing.p4", "p4/tna/testgen.json", "tofino", "tna", "PTF"),
+}
+TARGET_DEFINES = {"tofino": {"__TARGET_TOFINO__": 1}}  # p4c-barefoot defines it for tna.p4; p4testgen does not
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def sources_of(program: Path) -> list[Path]:
+    """The program and every file it includes with ``#include "..."``, transitively, in a fixed order."""
+    seen: list[Path] = []
+    todo = [program.resolve()]
+    while todo:
+        path = todo.pop(0)
+        if path in seen:
+            continue
+        seen.append(path)
+        todo += [(path.parent / name).resolve() for name in _INCLUDE.findall(path.read_text())]
+    return seen
+
+
+def program_sha256(program: Path) -> str:
+    """What a vector file is stale against: the bytes of the program and of everything it includes."""
+    digest = hashlib.sha256()
+    for path in sources_of(program):
+        name = os.path.relpath(path, program.resolve().parent)
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+# ---- P4Testgen's PTF output -> vectors ---------------------------------------------------------------------
+
+
+def _value(node: ast.expr) -> object:
+    return ast.literal_eval(node)
+
+
+def _call_name(node: ast.expr) -> str:
+    """'insertTableEntry' for self.insertTableEntry(...), 'KeyTuple' for gc.KeyTuple(...)."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def _key(node: ast.Call) -> tuple[str, dict]:
+    name = _value(node.args[0])
+    kw = {k.arg: _value(k.value) for k in node.keywords}
+    if "low" in kw:
+        return name, {"low": kw["low"], "high": kw["high"]}
+    if "prefix_len" in kw:
+        return name, {"value": _value(node.args[1]), "prefix_len": kw["prefix_len"]}
+    if len(node.args) == 3:
+        return name, {"value": _value(node.args[1]), "mask": _value(node.args[2])}
+    return name, {"value": _value(node.args[1])}
+
+
+def _table_call(call: ast.Call) -> dict:
+    kind = _call_name(call)
+    if kind == "insertTableEntry":
+        table, keys, action, data = call.args
+        return {"table": _value(table), "key": dict(_key(k) for k in keys.elts),
+                "action": _value(action), "params": {_value(d.args[0]): _value(d.args[1]) for d in data.elts}}
+    table, action, data = call.args  # overrideDefaultEntry
+    return {"table": _value(table), "default": True, "action": _value(action),
+            "params": {_value(d.args[0]): _value(d.args[1]) for d in data.elts}}
+
+
+def _register_call(call: ast.Call) -> dict:
+    name, value, index = call.args
+    raw = _value(value)
+    if isinstance(raw, list):  # a struct register: [('reg.field', value), ...]
+        raw = {field.rsplit(".", 1)[1]: v for field, v in raw}
+    return {"register": _value(name), "index": _value(index), "value": raw}
+
+
+def _assignments(body: list[ast.stmt]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for stmt in body:
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
+            try:
+                out[stmt.targets[0].id] = _value(stmt.value)
+            except ValueError:
+                pass  # exp_pkt = Mask(exp_pkt)
+    return out
+
+
+def _dont_care(body: list[ast.stmt]) -> list[list[int]]:
+    return [[_value(s.value.args[0]), _value(s.value.args[1])] for s in body
+            if isinstance(s, ast.Expr) and _call_name(s.value) == "set_do_not_care"]
+
+
+def parse_ptf(text: str) -> list[dict]:
+    """Every test of a P4Testgen PTF file of the tofino target, in test order."""
+    tests = []
+    text = re.sub(r"'{3}.*?'{3}", "", text, flags=re.S)  # the path traces: megabytes each, not kept
+    for cls in ast.parse(text).body:
+        match = re.fullmatch(r"Test(\d+)", cls.name) if isinstance(cls, ast.ClassDef) else None
+        if not match:
+            continue
+        methods = {f.name: f.body for f in cls.body if isinstance(f, ast.FunctionDef)}
+        calls = [s.value for s in methods.get("setupCtrlPlane", []) if isinstance(s, ast.Expr)
+                 and isinstance(s.value, ast.Call)]
+        tables = [_table_call(c) for c in calls if _call_name(c) in ("insertTableEntry", "overrideDefaultEntry")]
+        registers = [_register_call(c) for c in calls if _call_name(c) == "setRegisterValue"]
+        unknown = sorted({_call_name(c) for c in calls} - {"insertTableEntry", "overrideDefaultEntry",
+                                                          "setRegisterValue"})
+        if unknown:
+            raise ValueError(f"Test{match[1]}: control-plane calls this parser does not know: {unknown}")
+        send = _assignments(methods.get("sendPacket", []))
+        verify_body = methods.get("verifyPackets", [])
+        verify = _assignments(verify_body)
+        test: dict = {"id": int(match[1]), "tables": tables, "registers": registers,
+                      "input": {"port": send["ig_port"], "packet": bytes(send["pkt"]).hex()}}
+        if "eg_port" in verify:
+            test["expect"] = {"port": verify["eg_port"], "packet": bytes(verify["exp_pkt"]).hex(),
+                              "dont_care_bits": _dont_care(verify_body)}
+        else:
+            test["expect"] = None  # no packet leaves the switch
+        tests.append(test)
+    return sorted(tests, key=lambda t: t["id"])
+
+
+# ---- the vector files ----------------------------------------------------------------------------------------
+
+
+def write_vectors(path: Path, meta: dict, tests: list[dict]) -> None:
+    """JSON with one test a line, so that a regeneration diffs test by test."""
+    lines = ["{", *[f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in meta.items()], '  "tests": [']
+    lines += [f"    {json.dumps(t, sort_keys=True)}{',' if i < len(tests) - 1 else ''}" for i, t in enumerate(tests)]
+    lines += ["  ]", "}", ""]
+    path.write_text("\n".join(lines))
+
+
+def load_vectors(program: Program) -> dict:
+    return json.loads((ROOT / program.vectors).read_text())
+
+
+def stale(program: Program) -> str | None:
+    """Why the program's vectors are stale, or None when they were generated from the program as it is."""
+    path = ROOT / program.vectors
+    if not path.exists():
+        return f"{program.vectors} is missing: run make p4-testgen"
+    want = program_sha256(ROOT / program.source)
+    have = load_vectors(program).get("program_sha256")
+    if have != want:
+        return f"{program.vectors} was generated from another {program.source} (sha256 {have}, now {want}): " \
+               "run make p4-testgen"
+    return None
+
+
+# ---- generation -------------------------------------------------------------------------------------------
+
+
+_COVERAGE = re.compile(r"Nodes covered: ([0-9.]+) \((\d+)/(\d+)\)")  # p4testgen's line after each test
+
+
+def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int], extra: list[str]) -> dict:
+    tool = shutil.which("p4testgen")
+    if tool is None:
+        sys.exit("make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)")
+    with tempfile.TemporaryDirectory(prefix="passing-testgen-") as out:
+        args = [tool, "--target", program.target, "--arch", program.arch, "--std", "p4-16",
+                *[f"-D{k}={v}" for k, v in {**TARGET_DEFINES.get(program.target, {}), **defines}.items()],
+                "--test-backend", program.test_backend, "--seed", str(seed), "--max-tests", str(max_tests),
+                "--track-coverage", "STATEMENTS", "--print-performance-report", *extra,
+                "--out-dir", out, str(ROOT / program.source)]
+        started = time.monotonic()
+        run = subprocess.run(args, capture_output=True, text=True)
+        seconds = time.monotonic() - started
+        log = run.stdout + run.stderr
+        if run.returncode != 0:
+            sys.exit(f"p4testgen failed ({run.returncode}):\n{log}")
+        files = sorted(Path(out).glob("*.py"))
+        tests = [t for f in files for t in parse_ptf(f.read_text())]
+    coverage = _COVERAGE.findall(log)
+    meta = {
+        "program": program.source,
+        "program_sha256": program_sha256(ROOT / program.source),
+        "target": program.target,
+        "arch": program.arch,
+        "defines": defines,
+        "p4testgen": {"args": [a if a != out else "<out>" for a in args[1:-1]],
+                      "version": _version(tool, program),
+                      "seconds": round(seconds, 1)},
+        "node_coverage": {"fraction": float(coverage[-1][0]), "covered": int(coverage[-1][1]),
+                          "nodes": int(coverage[-1][2])} if coverage else None,
+        "p4testgen_log_tail": log.strip().splitlines()[-25:],
+    }
+    write_vectors(ROOT / program.vectors, meta, tests)
+    return meta
+
+
+def _version(tool: str, program: Program) -> str:
+    run = subprocess.run([tool, "--target", program.target, "--arch", program.arch, "--version"],
+                         capture_output=True, text=True)
+    return (run.stdout or run.stderr).strip().splitlines()[-1] if (run.stdout or run.stderr) else "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="run p4testgen on a program and write its vectors")
+    gen.add_argument("program", choices=sorted(PROGRAMS))
+    gen.add_argument("--max-tests", type=int, default=0, help="0: until every path is explored")
+    gen.add_argument("--seed", type=int, default=1)
+    gen.add_argument("--lanes", type=int, default=64, help="PASSING_LANES of the program")
+    sub.add_parser("check", help="exit 1 when a vector file is missing or stale")
+    args, extra = parser.parse_known_args(argv)  # generate: what this parser does not know goes to p4testgen
+    extra = [a for a in extra if a != "--"]
+    if extra and args.command != "generate":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "generate":
+        meta = generate(PROGRAMS[args.program], args.max_tests, args.seed, {"PASSING_LANES": args.lanes}, extra)
+        print(json.dumps({k: meta[k] for k in ("program", "node_coverage", "p4testgen")}, indent=2))
+        return 0
+    problems = [p for p in (stale(prog) for prog in PROGRAMS.values()) if p]
+    for p in problems:
+        print(p, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""p4/testgen_vectors.py, the tool `make p4-testgen` runs: P4Testgen's PTF output -> vectors, and the program hash
+that tells stale vectors (docs/tofino.md, issue 27). Runs without P4Testgen: the PTF text below has the form its
+tofino target writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("testgen_vectors", ROOT / "p4" / "testgen_vectors.py")
+tool = importlib.util.module_from_spec(_spec)
+sys.modules["testgen_vectors"] = tool  # p4/ is no package (`p4` is p4runtime's protobuf package)
+_spec.loader.exec_module(tool)
+
+PTF = """
+class AbstractTest(BfRuntimeTest):
+    def setupCtrlPlane(self):
+        pass
+
+class Test1(AbstractTest):
+    '''
+    [Parser] TnaIngressParser ... a trace, megabytes in real output
+    '''
+
+    def setupCtrlPlane(self):
+        self.setRegisterValue('PassingIngress.slot_tag', [('PassingIngress.slot_tag.tag', 0x00000007), \
+('PassingIngress.slot_tag.epoch', 0x00010000)], 5)
+        self.setRegisterValue('PassingIngress.slot_overflow', 0x01, 5)
+        # Table PassingIngress.admission
+        self.insertTableEntry(
+            'PassingIngress.admission',
+            [
+                gc.KeyTuple('job', 0x0001),
+                gc.KeyTuple('ingress_port', 0x003),
+            ],
+            'PassingIngress.admit',
+            [
+                gc.DataTuple('pool', 0x0004),
+            ]
+        )
+        self.insertTableEntry('PassingIngress.t', [gc.KeyTuple('k', 0x0A, 0x0F), gc.KeyTuple('r', low=1, high=9)],
+                              'PassingIngress.a', [])
+
+    def sendPacket(self):
+        ig_port = 3
+        pkt = b'\\x01\\x02'
+        send_packet(self, ig_port, pkt)
+
+    def verifyPackets(self):
+        eg_port = 68
+        exp_pkt = b'\\x0A\\x0B\\x0C'
+        exp_pkt = Mask(exp_pkt)
+        exp_pkt.set_do_not_care(8, 4)
+        verify_packet(self, exp_pkt, eg_port)
+
+class Test0(AbstractTest):
+    '''
+    trace
+    '''
+
+    def setupCtrlPlane(self):
+        pass
+
+    def sendPacket(self):
+        ig_port = 0
+        pkt = b'\\xFF'
+        send_packet(self, ig_port, pkt)
+
+    def verifyPackets(self):
+        pass
+"""
+
+
+def test_ptf_tests_become_vectors_in_test_order():
+    tests = tool.parse_ptf(PTF)
+    assert [t["id"] for t in tests] == [0, 1]
+    dropped, test = tests
+    assert dropped["expect"] is None and dropped["input"] == {"port": 0, "packet": "ff"}
+    assert dropped["tables"] == [] and dropped["registers"] == []
+    assert test["registers"] == [
+        {"register": "PassingIngress.slot_tag", "index": 5, "value": {"tag": 7, "epoch": 0x10000}},
+        {"register": "PassingIngress.slot_overflow", "index": 5, "value": 1},
+    ]
+    assert test["tables"] == [
+        {"table": "PassingIngress.admission", "key": {"job": {"value": 1}, "ingress_port": {"value": 3}},
+         "action": "PassingIngress.admit", "params": {"pool": 4}},
+        {"table": "PassingIngress.t", "key": {"k": {"value": 10, "mask": 15}, "r": {"low": 1, "high": 9}},
+         "action": "PassingIngress.a", "params": {}},
+    ]
+    assert test["input"] == {"port": 3, "packet": "0102"}
+    assert test["expect"] == {"port": 68, "packet": "0a0b0c", "dont_care_bits": [[8, 4]]}
+
+
+def test_a_control_plane_call_the_parser_does_not_know_is_an_error():
+    text = PTF.replace("self.setRegisterValue('PassingIngress.slot_overflow', 0x01, 5)",
+                       "self.setDirectRegisterValue('PassingIngress.t', 0x01)")
+    with pytest.raises(ValueError, match="setDirectRegisterValue"):
+        tool.parse_ptf(text)
+
+
+def test_the_hash_covers_the_program_and_every_file_it_includes(tmp_path):
+    copy = tmp_path / "p4"
+    shutil.copytree(ROOT / "p4", copy, ignore=shutil.ignore_patterns("*.py", "*.json"))
+    program = copy / "tna" / "passing.p4"
+    names = {p.name for p in tool.sources_of(program)}
+    assert {"passing.p4", "headers.p4", "lanes.p4", "parser.p4", "constants.p4"} <= names
+    before = tool.program_sha256(program)
+    assert before == tool.program_sha256(ROOT / "p4" / "tna" / "passing.p4")  # where it lies does not matter
+    constants = copy / "include" / "constants.p4"
+    constants.write_text(constants.read_text() + "\n/* a change in an included file */\n")
+    assert tool.program_sha256(program) != before
+
+
+def test_vectors_written_are_read_back_and_judged_by_the_hash(tmp_path, monkeypatch):
+    monkeypatch.setattr(tool, "ROOT", tmp_path)
+    shutil.copytree(ROOT / "p4", tmp_path / "p4", ignore=shutil.ignore_patterns("*.py", "*.json"))
+    program = tool.PROGRAMS["tna"]
+    assert "is missing" in tool.stale(program)
+    tests = tool.parse_ptf(PTF)
+    meta = {"program": program.source, "program_sha256": tool.program_sha256(tmp_path / program.source)}
+    tool.write_vectors(tmp_path / program.vectors, meta, tests)
+    assert tool.load_vectors(program)["tests"] == tests
+    assert tool.stale(program) is None
+    (tmp_path / program.source).write_text((tmp_path / program.source).read_text() + "\n")
+    assert "generated from another" in tool.stale(program)
