@@ -98,6 +98,19 @@ def collectives(sizes: list[int]) -> dict:
     return {"checks": checks, "mode": pg.mode, "servers": pg.layout.servers, "world": world}
 
 
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+          steps: int) -> list[float]:
+    """``steps`` steps of MSE training on one batch; the loss of each."""
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
 def fsdp(steps: int) -> dict:
     """FSDP2 (fully_shard) of a small MLP on the passing default group and on a gloo group: the same
     model, data and optimizer; their losses step by step."""
@@ -119,14 +132,8 @@ def fsdp(steps: int) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         x = torch.randn(64, 32, generator=torch.Generator().manual_seed(100 + rank))  # this rank's batch
         y = (x[:, :4] * 2).sin()
-        losses = []
         sent = packets_sent()
-        for _ in range(steps):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss))
+        losses = train(model, optimizer, x, y, steps)
         out[name] = {"losses": losses, "streamed": packets_sent() > sent}
     return out
 
@@ -156,14 +163,8 @@ def hsdp(steps: int) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         x = torch.randn(64, 32, generator=torch.Generator().manual_seed(100 + rank))
         y = (x[:, :4] * 2).sin()
-        losses = []
         sent = packets_sent_in(rows[row]), packets_sent_in(columns[column])
-        for _ in range(steps):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss))
+        losses = train(model, optimizer, x, y, steps)
         out[backend] = {"losses": losses, "shard_streamed": packets_sent_in(rows[row]) > sent[0],
                         "replicate_streamed": packets_sent_in(columns[column]) > sent[1]}
     return out

@@ -107,6 +107,16 @@ LOSS_MEMORY = 10.0  # s: evidence of loss this recent makes a probe wait what th
 INT32_MAX, INT32_MIN = np.iinfo(np.int32).max, np.iinfo(np.int32).min
 
 
+def _check_reduce(x: np.ndarray, op: str, call: str) -> None:
+    """The op and dtype rules of every reduction: float32 or int32, and an average only of float32."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if x.dtype not in (np.float32, np.int32):
+        raise TypeError(f"{call} takes float32 or int32 arrays, got {x.dtype}")
+    if x.dtype == np.int32 and op == "avg":
+        raise TypeError("op 'avg' needs a float32 array (an int32 average is not an int32)")
+
+
 @dataclass
 class Aggregator:
     """Where one shard of the stream goes: an address and the job's slot pool there."""
@@ -270,12 +280,7 @@ class Group:
         new array. NaN and infinities give IEEE sums element by element, as gloo does.
         """
         x = np.asarray(array)
-        if op not in OPS:
-            raise ValueError(f"op must be one of {OPS}, got {op!r}")
-        if x.dtype not in (np.float32, np.int32):
-            raise TypeError(f"allreduce takes float32 or int32 arrays, got {x.dtype}")
-        if x.dtype == np.int32 and op == "avg":
-            raise TypeError("op 'avg' needs a float32 array (an int32 average is not an int32)")
+        _check_reduce(x, op, "allreduce")
         if out is not None and (out.dtype != x.dtype or out.size != x.size or not out.flags.c_contiguous
                                 or not out.flags.writeable):
             raise ValueError(f"out must be a writeable C-contiguous {x.dtype} array of {x.size} elements")
@@ -308,12 +313,7 @@ class Group:
         packet's sums come back to the block's worker alone; the others get a header-only ACK. Per
         worker: up ``size``, down ``size / workers`` of sums and one ACK per packet of the others."""
         x = np.asarray(array)
-        if op not in OPS:
-            raise ValueError(f"op must be one of {OPS}, got {op!r}")
-        if x.dtype not in (np.float32, np.int32):
-            raise TypeError(f"reduce_scatter takes float32 or int32 arrays, got {x.dtype}")
-        if x.dtype == np.int32 and op == "avg":
-            raise TypeError("op 'avg' needs a float32 array (an int32 average is not an int32)")
+        _check_reduce(x, op, "reduce_scatter")
         if x.size % self.workers:
             raise ValueError(f"reduce_scatter of {x.size} elements: not a multiple of the {self.workers} workers")
         chunk = x.size // self.workers
