@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -40,7 +42,22 @@ def pytest_terminal_summary(terminalreporter, config):
                                     "(CI does), `pytest -m slow` only them", yellow=True)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    session.config._passing_exitstatus = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     directory = getattr(config, "_passing_keys", None)
     if directory is not None:
         shutil.rmtree(directory, ignore_errors=True)
+    # A test that failed half-way can leave a server thread running, and the interpreter would wait for
+    # it forever at exit (CI once hung there for its whole limit). Name the threads and leave with the
+    # session's own status: the failure that leaked them is already reported.
+    leaked = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if leaked:
+        sys.stderr.write(f"conftest: {len(leaked)} thread(s) still running at exit, not waited for: "
+                         f"{', '.join(t.name for t in leaked)}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(getattr(config, "_passing_exitstatus", 1))

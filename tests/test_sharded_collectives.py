@@ -34,15 +34,17 @@ def run_group(workers: int, work, engine: str, pool: int = 8, lanes: int = 64, i
     agg = SoftwareAggregator(listen=("127.0.0.1", 0), control=None, engine=engine, lanes=lanes,
                              jobs=[job_from_json({"job": 1, "pool": pool, "workers": addresses, "lanes": lanes})],
                              **impair)
-    server = threading.Thread(target=agg.serve)
+    server = threading.Thread(target=agg.serve, daemon=True)
     server.start()
 
     # Every socket is bound before anyone sends: a GATHER relayed to a port nobody listens on yet is lost
     # (as a worker that has not joined misses it), and only a NACK after the silence brings it back.
     rto = dict(rto=0.05, max_rto=0.2) if impaired else dict(rto=5.0, max_rto=5.0)
-    groups = [Group(1, w, workers, [agg.address], pool=pool, bind=addresses[w], timeout=20, lanes=lanes,
-                    engine=host_engine, **rto, **group_args) for w in range(workers)]
+    groups: list[Group] = []
     try:
+        for w in range(workers):
+            groups.append(Group(1, w, workers, [agg.address], pool=pool, bind=addresses[w], timeout=20,
+                                lanes=lanes, engine=host_engine, **rto, **group_args))
         results = run_threads(lambda w: work(groups[w], w), workers)
     finally:
         for g in groups:

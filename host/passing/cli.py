@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -274,6 +275,33 @@ def float_error_bound(inputs: list[np.ndarray], expected: np.ndarray, op: str = 
 
 
 def free_udp_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct UDP ports free now on ``host``, for addresses that must be known before their
+    sockets exist. Drawn at random outside the kernel's ephemeral range: a socket bound to port 0
+    meanwhile (every aggregator, controller and torch store) can never take one of them."""
+    low, high = _ephemeral_range()
+    candidates = [p for p in range(10000, 65536) if not low <= p <= high]
+    if len(candidates) < 1000:  # the whole port space is ephemeral here: the kernel's choice, then
+        return _kernel_chosen_udp_ports(count, host)
+    rng = random.SystemRandom()
+    ports: list[int] = []
+    for _ in range(100 * count + 100):
+        if len(ports) == count:
+            return ports
+        port = rng.choice(candidates)
+        if port in ports:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        ports.append(port)
+    if len(ports) == count:
+        return ports
+    raise OSError(f"found only {len(ports)} of {count} free UDP ports on {host}")
+
+
+def _kernel_chosen_udp_ports(count: int, host: str) -> list[int]:
     socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(count)]
     try:
         for s in socks:
@@ -282,6 +310,14 @@ def free_udp_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def start_aggregator(
