@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,12 +60,14 @@ def flat_parameters(model: nn.Module) -> torch.Tensor:
 
 def train(data: Digits, group: dist.ProcessGroup | None, epochs: int, batch: int = 64, lr: float = 0.05,
           check_group: dist.ProcessGroup | None = None, check_every: int = 0, local_sgd: int = 0,
-          subgroup: dist.ProcessGroup | None = None, hook=None, label: str = "", hidden: int = 256) -> dict:
+          subgroup: dist.ProcessGroup | None = None, hook=None, label: str = "", hidden: int = 256,
+          after_step: Callable[[int], None] | None = None) -> dict:
     """Train with DDP over ``group``; every rank takes its share of each global batch.
 
     ``check_every``: every that many steps, all-gather the parameters over ``check_group``
     and record how far any rank's are from rank 0's. ``local_sgd``: PostLocalSGD with that
     averaging period (after one epoch of plain DDP), intra-server averaging over ``subgroup``.
+    ``after_step(step)``: called after each optimizer step (the failover tests act on a step, not a clock).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     model = mlp(hidden)
@@ -89,6 +92,8 @@ def train(data: Digits, group: dist.ProcessGroup | None, epochs: int, batch: int
             loss_fn(ddp(data.x_train[mine]), data.y_train[mine]).backward()
             optimizer.step()
             step += 1
+            if after_step is not None:
+                after_step(step)
             if check_every and step % check_every == 0:
                 divergence = max(divergence, spread(model, check_group))
                 checks += 1

@@ -41,8 +41,9 @@ def restart_controller(services: LocalServices) -> None:
 
 
 def train_through_a_kill(ps: int, tmp_path: Path, victim: str = "ps") -> tuple[list[dict], float]:
-    """Start the training, SIGKILL PS 0 (or restart the controller) once every group runs and a
-    few steps are done; returns each rank's report and when the kill came (time.time())."""
+    """Start the training, SIGKILL PS 0 (or restart the controller) once rank 0 is past its fifth
+    step (DDP's set-up, whose all_gather has no mid-call failover yet, is behind it); returns each
+    rank's report and when the kill came (time.time())."""
     marker = tmp_path / "training"
     with LocalServices(ps=ps, popen=service_popen) as services:
         procs = launch_ranks([*WORKER, "ddp_fault", str(EPOCHS)], 2, 2,
@@ -50,10 +51,9 @@ def train_through_a_kill(ps: int, tmp_path: Path, victim: str = "ps") -> tuple[l
                               "PASSING_FAILOVER_AFTER": "1", "PASSING_TEST_MARKER": str(marker),
                               "PYTHONFAULTHANDLER": "1"}, popen_for_server=torch_ranks)
         try:
-            while not marker.exists():  # rank 0 starts training
+            while not marker.exists():  # rank 0 is past its fifth training step
                 assert all(p.poll() is None for p in procs), "a rank died before the kill"
                 time.sleep(0.1)
-            time.sleep(1.5)  # mid-training
             killed_at = time.time()
             if victim == "ps":
                 os.kill(services.procs[0].pid, signal.SIGKILL)

@@ -7,8 +7,10 @@ prints one JSON line with what the test checks.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -157,8 +159,6 @@ def dead_peer(victim: int) -> dict:
     if dist.get_rank() == victim:
         sys.stdout.write(json.dumps({"victim": True}) + "\n")
         sys.stdout.flush()
-        import os
-
         os._exit(0)
     start = time.monotonic()
     work = dist.all_reduce(torch.ones(10_000), async_op=True)
@@ -186,12 +186,13 @@ def ddp_fault(epochs: int) -> dict:
     data, gloo = digits(), dist.new_group(backend="gloo")
     pg = dist.distributed_c10d._get_default_group()
     start = time.time()
-    if dist.get_rank() == 0:  # the test kills the aggregator a little after this
-        import os
-        from pathlib import Path
+    marker = Path(os.environ["PASSING_TEST_MARKER"])
 
-        Path(os.environ["PASSING_TEST_MARKER"]).touch()
-    passing_run = train(data, None, epochs, check_group=gloo, check_every=10)
+    def mid_training(step: int) -> None:  # the test kills the aggregator once rank 0 is past step 5
+        if step == 5 and dist.get_rank() == 0:
+            marker.touch()
+
+    passing_run = train(data, None, epochs, check_group=gloo, check_every=10, after_step=mid_training)
     passing_run.update(started=start, ended=time.time(), seconds=time.time() - start)
     start = time.monotonic()
     gloo_run = train(data, gloo, epochs, check_group=gloo, check_every=10)
@@ -371,8 +372,6 @@ SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lam
 
 def init_explicitly() -> None:
     """init_process_group with arguments instead of torchrun's variables (which are removed first)."""
-    import os
-
     env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
                                           "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PASSING_CONTROLLER")}
     options = passing.torch.Options(controller=env["PASSING_CONTROLLER"], server=f"server-{env['GROUP_RANK']}")
@@ -399,8 +398,6 @@ def main() -> None:
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
     if scenario == "dead_peer":
-        import os
-
         os._exit(0)  # the default group's gloo cannot shut down cleanly with a peer gone
 
 
