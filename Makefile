@@ -94,7 +94,7 @@ p4-tofino: $(TNA_SOURCES)
 # P4Testgen's tests of the TNA program as vectors beside it (p4/tna/testgen.json; docs/tofino.md, issue 27:
 # the checker that holds them against the protocol, and the v1model program's, are still to come). Needs
 # p4testgen built from upstream p4c with its tofino target.
-TESTGEN_MAX_TESTS ?= 200
+TESTGEN_MAX_TESTS ?= 600
 p4-testgen:
 	@command -v p4testgen >/dev/null || { echo "make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)" >&2; exit 1; }
 	$(PYTHON) p4/testgen_vectors.py generate tna --max-tests $(TESTGEN_MAX_TESTS)

@@ -27,10 +27,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Run:
+    """One p4testgen run over a program: its name (a vector's ``run``), the defines and the arguments."""
+
+    name: str
+    defines: dict
+    args: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -41,13 +51,23 @@ class Program:
     target: str  # p4testgen --target
     arch: str  # p4testgen --arch
     test_backend: str  # the output format whose parser is below
+    ingress_deparser: str  # the control whose output a vector records from the trace (see ingress_of)
+    runs: tuple[Run, ...]
 
 
-# The tofino target writes initial registers only in PTF (its STF has none).
+# The tofino target writes initial registers only in PTF (its STF has none). Greedy statement search, and only
+# tests that cover something new, until nothing new is found. The two passes of a round are two runs, each kept
+# to its own inputs by the preconditions of p4/include/testgen.p4: ports 0-63 and the recirculation port 68 of
+# pipe 0 (an output port outside --port-ranges is a P4Testgen error, so 68 must be in them).
+_SEARCH = ("--path-selection", "GREEDY_STATEMENT_SEARCH", "--only-covering-tests", "--port-ranges", "0:63,68:68")
 PROGRAMS = {
-    "tna": Program("tna", "p4/tna/passing.p4", "p4/tna/testgen.json", "tofino", "tna", "PTF"),
+    "tna": Program("tna", "p4/tna/passing.p4", "p4/tna/testgen.json", "tofino", "tna", "PTF", "TnaIngressDeparser",
+                   (Run("first_pass", {"PASSING_TESTGEN": 1}, _SEARCH),
+                    Run("second_pass", {"PASSING_TESTGEN": 2}, _SEARCH))),
 }
 TARGET_DEFINES = {"tofino": {"__TARGET_TOFINO__": 1}}  # p4c-barefoot defines it for tna.p4; p4testgen does not
+# tna.p4 and its Tofino includes come with the Tofino backend's sources (docs/tofino.md)
+TARGET_INCLUDES = {"tofino": ("backends/tofino/bf-p4c/p4include",)}
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
@@ -135,9 +155,49 @@ def _dont_care(body: list[ast.stmt]) -> list[list[int]]:
             if isinstance(s, ast.Expr) and _call_name(s.value) == "set_do_not_care"]
 
 
-def parse_ptf(text: str) -> list[dict]:
-    """Every test of a P4Testgen PTF file of the tofino target, in test order."""
+_EMIT_CALL = re.compile(r"\[MethodCall\]: \w+\.emit<(\w+)>")
+_FIELD = re.compile(r"(\w+):([^;]*);")
+
+
+def ingress_of(trace: str, deparser: str) -> dict | None:
+    """From a test's path trace: what the ingress deparser emitted (each valid header and its fields, in order)
+    and what the traffic manager was told: ``port``, or ``dropped``. None when the path never left the ingress
+    deparser. (P4Testgen's output packet is what its egress made of it; its egress parser does not read what
+    the ingress deparser emitted: docs/tofino.md.)"""
+    start = trace.find(f'copy_in("{deparser}")')
+    if start < 0:
+        return None
+    emitted: list[dict] = []
+    header = None
+    port: int | str | None = None
+    dropped = False
+    for line in trace[start:].splitlines():
+        line = line.strip()
+        if (call := _EMIT_CALL.search(line)) is not None:
+            header = call[1]
+        elif line.startswith("[Emit]:") and header is not None:
+            fields = {k: (int(v) if v.strip().lstrip("-").isdigit() else v.strip())
+                      for k, v in _FIELD.findall(line) if k != "headerValid"}
+            emitted.append({"header": header, "fields": fields})
+            header = None
+        elif line.startswith("[Invalid emit"):
+            header = None
+        elif "egress_port = " in line and port is None:
+            value = line.rsplit("= ", 1)[1].rstrip(";").strip('"')
+            port = int(value) if value.isdigit() else value
+        elif line.startswith("[Packet marked dropped"):
+            dropped = True
+            break
+        elif "StartEgress" in line:
+            break
+    return {"emit": emitted, "port": None if dropped else port, "dropped": dropped}
+
+
+def parse_ptf(text: str, deparser: str | None = None) -> list[dict]:
+    """Every test of a P4Testgen PTF file of the tofino target, in test order; with ``deparser``, each test
+    also carries ``ingress`` (ingress_of) from its trace."""
     tests = []
+    traces = {int(m[1]): m[2] for m in re.finditer(r"class Test(\d+)\(.*?'{3}(.*?)'{3}", text, flags=re.S)}
     text = re.sub(r"'{3}.*?'{3}", "", text, flags=re.S)  # the path traces: megabytes each, not kept
     for cls in ast.parse(text).body:
         match = re.fullmatch(r"Test(\d+)", cls.name) if isinstance(cls, ast.ClassDef) else None
@@ -162,6 +222,8 @@ def parse_ptf(text: str) -> list[dict]:
                               "dont_care_bits": _dont_care(verify_body)}
         else:
             test["expect"] = None  # no packet leaves the switch
+        if deparser is not None:
+            test["ingress"] = ingress_of(traces.get(test["id"], ""), deparser)
         tests.append(test)
     return sorted(tests, key=lambda t: t["id"])
 
@@ -200,40 +262,84 @@ def stale(program: Program) -> str | None:
 _COVERAGE = re.compile(r"Nodes covered: ([0-9.]+) \((\d+)/(\d+)\)")  # p4testgen's line after each test
 
 
-def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int], extra: list[str]) -> dict:
+def _uncovered(log: str) -> list[str]:
+    """The statements of the last "Not covered program nodes" list p4testgen printed (--print-coverage)."""
+    blocks = log.split("Not covered program nodes:")
+    if len(blocks) < 2:
+        return []
+    lines = []
+    for line in blocks[-1].splitlines()[1:]:
+        if not line.startswith("\t"):
+            break
+        lines.append(line.strip().replace(str(ROOT) + "/", ""))
+    return lines
+
+
+def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines: dict[str, int],
+                  extra: list[str]) -> tuple[list[dict], dict]:
     tool = shutil.which("p4testgen")
     if tool is None:
         sys.exit("make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)")
+    source_root = Path(os.environ.get("P4C_SOURCE", "/opt/src/p4c"))
+    includes = [f"-I{source_root / d}" for d in TARGET_INCLUDES.get(program.target, ())]
     with tempfile.TemporaryDirectory(prefix="passing-testgen-") as out:
-        args = [tool, "--target", program.target, "--arch", program.arch, "--std", "p4-16",
-                *[f"-D{k}={v}" for k, v in {**TARGET_DEFINES.get(program.target, {}), **defines}.items()],
+        args = [tool, "--target", program.target, "--arch", program.arch, "--std", "p4-16", *includes,
+                *[f"-D{k}={v}" for k, v in {**TARGET_DEFINES.get(program.target, {}), **defines,
+                                            **run.defines}.items()],
                 "--test-backend", program.test_backend, "--seed", str(seed), "--max-tests", str(max_tests),
-                "--track-coverage", "STATEMENTS", "--print-performance-report", *extra,
+                "--track-coverage", "STATEMENTS", "--print-coverage", *run.args, *extra,
                 "--out-dir", out, str(ROOT / program.source)]
         started = time.monotonic()
-        run = subprocess.run(args, capture_output=True, text=True)
+        done = subprocess.run(args, capture_output=True, text=True)
         seconds = time.monotonic() - started
-        log = run.stdout + run.stderr
-        if run.returncode != 0:
-            sys.exit(f"p4testgen failed ({run.returncode}):\n{log}")
-        files = sorted(Path(out).glob("*.py"))
-        tests = [t for f in files for t in parse_ptf(f.read_text())]
+        log = done.stdout + done.stderr
+        if done.returncode != 0:
+            sys.exit(f"p4testgen failed ({done.returncode}):\n{log[-5000:]}")
+        tests = [t for f in sorted(Path(out).glob("*.py")) for t in parse_ptf(f.read_text(), program.ingress_deparser)]
+    for t in tests:
+        t["run"] = run.name
     coverage = _COVERAGE.findall(log)
+    meta = {"defines": run.defines,
+            "args": [a if a != out else "<out>" for a in args[1:-1] if not a.startswith("-I")],
+            "seconds": round(seconds, 1), "tests": len(tests),
+            "node_coverage": {"fraction": float(coverage[-1][0]), "covered": int(coverage[-1][1]),
+                              "nodes": int(coverage[-1][2])} if coverage else None,
+            "uncovered": _uncovered(log)}
+    return tests, meta
+
+
+def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int], extra: list[str]) -> dict:
+    runs: dict[str, dict] = {}
+    tests: list[dict] = []
+    for run in program.runs:
+        found, runs[run.name] = run_p4testgen(program, run, max_tests, seed, defines, extra)
+        tests += found
+    # statements no run covered: what stays uncovered in the union
+    left = Counter(runs[program.runs[0].name]["uncovered"])
+    for run in program.runs[1:]:
+        left &= Counter(runs[run.name]["uncovered"])
+    nodes = max((r["node_coverage"] or {}).get("nodes", 0) for r in runs.values())
     meta = {
         "program": program.source,
         "program_sha256": program_sha256(ROOT / program.source),
         "target": program.target,
         "arch": program.arch,
         "defines": defines,
-        "p4testgen": {"args": [a if a != out else "<out>" for a in args[1:-1]],
-                      "version": _version(tool, program),
-                      "seconds": round(seconds, 1)},
-        "node_coverage": {"fraction": float(coverage[-1][0]), "covered": int(coverage[-1][1]),
-                          "nodes": int(coverage[-1][2])} if coverage else None,
-        "p4testgen_log_tail": log.strip().splitlines()[-25:],
+        "p4testgen": {"version": _version(shutil.which("p4testgen") or "p4testgen", program),
+                      "p4c_commit": _p4c_commit(),
+                      "seconds": round(sum(r["seconds"] for r in runs.values()), 1), "runs": runs},
+        "statement_coverage": {"nodes": nodes, "covered": nodes - sum(left.values()),
+                               "uncovered": sorted(left.elements())},
     }
     write_vectors(ROOT / program.vectors, meta, tests)
     return meta
+
+
+def _p4c_commit() -> str | None:
+    """The p4c checkout P4Testgen was built from (its --version says "<null>")."""
+    source_root = os.environ.get("P4C_SOURCE", "/opt/src/p4c")
+    done = subprocess.run(["git", "-C", source_root, "rev-parse", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or None
 
 
 def _version(tool: str, program: Program) -> str:
@@ -257,7 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "generate":
         meta = generate(PROGRAMS[args.program], args.max_tests, args.seed, {"PASSING_LANES": args.lanes}, extra)
-        print(json.dumps({k: meta[k] for k in ("program", "node_coverage", "p4testgen")}, indent=2))
+        summary = {"program": meta["program"], "seconds": meta["p4testgen"]["seconds"],
+                   "tests": {name: r["tests"] for name, r in meta["p4testgen"]["runs"].items()},
+                   "covered": f'{meta["statement_coverage"]["covered"]}/{meta["statement_coverage"]["nodes"]}'}
+        print(json.dumps(summary, indent=2))
         return 0
     problems = [p for p in (stale(prog) for prog in PROGRAMS.values()) if p]
     for p in problems:

@@ -128,3 +128,44 @@ def test_vectors_written_are_read_back_and_judged_by_the_hash(tmp_path, monkeypa
     assert tool.stale(program) is None
     (tmp_path / program.source).write_text((tmp_path / program.source).read_text() + "\n")
     assert "generated from another" in tool.stale(program)
+
+
+TRACE = """
+    [Control PassingIngress start]
+    [P4Testgen MethodCall]: *.copy_in("TnaIngressDeparser");
+    [Control TnaIngressDeparser start]
+    [MethodCall]: pkt.emit<bridged_h>(hdr.bridged);
+    [Emit]: {$headerValid:true;;    pad0:0;  ingress_port:2;  slot_set:748;  second_pass:1;  }
+    [MethodCall]: pkt.emit<ethernet_h>(hdr.ethernet);
+    [Invalid emit: { dst_addr = TaintedExpression(bit<48>) }]
+    [MethodCall]: pkt.emit<udp_h>(hdr.udp);
+    [Emit]: {$headerValid:true;;    src_port:0;  dst_port:9877;  length:280;  checksum:Taint;  }
+    [P4Testgen MethodCall]: *.copy_out("TnaIngressDeparser");
+    [P4Testgen AssignmentStatement]: *eg_intr_md.egress_port = 68;
+    [P4Testgen MethodCall]: *.StartEgress();
+    [MethodCall]: pkt.emit<udp_h>(hdr.udp);
+    [Emit]: {$headerValid:true;;    src_port:1;  }
+"""
+
+
+def test_the_trace_gives_what_the_ingress_deparser_emitted_and_the_port():
+    ingress = tool.ingress_of(TRACE, "TnaIngressDeparser")
+    assert ingress == {"port": 68, "dropped": False, "emit": [
+        {"header": "bridged_h", "fields": {"pad0": 0, "ingress_port": 2, "slot_set": 748, "second_pass": 1}},
+        {"header": "udp_h", "fields": {"src_port": 0, "dst_port": 9877, "length": 280, "checksum": "Taint"}},
+    ]}  # the invalid ethernet is not emitted; the egress's emits are not the ingress's
+
+
+def test_a_packet_dropped_at_the_traffic_manager_has_no_port():
+    trace = TRACE.replace("*eg_intr_md.egress_port = 68;", '*eg_intr_md.egress_port = "Taint";').replace(
+        "*.StartEgress();", "*.tofino_drop();\n    [Packet marked dropped.]")
+    ingress = tool.ingress_of(trace, "TnaIngressDeparser")
+    assert ingress["dropped"] and ingress["port"] is None
+    assert tool.ingress_of("no deparser here", "TnaIngressDeparser") is None
+
+
+def test_ptf_tests_carry_their_ingress_output_when_asked():
+    text = PTF.replace("    trace\n", TRACE)
+    tests = tool.parse_ptf(text, "TnaIngressDeparser")
+    assert tests[0]["ingress"]["port"] == 68
+    assert "ingress" not in tool.parse_ptf(text)[0]

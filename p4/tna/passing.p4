@@ -27,6 +27,7 @@
 #include "../include/headers.p4"
 #include "../include/lanes.p4"
 #include "../include/parser.p4"
+#include "../include/testgen.p4"
 
 #define PASSING_SLOT_SETS (2 * PASSING_SLOTS)
 #define PASSING_SLOT_BITS 10
@@ -93,6 +94,7 @@ struct ingress_metadata_t {
     bit<1> admitted;     /* admission hit: (job, generation, worker, ingress port) is admitted */
     bit<1> relay_ok;     /* a GATHER of the sender's own piece, or a NACK to another worker of the job */
     bit<1> second_pass;  /* set by the parser: a recirculated packet */
+    PASSING_TESTGEN_METADATA
 }
 
 struct egress_metadata_t {
@@ -148,6 +150,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     Register<round_t, bit<32>>(PASSING_SLOT_SETS) slot_tag;
     RegisterAction<round_t, bit<32>, bit<8>>(slot_tag) round_check = {
         void apply(inout round_t value, out bit<8> fresh) {
+            PASSING_TESTGEN_ROUND_READ(value)
             if (value.epoch != meta.epoch || (int<32>)(hdr.passing.psn - value.tag) > 0) {
                 value.tag = hdr.passing.psn;
                 value.epoch = meta.epoch;
@@ -169,6 +172,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
      * a round in progress always has at least one bit */
     RegisterAction<contributors_t, bit<32>, bit<32>>(slot_bitmap) bitmap_join = {
         void apply(inout contributors_t value, out bit<32> before) {
+            PASSING_TESTGEN_CONTRIBUTORS_READ(value)
             if (value.psn == hdr.passing.psn) {
                 before = value.bitmap;
                 value.bitmap = value.bitmap | meta.worker_bit;
@@ -186,6 +190,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     };
     RegisterAction<bit<8>, bit<32>, bit<8>>(slot_overflow) overflow_join = {
         void apply(inout bit<8> value, out bit<8> now) {
+            PASSING_TESTGEN_OVERFLOW_READ(value)
             value = value | meta.flagged;
             now = value;
         }
@@ -251,6 +256,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
 
     /* ---- admission: (job, generation, worker, ingress port) -> the job's allocation ---- */
     action admit(bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
+        PASSING_TESTGEN_ALLOCATION(base, pool, full)
         /* 16 bits are exact here: slot < PASSING_SLOTS (checked apart) and pool <= PASSING_SLOTS;
          * Tofino subtracts action data only as the first operand */
         meta.base_plus_slot = (bit<16>)base + hdr.passing.slot;
@@ -453,6 +459,17 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             meta.lane_op = LANE_HARVEST;
         }
         meta.verdict = VERDICT_NONE;
+#if PASSING_TESTGEN == 1
+        PASSING_ASSUME(meta.second_pass == 0);
+#elif PASSING_TESTGEN == 2
+        /* what to_second_pass sends: a RESULT, flagged for the second pass, a slot/set of the
+         * table, and a group exactly when it is no answer */
+        PASSING_ASSUME(meta.second_pass == 1 && hdr.bridged.second_pass == 1 && hdr.bridged.pad0 == 0
+                       && hdr.bridged.pad1 == 0 && hdr.bridged.flood == 0 && hdr.bridged.relay == 0
+                       && hdr.bridged.result_multicast == 0 && hdr.bridged.slot_set < 2 * PASSING_SLOTS
+                       && (hdr.bridged.answer == 1) == (hdr.bridged.group == 0)
+                       && hdr.passing.isValid() && hdr.passing.type == PASSING_TYPE_RESULT);
+#endif
 
         /* ---- stage 0: lookups and header checks ---- */
         bool well_formed = false;
@@ -463,6 +480,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             meta.flagged = hdr.passing.flags & PASSING_FLAG_OVERFLOW;
             admission.apply();
             worker_bit.apply();
+            PASSING_TESTGEN_MEMBER(meta.admitted, meta.full, meta.worker_bit)
             if (hdr.passing.version == PASSING_VERSION && hdr.passing.type == PASSING_TYPE_DATA) {
                 well_formed = true;
             }
