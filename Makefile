@@ -91,9 +91,11 @@ p4-tofino: $(TNA_SOURCES)
 		--outputdir $(TOFINO_OUT) --bfrt-name $(TOFINO_OUT)/bfrt.json
 	$(PYTHON) p4/tna/resources.py $(TOFINO_OUT)
 
-# P4Testgen's tests of the TNA program as vectors beside it (p4/tna/testgen.json; docs/tofino.md, issue 27:
-# the checker that holds them against the protocol, and the v1model program's, are still to come). Needs
-# p4testgen built from upstream p4c with its tofino target.
+# P4Testgen's tests of the P4 programs as vectors beside them (p4/tna/testgen.json; docs/tofino.md,
+# "Executed by P4Testgen"); tests/test_testgen_vectors.py holds them against the protocol and fails when
+# they are stale. Needs p4testgen built from upstream p4c with its tofino target; P4C_SOURCE: that p4c
+# checkout (for tna.p4), /opt/src/p4c by default. TESTGEN_MAX_TESTS: paths explored per run (of which only
+# those that cover a new statement are kept).
 TESTGEN_MAX_TESTS ?= 600
 p4-testgen:
 	@command -v p4testgen >/dev/null || { echo "make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)" >&2; exit 1; }
