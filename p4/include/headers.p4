@@ -62,9 +62,8 @@ header bridged_h {
     bit<9> ingress_port;      /* the worker's port, kept across the second pass */
     bit<16> slot_set;         /* second pass: the register entry whose sums it collects */
     bit<16> group;            /* second pass: multicast group of the RESULT, 0 = unicast answer */
-    bit<2> pad1;
+    bit<3> pad1;
     /* in this order: Tofino writes the bits an action sets only as one contiguous run */
-    bit<1> owner_only;        /* an OWNER_ONLY round's RESULT: the egress makes the non-owners' copies ACKs */
     bit<1> relay;             /* a GATHER or NACK: the egress keeps the replicas it goes to */
     bit<1> flood;
     bit<1> result_multicast;  /* a completed round: the egress addresses each replica */

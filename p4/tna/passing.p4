@@ -18,8 +18,8 @@
  *
  * GATHER and NACK (docs/protocol.md, Kinds) touch no register: admitted, they go to the
  * job's multicast group and the egress keeps the replicas they are for. An OWNER_ONLY
- * round's RESULT is multicast as any, and the egress cuts the lanes off the copies of the
- * workers that are not its owner (ACKs). Not compiled yet (issue 28): see docs/tofino.md.
+ * round's RESULT is multicast as any, whole to every worker: a Tofino 1 egress cannot cut
+ * the lanes off the non-owners' copies to make them ACKs (docs/tofino.md).
  */
 #include <core.p4>
 #include <tna.p4>
@@ -100,7 +100,6 @@ struct ingress_metadata_t {
 struct egress_metadata_t {
     bit<32> job_index;  /* counter index: a plain field, as Tofino wants */
     bit<16> to_owner;   /* a relayed packet's replica: egress_rid ^ owner, 0 for the owner's */
-    bit<1> lanes_skipped;  /* set by the parser: an OWNER_ONLY round's copy for a non-owner */
 }
 
 parser TnaIngressParser(packet_in pkt, out headers_t hdr, out ingress_metadata_t meta,
@@ -403,7 +402,6 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         hdr.passing.type = PASSING_TYPE_RESULT;
         hdr.passing.flags = meta.round_overflow;
         hdr.bridged.second_pass = 1;
-        hdr.bridged.slot_set = (bit<16>)meta.slot_set;
         hdr.bridged.group = group;
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ PASSING_RECIRCULATION_PORT;
     }
@@ -423,13 +421,11 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     /* one action each, so that each takes one table beside the lanes (a counter needs a
      * table of its own: its index comes through the hash unit, the port through action data) */
     action complete_round() {
-        hdr.bridged.owner_only = hdr.passing.flags[2:2];  /* before to_second_pass rewrites the flags */
         to_second_pass(meta.group);
     }
     /* a retransmission to a completed round: answer this worker alone (the egress swaps
      * the addresses once the second pass has collected the sums) */
     action answer_sender() {
-        hdr.bridged.owner_only = hdr.passing.flags[2:2];
         hdr.bridged.answer = 1;
         to_second_pass(0);
     }
@@ -452,7 +448,6 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             hdr.bridged.result_multicast = 0;
             hdr.bridged.answer = 0;
             hdr.bridged.flood = 0;
-            hdr.bridged.owner_only = 0;
             hdr.bridged.relay = 0;
             meta.lane_op = LANE_NONE;
         } else {
@@ -496,6 +491,10 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             meta.slot_set = (bit<32>)hdr.bridged.slot_set;
         } else {
             meta.slot_set = (bit<32>)(hdr.passing.set[0:0] ++ meta.base_plus_slot[PASSING_SLOT_BITS - 1:0]);
+            /* here, in the hash unit, not in to_second_pass: there meta.slot_set's slices would be
+             * more sources than an action may have for the container bridged.slot_set shares with
+             * bridged.group */
+            @in_hash { hdr.bridged.slot_set = (bit<16>)(hdr.passing.set[0:0] ++ meta.base_plus_slot[PASSING_SLOT_BITS - 1:0]); }
         }
 
         bool to_aggregator = false;
@@ -609,59 +608,17 @@ control TnaIngressDeparser(packet_out pkt, inout headers_t hdr, in ingress_metad
     }
 }
 
-/* An OWNER_ONLY round's copy for a worker that is not its owner is an ACK, the header alone:
- * the parser steps over its lanes, which are then not part of the packet the deparser builds
- * (the owner's copy, or the owner's answer, keeps them). The owner is compared with the
- * replication id (a multicast copy) or the sender (a unicast answer) by select entries.
- * Only after the second pass (second_pass = 0): on its way to the recirculation port the
- * packet keeps its lanes, which the second pass harvests into.
- *
- * Tofino 1 selects on 32 bits of parser match registers, and a select on bytes seen in an
- * earlier state keeps them there until it: after the shared parser, the IPv4 select (4 bytes)
- * would find two of them taken (bridged flags, replication id). So the bridged flags choose
- * the path first, and such a RESULT, which this program's ingress made and checked (Ethernet,
- * IPv4 without options, UDP to PASSING_UDP_PORT, a whole packet), is extracted with no select
- * before the owner's; only the replication id (1 byte) waits for it. */
-#define PASSING_RESULT_HEADERS  \
-    pkt.extract(hdr.ethernet);  \
-    pkt.extract(hdr.ipv4);      \
-    pkt.extract(hdr.udp);       \
-    pkt.extract(hdr.passing);
-#define OWNER_ENTRY(i) (i, i): accept;
+/* The egress parses the headers alone: an OWNER_ONLY round's replicas are all whole RESULTs
+ * here. An ACK would need the lanes cut off the non-owners' copies, which a Tofino 1 egress
+ * parser cannot reach (they end 321 bytes in; it parses 160): a worker that is not the owner
+ * takes the RESULT as it takes an ACK (docs/protocol.md, Kinds). */
 parser TnaEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t meta,
                        out egress_intrinsic_metadata_t eg_intr_md) {
     PassingParser() passing_parser;
     state start {
         pkt.extract(eg_intr_md);
-        meta.lanes_skipped = 0;  /* Tofino does not zero user metadata by itself */
         pkt.extract(hdr.bridged);
-        transition select(hdr.bridged.second_pass, hdr.bridged.owner_only, hdr.bridged.answer) {
-            (0, 1, 0): owner_only_copy;
-            (0, 1, 1): owner_only_answer;
-            default: parse_packet;
-        }
-    }
-    state parse_packet {
         passing_parser.apply(pkt, hdr, false);  /* headers only: the lanes stay payload */
-        transition accept;
-    }
-    state owner_only_copy {  /* a replica: is it the owner's (replication id = owner)? */
-        PASSING_RESULT_HEADERS
-        transition select(eg_intr_md.egress_rid[6:0], hdr.passing.owner) {
-            PASSING_IDS_32(OWNER_ENTRY)
-            default: skip_lanes;
-        }
-    }
-    state owner_only_answer {  /* the answer to a retransmission: did the owner send it? */
-        PASSING_RESULT_HEADERS
-        transition select(hdr.passing.worker[6:0], hdr.passing.owner) {
-            PASSING_IDS_32(OWNER_ENTRY)
-            default: skip_lanes;
-        }
-    }
-    state skip_lanes {
-        pkt.advance(32 * PASSING_LANES);
-        meta.lanes_skipped = 1;  /* not the owner's copy: the control makes it an ACK */
         transition accept;
     }
 }
@@ -710,15 +667,11 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
         hdr.udp.checksum = 0;
     }
 
-    /* the header of an OWNER_ONLY round's copy for a non-owner (its lanes were skipped) */
-    action make_ack() {
-        hdr.passing.type = PASSING_TYPE_ACK;
-        hdr.ipv4.total_len = hdr.ipv4.total_len - 4 * PASSING_LANES;
-        hdr.udp.length = hdr.udp.length - 4 * PASSING_LANES;
-    }
     /* a relayed packet's replica: which worker is it for, the owner or another one? */
     action compare_with_owner() {
-        meta.to_owner = eg_intr_md.egress_rid ^ (bit<16>)hdr.passing.owner;
+        /* in the hash unit: the owner (7 bits, at bit 1 of its byte) and the replication id do
+         * not line up for an ALU */
+        @in_hash { meta.to_owner = eg_intr_md.egress_rid ^ (bit<16>)hdr.passing.owner; }
     }
 
     apply {
@@ -756,9 +709,6 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
             }
             if (sent) {
                 results_sent.count(meta.job_index);
-                if (meta.lanes_skipped == 1) {
-                    make_ack();
-                }
             }
             hdr.bridged.setInvalid();
         }

@@ -60,9 +60,8 @@ HEADER_FIELDS = {  # p4/include/headers.p4, in wire order: (name, bits)
     "udp_h": (("src_port", 16), ("dst_port", 16), ("length", 16), ("checksum", 16)),
     "passing_h": (("version", 8), ("type", 8), ("op", 8), ("flags", 8), ("job", 16), ("slot", 16),
                   ("worker", 8), ("owner", 7), ("set", 1), ("generation", 16), ("psn", 32)),
-    "bridged_h": (("pad0", 7), ("ingress_port", 9), ("slot_set", 16), ("group", 16), ("pad1", 2),
-                  ("owner_only", 1), ("relay", 1), ("flood", 1), ("result_multicast", 1), ("second_pass", 1),
-                  ("answer", 1)),
+    "bridged_h": (("pad0", 7), ("ingress_port", 9), ("slot_set", 16), ("group", 16), ("pad1", 3),
+                  ("relay", 1), ("flood", 1), ("result_multicast", 1), ("second_pass", 1), ("answer", 1)),
 }
 
 
@@ -309,8 +308,8 @@ def first_pass(vector: dict, lanes: int) -> Expected:
         return Expected("rejected: not admitted, or a slot outside the job's pool", "drop")
     datagram = raw[ETH + IPV4 + UDP:ETH + IPV4 + UDP + wire.packet_size(lanes)]
     if hdr["flags"] & wire.FLAG_OWNER_ONLY and hdr["owner"] >= job.spec.workers:
-        # TNA does not check an OWNER_ONLY round's owner (it would take a stage: docs/tofino.md): it runs the
-        # round as any, and the egress makes every replica an ACK. The reference rejects the packet.
+        # TNA does not check an OWNER_ONLY round's owner (it would take a stage: docs/protocol.md, docs/tofino.md):
+        # it runs the round as any. The reference rejects the packet.
         datagram = datagram[:3] + bytes([hdr["flags"] & ~wire.FLAG_OWNER_ONLY]) + datagram[4:]
     index = (hdr["set"] & 1) * SLOTS + job.spec.base + hdr["slot"]
     state = slot_view(vector, job, index, lanes)
@@ -341,8 +340,7 @@ def first_pass(vector: dict, lanes: int) -> Expected:
     if (result[3] & wire.FLAG_OVERFLOW) != round_flag and not _saturated(sums):
         raise Divergence(f"the reference's RESULT flags {result[3]:#x}, the round's flag {round_flag}")
     headers["passing_h"] = {**hdr, "type": wire.RESULT, "flags": round_flag}
-    headers["bridged_h"] = _bridged(port, second_pass=1, slot_set=index, group=group, answer=answer,
-                                    owner_only=(hdr["flags"] & wire.FLAG_OWNER_ONLY) >> 2)
+    headers["bridged_h"] = _bridged(port, second_pass=1, slot_set=index, group=group, answer=answer)
     return Expected(rule, "port", (port & 0x180) | RECIRCULATION_PORT, headers, out_lanes)
 
 
