@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from passing import Group
+from passing import Group, wire
 from passing.aggregator import Impairment, SoftwareAggregator, job_from_json
 from passing.cli import free_udp_ports
 from tests.cluster import run_threads
@@ -237,3 +237,72 @@ def test_a_faster_peers_gathers_are_kept_for_the_next_call_whatever_the_host_eng
             assert np.array_equal(got[2 * c], np.sum(grads, axis=0)[w * chunk : (w + 1) * chunk])
             assert got[2 * c + 1].tobytes() == np.stack(params).tobytes()
     assert counters["relayed"] == calls * workers * -(-chunk * 4 // 256)  # every GATHER once, no NACK
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("host", ["native", "numpy"])
+def test_a_result_in_place_of_an_ack_is_taken_as_the_ack(host):
+    """The Tofino 1 program sends every worker the whole RESULT of an OWNER_ONLY round (its egress cannot cut
+    the lanes: docs/protocol.md, Kinds). Between the workers and the aggregator, one UDP relay per worker here
+    turns each ACK into a RESULT of the same header with other lanes (the sums are not its receiver's output);
+    reduce_scatter must give every worker its block exactly as before."""
+    import socket
+
+    workers, chunk, lanes = 3, 1000, 64
+    rng = np.random.default_rng(7)
+    inputs = [rng.integers(-1000, 1000, workers * chunk).astype(np.int32) for _ in range(workers)]
+    hosts = [f"127.0.0.1:{p}" for p in free_udp_ports(workers)]
+    relays = []
+    for _ in range(workers):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        s.settimeout(0.05)
+        relays.append(s)
+    relay_addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in relays]
+    agg = SoftwareAggregator(listen=("127.0.0.1", 0), control=None, engine="numpy", lanes=lanes,
+                             jobs=[job_from_json({"job": 1, "pool": 8, "workers": relay_addresses, "lanes": lanes})])
+    server = threading.Thread(target=agg.serve, daemon=True)
+    server.start()
+    stop = threading.Event()
+    turned = [0]
+
+    def relay(w: int) -> None:
+        host = ("127.0.0.1", int(hosts[w].rsplit(":", 1)[1]))
+        while not stop.is_set():
+            try:
+                data, source = relays[w].recvfrom(65536)
+            except TimeoutError:
+                continue
+            if source == host:
+                relays[w].sendto(data, agg.address)
+            elif len(data) == wire.HEADER_SIZE and data[1] == wire.ACK:
+                turned[0] += 1
+                result = bytearray(data + bytes(range(256)) * (4 * lanes // 256))
+                result[1] = wire.RESULT
+                relays[w].sendto(bytes(result), host)
+            else:
+                relays[w].sendto(data, host)
+
+    threads = [threading.Thread(target=relay, args=(w,), daemon=True) for w in range(workers)]
+    for t in threads:
+        t.start()
+    groups: list[Group] = []
+    try:
+        for w in range(workers):
+            groups.append(Group(1, w, workers, [relay_addresses[w]], pool=8, bind=hosts[w], timeout=20, lanes=lanes,
+                                engine=host, rto=5.0, max_rto=5.0))
+        results = run_threads(lambda w: groups[w].reduce_scatter(inputs[w]), workers)
+    finally:
+        stop.set()
+        for g in groups:
+            g.close()
+        agg.stop()
+        for t in threads:
+            t.join(5)
+        for s in relays:
+            s.close()
+    raise_any(results)
+    total = np.sum(inputs, axis=0)
+    for w, r in enumerate(results):
+        assert np.array_equal(r, total[w * chunk : (w + 1) * chunk])
+    assert turned[0] >= (workers - 1) * workers * -(-chunk // lanes)  # every ACK came as a RESULT
