@@ -3,14 +3,15 @@
 P4Testgen (upstream p4c, backends/p4tools) executes a P4 program symbolically and writes one test per path:
 table entries, initial register values, an input packet and port, and the expected output packet and port
 (or none: a drop). `make p4-testgen` runs it where it is installed and turns its output into *vectors*: one
-JSON file per program (``p4/tna/testgen.json``), one test a line, with the hash of the program (and of every
-file it includes) that they came from, so that a check needing no P4 tool can hold them against the protocol
-(issue 27: that checker is still to come; the v1model program joins once P4Testgen's bmv2 target gets past
-its worker-bit shift, docs/tofino.md).
+JSON file per program (``p4/tna/testgen.json``, ``p4/v1model/testgen.json``), one test a line, with the hash
+of the program (and of every file it includes) that they came from, so that a check needing no P4 tool can hold
+them against the protocol (issue 27), and bmv2_tests/test_testgen_replay_bmv2.py replays the v1model ones on
+BMv2.
 
 Standard library only: this runs on a machine that has P4Testgen and nothing of PASSING installed.
 
     python3 p4/testgen_vectors.py generate tna        # p4testgen -> p4/tna/testgen.json
+    python3 p4/testgen_vectors.py generate v1model    # p4testgen -> p4/v1model/testgen.json
     python3 p4/testgen_vectors.py check               # exit 1 if a vector file is missing or stale
 """
 
@@ -41,11 +42,17 @@ class Program:
     target: str  # p4testgen --target
     arch: str  # p4testgen --arch
     test_backend: str  # the output format whose parser is below
+    options: tuple[str, ...] = ()  # p4testgen arguments the vectors depend on
 
 
-# The tofino target writes initial registers only in PTF (its STF has none).
+# The tofino target writes initial registers only in PTF (its STF has none). The bmv2 target writes none in any
+# format: its registers start at 0, as BMv2's do. Its PTF tests go through P4Runtime, as the replay on BMv2 does;
+# the replay has ports 0-7 (input and output, --port-ranges) and frames of at most 1500 bytes (veth MTU;
+# --packet-size-range is in bits).
 PROGRAMS = {
     "tna": Program("tna", "p4/tna/passing.p4", "p4/tna/testgen.json", "tofino", "tna", "PTF"),
+    "v1model": Program("v1model", "p4/v1model/passing.p4", "p4/v1model/testgen.json", "bmv2", "v1model", "PTF",
+                       ("--port-ranges", "0:7", "--packet-size-range", "0:12000")),
 }
 TARGET_DEFINES = {"tofino": {"__TARGET_TOFINO__": 1}}  # p4c-barefoot defines it for tna.p4; p4testgen does not
 
@@ -89,19 +96,34 @@ def _call_name(node: ast.expr) -> str:
 
 
 def _key(node: ast.Call) -> tuple[str, dict]:
-    name = _value(node.args[0])
+    """tofino: gc.KeyTuple(name, value[, mask] | low=, high= | prefix_len=); bmv2: self.Exact(name, value),
+    self.Ternary(name, value, mask), self.Lpm(name, value, prefix_len), self.Range(name, low, high)."""
+    name, *args = (_value(a) for a in node.args)
     kw = {k.arg: _value(k.value) for k in node.keywords}
+    kind = _call_name(node)
+    if kind == "Optional":
+        raise ValueError(f"key {name}: optional matches are not kept in vectors")
+    if kind == "Range":
+        return name, {"low": args[0], "high": args[1]}
     if "low" in kw:
         return name, {"low": kw["low"], "high": kw["high"]}
+    if kind == "Lpm":
+        return name, {"value": args[0], "prefix_len": args[1]}
     if "prefix_len" in kw:
-        return name, {"value": _value(node.args[1]), "prefix_len": kw["prefix_len"]}
-    if len(node.args) == 3:
-        return name, {"value": _value(node.args[1]), "mask": _value(node.args[2])}
-    return name, {"value": _value(node.args[1])}
+        return name, {"value": args[0], "prefix_len": kw["prefix_len"]}
+    if len(args) == 2:
+        return name, {"value": args[0], "mask": args[1]}
+    return name, {"value": args[0]}
 
 
 def _table_call(call: ast.Call) -> dict:
     kind = _call_name(call)
+    if kind == "table_add":  # bmv2: ((table, [keys]), (action, [(param, value)]), priority)
+        (table, keys), (action, data) = (arg.elts for arg in call.args[:2])
+        entry = {"table": _value(table), "key": dict(_key(k) for k in keys.elts), "action": _value(action),
+                 "params": {_value(d.elts[0]): _value(d.elts[1]) for d in data.elts}}
+        priority = _value(call.args[2]) if len(call.args) > 2 else None
+        return entry if priority is None else {**entry, "priority": priority}
     if kind == "insertTableEntry":
         table, keys, action, data = call.args
         return {"table": _value(table), "key": dict(_key(k) for k in keys.elts),
@@ -123,8 +145,11 @@ def _assignments(body: list[ast.stmt]) -> dict[str, object]:
     out: dict[str, object] = {}
     for stmt in body:
         if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
+            value = stmt.value
+            if _call_name(value) == "Mask" and isinstance(value, ast.Call):
+                value = value.args[0]  # bmv2: exp_pkt = Mask(b'...'); tofino: exp_pkt = b'...', then Mask(exp_pkt)
             try:
-                out[stmt.targets[0].id] = _value(stmt.value)
+                out[stmt.targets[0].id] = _value(value)
             except ValueError:
                 pass  # exp_pkt = Mask(exp_pkt)
     return out
@@ -135,8 +160,24 @@ def _dont_care(body: list[ast.stmt]) -> list[list[int]]:
             if isinstance(s, ast.Expr) and _call_name(s.value) == "set_do_not_care"]
 
 
+_TABLE_CALLS = ("insertTableEntry", "overrideDefaultEntry", "table_add")
+
+
+def without_traces(path: Path) -> str:
+    """A PTF file without its tests' path traces ('''...''' blocks, megabytes per test), read line by line:
+    a run of hundreds of tests writes gigabytes."""
+    kept, in_trace = [], False
+    with path.open() as lines:
+        for line in lines:
+            if line.strip() == "'''":
+                in_trace = not in_trace
+            elif not in_trace:
+                kept.append(line)
+    return "".join(kept)
+
+
 def parse_ptf(text: str) -> list[dict]:
-    """Every test of a P4Testgen PTF file of the tofino target, in test order."""
+    """Every test of a P4Testgen PTF file (of the tofino or the bmv2 target), in test order."""
     tests = []
     text = re.sub(r"'{3}.*?'{3}", "", text, flags=re.S)  # the path traces: megabytes each, not kept
     for cls in ast.parse(text).body:
@@ -146,10 +187,9 @@ def parse_ptf(text: str) -> list[dict]:
         methods = {f.name: f.body for f in cls.body if isinstance(f, ast.FunctionDef)}
         calls = [s.value for s in methods.get("setupCtrlPlane", []) if isinstance(s, ast.Expr)
                  and isinstance(s.value, ast.Call)]
-        tables = [_table_call(c) for c in calls if _call_name(c) in ("insertTableEntry", "overrideDefaultEntry")]
+        tables = [_table_call(c) for c in calls if _call_name(c) in _TABLE_CALLS]
         registers = [_register_call(c) for c in calls if _call_name(c) == "setRegisterValue"]
-        unknown = sorted({_call_name(c) for c in calls} - {"insertTableEntry", "overrideDefaultEntry",
-                                                          "setRegisterValue"})
+        unknown = sorted({_call_name(c) for c in calls} - {*_TABLE_CALLS, "setRegisterValue"})
         if unknown:
             raise ValueError(f"Test{match[1]}: control-plane calls this parser does not know: {unknown}")
         send = _assignments(methods.get("sendPacket", []))
@@ -208,7 +248,7 @@ def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int
         args = [tool, "--target", program.target, "--arch", program.arch, "--std", "p4-16",
                 *[f"-D{k}={v}" for k, v in {**TARGET_DEFINES.get(program.target, {}), **defines}.items()],
                 "--test-backend", program.test_backend, "--seed", str(seed), "--max-tests", str(max_tests),
-                "--track-coverage", "STATEMENTS", "--print-performance-report", *extra,
+                "--track-coverage", "STATEMENTS", "--print-performance-report", *program.options, *extra,
                 "--out-dir", out, str(ROOT / program.source)]
         started = time.monotonic()
         run = subprocess.run(args, capture_output=True, text=True)
@@ -217,7 +257,7 @@ def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int
         if run.returncode != 0:
             sys.exit(f"p4testgen failed ({run.returncode}):\n{log}")
         files = sorted(Path(out).glob("*.py"))
-        tests = [t for f in files for t in parse_ptf(f.read_text())]
+        tests = [t for f in files for t in parse_ptf(without_traces(f))]
     coverage = _COVERAGE.findall(log)
     meta = {
         "program": program.source,
