@@ -193,6 +193,9 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                 bool owner_only = (hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0;
                 if (meta.admitted == 0
                         || (!relay && hdr.passing.slot >= meta.pool)  /* a relayed kind's slot is no slot */
+                        /* an admission entry whose range runs past the registers (the controller never
+                         * writes one): BMv2 built without debug checks crashes on an index out of range */
+                        || (!relay && meta.base + (bit<32>)hdr.passing.slot >= PASSING_SLOTS)
                         || (!relay && owner_only && !owner_is_worker)
                         || (hdr.passing.type == PASSING_TYPE_GATHER && hdr.passing.owner != hdr.passing.worker[6:0])
                         || (hdr.passing.type == PASSING_TYPE_NACK
