@@ -240,7 +240,8 @@ def stale(program: Program) -> str | None:
 _COVERAGE = re.compile(r"Nodes covered: ([0-9.]+) \((\d+)/(\d+)\)")  # p4testgen's line after each test
 
 
-def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int], extra: list[str]) -> dict:
+def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int], extra: list[str],
+             log_file: Path | None = None) -> dict:
     tool = shutil.which("p4testgen")
     if tool is None:
         sys.exit("make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)")
@@ -254,6 +255,8 @@ def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int
         run = subprocess.run(args, capture_output=True, text=True)
         seconds = time.monotonic() - started
         log = run.stdout + run.stderr
+        if log_file is not None:
+            log_file.write_text(log)
         if run.returncode != 0:
             sys.exit(f"p4testgen failed ({run.returncode}):\n{log}")
         files = sorted(Path(out).glob("*.py"))
@@ -290,13 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tests", type=int, default=0, help="0: until every path is explored")
     gen.add_argument("--seed", type=int, default=1)
     gen.add_argument("--lanes", type=int, default=64, help="PASSING_LANES of the program")
+    gen.add_argument("--log", type=Path, help="write p4testgen's whole output there (e.g. with --print-coverage)")
     sub.add_parser("check", help="exit 1 when a vector file is missing or stale")
     args, extra = parser.parse_known_args(argv)  # generate: what this parser does not know goes to p4testgen
     extra = [a for a in extra if a != "--"]
     if extra and args.command != "generate":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "generate":
-        meta = generate(PROGRAMS[args.program], args.max_tests, args.seed, {"PASSING_LANES": args.lanes}, extra)
+        meta = generate(PROGRAMS[args.program], args.max_tests, args.seed, {"PASSING_LANES": args.lanes}, extra,
+                        args.log)
         print(json.dumps({k: meta[k] for k in ("program", "node_coverage", "p4testgen")}, indent=2))
         return 0
     problems = [p for p in (stale(prog) for prog in PROGRAMS.values()) if p]
