@@ -91,13 +91,18 @@ p4-tofino: $(TNA_SOURCES)
 		--outputdir $(TOFINO_OUT) --bfrt-name $(TOFINO_OUT)/bfrt.json
 	$(PYTHON) p4/tna/resources.py $(TOFINO_OUT)
 
-# P4Testgen's tests of the TNA program as vectors beside it (p4/tna/testgen.json; docs/tofino.md, issue 27:
-# the checker that holds them against the protocol, and the v1model program's, are still to come). Needs
-# p4testgen built from upstream p4c with its tofino target.
+# P4Testgen's tests of both programs as vectors beside them (p4/tna/testgen.json, p4/v1model/testgen.json;
+# docs/tofino.md, issue 27; bmv2_tests/test_testgen_replay_bmv2.py replays the v1model ones on BMv2). Needs
+# p4testgen built from upstream p4c with its tofino and bmv2 targets. The v1model program's paths do not end
+# in depth-first order (the constant tables multiply them): random backtracking, until coverage stops growing.
 TESTGEN_MAX_TESTS ?= 200
+TESTGEN_V1MODEL_MAX_TESTS ?= 400
+TESTGEN_V1MODEL_SEARCH ?= RANDOM_BACKTRACK
 p4-testgen:
 	@command -v p4testgen >/dev/null || { echo "make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)" >&2; exit 1; }
 	$(PYTHON) p4/testgen_vectors.py generate tna --max-tests $(TESTGEN_MAX_TESTS)
+	$(PYTHON) p4/testgen_vectors.py generate v1model --max-tests $(TESTGEN_V1MODEL_MAX_TESTS) \
+		--path-selection $(TESTGEN_V1MODEL_SEARCH)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
