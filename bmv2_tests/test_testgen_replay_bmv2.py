@@ -95,14 +95,20 @@ class Replay:
         port = vector["input"]["port"]
         assert 0 <= port < PORTS, f"input port {port} is not one of the replay's (0-{PORTS - 1})"
         entries = [self.entry(t) for t in vector["tables"]]
-        self.p4runtime.write([self.update("insert", e) for e in entries])
+        inserted = []
         try:
+            # one update per Write: p4runtime-shell (0.0.6) loops forever formatting the error of a batch
+            # in which some updates succeeded (P4RuntimeErrorIterator skips an OK status without moving on)
+            for e in entries:
+                self.p4runtime.write([self.update("insert", e)])
+                inserted.append(e)
             self.switch.send(port, bytes.fromhex(vector["input"]["packet"]))
             for p in range(PORTS):
                 self.switch.send(port, marker(p))
             return self.switch.receive(is_marker, PORTS, timeout=30)
         finally:
-            self.p4runtime.write([self.update("delete", e) for e in entries])
+            for e in inserted:
+                self.p4runtime.write([self.update("delete", e)])
             for register in self.registers:
                 self.switch.thrift.register_reset(register)
 
