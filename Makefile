@@ -98,11 +98,12 @@ p4-tofino: $(TNA_SOURCES)
 TESTGEN_MAX_TESTS ?= 200
 TESTGEN_V1MODEL_MAX_TESTS ?= 400
 TESTGEN_V1MODEL_SEARCH ?= RANDOM_BACKTRACK
+TESTGEN_V1MODEL_SEED ?= 2
 p4-testgen:
 	@command -v p4testgen >/dev/null || { echo "make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)" >&2; exit 1; }
 	$(PYTHON) p4/testgen_vectors.py generate tna --max-tests $(TESTGEN_MAX_TESTS)
 	$(PYTHON) p4/testgen_vectors.py generate v1model --max-tests $(TESTGEN_V1MODEL_MAX_TESTS) \
-		--path-selection $(TESTGEN_V1MODEL_SEARCH)
+		--path-selection $(TESTGEN_V1MODEL_SEARCH) --seed $(TESTGEN_V1MODEL_SEED)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
