@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 CLONE_NEWNET = 0x40000000
@@ -134,7 +135,16 @@ class NamespacedSwitch:
             self.stop()  # never leave a namespace behind
             raise
 
+    @staticmethod
+    def remove_leftovers() -> None:
+        """Namespaces of replays whose process is gone (killed before its teardown): their veths too."""
+        for path in Path("/run/netns").glob("passing-replay-*"):
+            pid = path.name.rsplit("-", 1)[1]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                subprocess.run(["ip", "netns", "del", path.name], capture_output=True)
+
     def _start(self) -> None:
+        self.remove_leftovers()
         _ip("netns", "add", self.name)
         # no IPv6 autoconfiguration or router solicitations on the ports: only the test's frames cross them
         _ip("netns", "exec", self.name, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
