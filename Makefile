@@ -91,15 +91,19 @@ p4-tofino: $(TNA_SOURCES)
 		--outputdir $(TOFINO_OUT) --bfrt-name $(TOFINO_OUT)/bfrt.json
 	$(PYTHON) p4/tna/resources.py $(TOFINO_OUT)
 
-# P4Testgen's tests of the P4 programs as vectors beside them (p4/tna/testgen.json; docs/tofino.md,
-# "Executed by P4Testgen"); tests/test_testgen_vectors.py holds them against the protocol and fails when
-# they are stale. Needs p4testgen built from upstream p4c with its tofino target; P4C_SOURCE: that p4c
-# checkout (for tna.p4), /opt/src/p4c by default. TESTGEN_MAX_TESTS: paths explored per run (of which only
-# those that cover a new statement are kept).
+# P4Testgen's tests of both programs as vectors beside them (p4/tna/testgen.json, p4/v1model/testgen.json;
+# docs/tofino.md, "Executed by P4Testgen"); tests/test_testgen_vectors.py holds them against the protocol and
+# fails when they are stale, bmv2_tests/test_testgen_replay_bmv2.py replays the v1model ones on BMv2. Needs
+# p4testgen built from upstream p4c with its tofino and bmv2 targets; P4C_SOURCE: that p4c checkout (for
+# tna.p4), /opt/src/p4c by default. Paths explored per run (of the TNA program's only those that cover a new
+# statement are kept), and the seed of the v1model program's random search.
 TESTGEN_MAX_TESTS ?= 600
+TESTGEN_V1MODEL_MAX_TESTS ?= 400
+TESTGEN_V1MODEL_SEED ?= 2
 p4-testgen:
 	@command -v p4testgen >/dev/null || { echo "make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)" >&2; exit 1; }
 	$(PYTHON) p4/testgen_vectors.py generate tna --max-tests $(TESTGEN_MAX_TESTS)
+	$(PYTHON) p4/testgen_vectors.py generate v1model --max-tests $(TESTGEN_V1MODEL_MAX_TESTS) --seed $(TESTGEN_V1MODEL_SEED)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

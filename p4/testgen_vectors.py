@@ -3,14 +3,15 @@
 P4Testgen (upstream p4c, backends/p4tools) executes a P4 program symbolically and writes one test per path:
 table entries, initial register values, an input packet and port, and the expected output packet and port
 (or none: a drop). `make p4-testgen` runs it where it is installed and turns its output into *vectors*: one
-JSON file per program (``p4/tna/testgen.json``), one test a line, with the hash of the program (and of every
-file it includes) that they came from, so that a check needing no P4 tool can hold them against the protocol
-(issue 27: that checker is still to come; the v1model program joins once P4Testgen's bmv2 target gets past
-its worker-bit shift, docs/tofino.md).
+JSON file per program (``p4/tna/testgen.json``, ``p4/v1model/testgen.json``), one test a line, with the hash
+of the program (and of every file it includes) that they came from, so that a check needing no P4 tool can hold
+them against the protocol (tests/conformance/testgen.py), and bmv2_tests/test_testgen_replay_bmv2.py replays the
+v1model ones on BMv2.
 
 Standard library only: this runs on a machine that has P4Testgen and nothing of PASSING installed.
 
     python3 p4/testgen_vectors.py generate tna        # p4testgen -> p4/tna/testgen.json
+    python3 p4/testgen_vectors.py generate v1model    # p4testgen -> p4/v1model/testgen.json
     python3 p4/testgen_vectors.py check               # exit 1 if a vector file is missing or stale
 """
 
@@ -51,7 +52,7 @@ class Program:
     target: str  # p4testgen --target
     arch: str  # p4testgen --arch
     test_backend: str  # the output format whose parser is below
-    ingress_deparser: str  # the control whose output a vector records from the trace (see ingress_of)
+    ingress_deparser: str | None  # the control whose output a vector records from the trace (see ingress_of)
     runs: tuple[Run, ...]
 
 
@@ -59,11 +60,19 @@ class Program:
 # tests that cover something new, until nothing new is found. The two passes of a round are two runs, each kept
 # to its own inputs by the preconditions of p4/include/testgen.p4: ports 0-63 and the recirculation port 68 of
 # pipe 0 (an output port outside --port-ranges is a P4Testgen error, so 68 must be in them).
-_SEARCH = ("--path-selection", "GREEDY_STATEMENT_SEARCH", "--only-covering-tests", "--port-ranges", "0:63,68:68")
+# The bmv2 target writes no registers in any format: its registers start at 0, as BMv2's do. Its PTF tests go
+# through P4Runtime, as the replay on BMv2 does; the replay has ports 0-7 (input and output, --port-ranges) and
+# frames of at most 1500 bytes (veth MTU; --packet-size-range is in bits). The v1model program's paths do not end
+# in depth-first order (its constant tables multiply them), and greedy search stops early: random backtracking.
+_TNA_SEARCH = ("--path-selection", "GREEDY_STATEMENT_SEARCH", "--only-covering-tests",
+               "--port-ranges", "0:63,68:68")
 PROGRAMS = {
     "tna": Program("tna", "p4/tna/passing.p4", "p4/tna/testgen.json", "tofino", "tna", "PTF", "TnaIngressDeparser",
-                   (Run("first_pass", {"PASSING_TESTGEN": 1}, _SEARCH),
-                    Run("second_pass", {"PASSING_TESTGEN": 2}, _SEARCH))),
+                   (Run("first_pass", {"PASSING_TESTGEN": 1}, _TNA_SEARCH),
+                    Run("second_pass", {"PASSING_TESTGEN": 2}, _TNA_SEARCH))),
+    "v1model": Program("v1model", "p4/v1model/passing.p4", "p4/v1model/testgen.json", "bmv2", "v1model", "PTF", None,
+                       (Run("all", {}, ("--path-selection", "RANDOM_BACKTRACK", "--port-ranges", "0:7",
+                                        "--packet-size-range", "0:12000")),)),
 }
 TARGET_DEFINES = {"tofino": {"__TARGET_TOFINO__": 1}}  # p4c-barefoot defines it for tna.p4; p4testgen does not
 # tna.p4 and its Tofino includes come with the Tofino backend's sources (docs/tofino.md)
@@ -109,19 +118,34 @@ def _call_name(node: ast.expr) -> str:
 
 
 def _key(node: ast.Call) -> tuple[str, dict]:
-    name = _value(node.args[0])
+    """tofino: gc.KeyTuple(name, value[, mask] | low=, high= | prefix_len=); bmv2: self.Exact(name, value),
+    self.Ternary(name, value, mask), self.Lpm(name, value, prefix_len), self.Range(name, low, high)."""
+    name, *args = (_value(a) for a in node.args)
     kw = {k.arg: _value(k.value) for k in node.keywords}
+    kind = _call_name(node)
+    if kind == "Optional":
+        raise ValueError(f"key {name}: optional matches are not kept in vectors")
+    if kind == "Range":
+        return name, {"low": args[0], "high": args[1]}
     if "low" in kw:
         return name, {"low": kw["low"], "high": kw["high"]}
+    if kind == "Lpm":
+        return name, {"value": args[0], "prefix_len": args[1]}
     if "prefix_len" in kw:
-        return name, {"value": _value(node.args[1]), "prefix_len": kw["prefix_len"]}
-    if len(node.args) == 3:
-        return name, {"value": _value(node.args[1]), "mask": _value(node.args[2])}
-    return name, {"value": _value(node.args[1])}
+        return name, {"value": args[0], "prefix_len": kw["prefix_len"]}
+    if len(args) == 2:
+        return name, {"value": args[0], "mask": args[1]}
+    return name, {"value": args[0]}
 
 
 def _table_call(call: ast.Call) -> dict:
     kind = _call_name(call)
+    if kind == "table_add":  # bmv2: ((table, [keys]), (action, [(param, value)]), priority)
+        (table, keys), (action, data) = (arg.elts for arg in call.args[:2])
+        entry = {"table": _value(table), "key": dict(_key(k) for k in keys.elts), "action": _value(action),
+                 "params": {_value(d.elts[0]): _value(d.elts[1]) for d in data.elts}}
+        priority = _value(call.args[2]) if len(call.args) > 2 else None
+        return entry if priority is None else {**entry, "priority": priority}
     if kind == "insertTableEntry":
         table, keys, action, data = call.args
         return {"table": _value(table), "key": dict(_key(k) for k in keys.elts),
@@ -143,8 +167,11 @@ def _assignments(body: list[ast.stmt]) -> dict[str, object]:
     out: dict[str, object] = {}
     for stmt in body:
         if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
+            value = stmt.value
+            if _call_name(value) == "Mask" and isinstance(value, ast.Call):
+                value = value.args[0]  # bmv2: exp_pkt = Mask(b'...'); tofino: exp_pkt = b'...', then Mask(exp_pkt)
             try:
-                out[stmt.targets[0].id] = _value(stmt.value)
+                out[stmt.targets[0].id] = _value(value)
             except ValueError:
                 pass  # exp_pkt = Mask(exp_pkt)
     return out
@@ -193,9 +220,25 @@ def ingress_of(trace: str, deparser: str) -> dict | None:
     return {"emit": emitted, "port": None if dropped else port, "dropped": dropped}
 
 
+_TABLE_CALLS = ("insertTableEntry", "overrideDefaultEntry", "table_add")
+
+
+def without_traces(path: Path) -> str:
+    """A PTF file without its tests' path traces (the triple-quoted blocks, megabytes per test), read line by
+    line: a run of hundreds of bmv2 tests writes gigabytes."""
+    kept, in_trace = [], False
+    with path.open() as lines:
+        for line in lines:
+            if line.strip() == "'''":
+                in_trace = not in_trace
+            elif not in_trace:
+                kept.append(line)
+    return "".join(kept)
+
+
 def parse_ptf(text: str, deparser: str | None = None) -> list[dict]:
-    """Every test of a P4Testgen PTF file of the tofino target, in test order; with ``deparser``, each test
-    also carries ``ingress`` (ingress_of) from its trace."""
+    """Every test of a P4Testgen PTF file (of the tofino or the bmv2 target), in test order; with ``deparser``,
+    each test also carries ``ingress`` (ingress_of) from its trace."""
     tests = []
     traces = {int(m[1]): m[2] for m in re.finditer(r"class Test(\d+)\(.*?'{3}(.*?)'{3}", text, flags=re.S)}
     text = re.sub(r"'{3}.*?'{3}", "", text, flags=re.S)  # the path traces: megabytes each, not kept
@@ -206,10 +249,9 @@ def parse_ptf(text: str, deparser: str | None = None) -> list[dict]:
         methods = {f.name: f.body for f in cls.body if isinstance(f, ast.FunctionDef)}
         calls = [s.value for s in methods.get("setupCtrlPlane", []) if isinstance(s, ast.Expr)
                  and isinstance(s.value, ast.Call)]
-        tables = [_table_call(c) for c in calls if _call_name(c) in ("insertTableEntry", "overrideDefaultEntry")]
+        tables = [_table_call(c) for c in calls if _call_name(c) in _TABLE_CALLS]
         registers = [_register_call(c) for c in calls if _call_name(c) == "setRegisterValue"]
-        unknown = sorted({_call_name(c) for c in calls} - {"insertTableEntry", "overrideDefaultEntry",
-                                                          "setRegisterValue"})
+        unknown = sorted({_call_name(c) for c in calls} - {*_TABLE_CALLS, "setRegisterValue"})
         if unknown:
             raise ValueError(f"Test{match[1]}: control-plane calls this parser does not know: {unknown}")
         send = _assignments(methods.get("sendPacket", []))
@@ -276,7 +318,7 @@ def _uncovered(log: str) -> list[str]:
 
 
 def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines: dict[str, int],
-                  extra: list[str]) -> tuple[list[dict], dict]:
+                  extra: list[str], log_file: Path | None) -> tuple[list[dict], dict]:
     tool = shutil.which("p4testgen")
     if tool is None:
         sys.exit("make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)")
@@ -293,9 +335,14 @@ def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines
         done = subprocess.run(args, capture_output=True, text=True)
         seconds = time.monotonic() - started
         log = done.stdout + done.stderr
+        if log_file is not None:
+            log_file.write_text(log)
         if done.returncode != 0:
             sys.exit(f"p4testgen failed ({done.returncode}):\n{log[-5000:]}")
-        tests = [t for f in sorted(Path(out).glob("*.py")) for t in parse_ptf(f.read_text(), program.ingress_deparser)]
+        # the tofino target's traces give each test's ingress output; the bmv2 target's are gigabytes
+        tests = [t for f in sorted(Path(out).glob("*.py")) for t in
+                 (parse_ptf(f.read_text(), program.ingress_deparser) if program.ingress_deparser
+                  else parse_ptf(without_traces(f)))]
     for t in tests:
         t["run"] = run.name
     coverage = _COVERAGE.findall(log)
@@ -308,11 +355,13 @@ def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines
     return tests, meta
 
 
-def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int], extra: list[str]) -> dict:
+def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int], extra: list[str],
+             log_file: Path | None = None) -> dict:
     runs: dict[str, dict] = {}
     tests: list[dict] = []
     for run in program.runs:
-        found, runs[run.name] = run_p4testgen(program, run, max_tests, seed, defines, extra)
+        log = log_file.with_name(f"{log_file.name}.{run.name}") if log_file and len(program.runs) > 1 else log_file
+        found, runs[run.name] = run_p4testgen(program, run, max_tests, seed, defines, extra, log)
         tests += found
     # statements no run covered: what stays uncovered in the union
     left = Counter(runs[program.runs[0].name]["uncovered"])
@@ -356,13 +405,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tests", type=int, default=0, help="0: until every path is explored")
     gen.add_argument("--seed", type=int, default=1)
     gen.add_argument("--lanes", type=int, default=64, help="PASSING_LANES of the program")
+    gen.add_argument("--log", type=Path, help="write p4testgen's whole output there (e.g. with --print-coverage)")
     sub.add_parser("check", help="exit 1 when a vector file is missing or stale")
     args, extra = parser.parse_known_args(argv)  # generate: what this parser does not know goes to p4testgen
     extra = [a for a in extra if a != "--"]
     if extra and args.command != "generate":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "generate":
-        meta = generate(PROGRAMS[args.program], args.max_tests, args.seed, {"PASSING_LANES": args.lanes}, extra)
+        meta = generate(PROGRAMS[args.program], args.max_tests, args.seed, {"PASSING_LANES": args.lanes}, extra,
+                        args.log)
         summary = {"program": meta["program"], "seconds": meta["p4testgen"]["seconds"],
                    "tests": {name: r["tests"] for name, r in meta["p4testgen"]["runs"].items()},
                    "covered": f'{meta["statement_coverage"]["covered"]}/{meta["statement_coverage"]["nodes"]}'}

@@ -66,11 +66,17 @@ def test_tna_program_fits_tofino1(compiled):
     assert (compiled[2] / "pipe" / "tofino.bin").stat().st_size > 0
 
 
+# constant tables both programs have alike (the controller writes none of them; P4Testgen's vectors name them)
+SHARED_CONST_TABLES = ("PassingIngress.worker_bit",)
+SHARED_CONST_ACTIONS = ("PassingIngress.set_worker_bit",)
+
+
 def controller_names() -> tuple[list[str], list[str], list[str]]:
     from passing_controller import admission, aggregator_address, counters, l2_forward, result_rewrite
 
-    tables = [admission.TABLE, result_rewrite.TABLE, l2_forward.TABLE, aggregator_address.TABLE]
-    actions = [admission.ACTION, result_rewrite.ACTION, l2_forward.FORWARD, l2_forward.FLOOD, "NoAction"]
+    tables = [admission.TABLE, result_rewrite.TABLE, l2_forward.TABLE, aggregator_address.TABLE, *SHARED_CONST_TABLES]
+    actions = [admission.ACTION, result_rewrite.ACTION, l2_forward.FORWARD, l2_forward.FLOOD, "NoAction",
+               *SHARED_CONST_ACTIONS]
     return tables, actions, list(counters.NAMES)
 
 

@@ -1,6 +1,6 @@
 """p4/testgen_vectors.py, the tool `make p4-testgen` runs: P4Testgen's PTF output -> vectors, and the program hash
-that tells stale vectors (docs/tofino.md, issue 27). Runs without P4Testgen: the PTF text below has the form its
-tofino target writes."""
+that tells stale vectors (docs/tofino.md, issue 27). Runs without P4Testgen: the PTF texts below have the forms its
+tofino and bmv2 targets write."""
 
 from __future__ import annotations
 
@@ -74,6 +74,115 @@ class Test0(AbstractTest):
     def verifyPackets(self):
         pass
 """
+
+
+# The bmv2 target's form: P4Runtime table_add calls, the expected packet inside Mask(...), no registers.
+BMV2_PTF = """
+class AbstractTest(bt.P4RuntimeTest):
+    def setupCtrlPlane(self):
+        pass
+
+class Test1(AbstractTest):
+    '''
+    Date generated: 2026-11-25-14:30:00.000
+    Trace:
+    [Parser] V1Parser ... megabytes in real output
+    '''
+
+    def setupCtrlPlane(self):
+        # Simple noop that is always called as filler.
+        pass
+        self.table_add(
+            ('PassingIngress.admission',
+            [
+                self.Exact('job', 0x244F),
+                self.Exact('ingress_port', 0x003),
+            ]),
+            ('PassingIngress.admit',
+            [
+                ('base', 0x00000000),
+                ('pool', 0x8478),
+            ])
+            , None
+
+        )
+        self.table_add(
+            ('PassingIngress.t',
+            [
+                self.Ternary('k', 0x0A, 0x0F),
+                self.Lpm('ip', 0x0A000000, 8),
+                self.Range('r', 1, 9),
+            ]),
+            ('NoAction',
+            [
+            ])
+            , 3
+
+        )
+
+
+    def sendPacket(self):
+        ig_port = 3
+        pkt = b'\\x01\\x02'
+        ptfutils.send_packet(self, ig_port, pkt)
+
+    def verifyPackets(self):
+        eg_port = 5
+        exp_pkt = Mask(b'\\x0A\\x0B\\x0C')
+        exp_pkt.set_do_not_care(8, 4)
+        ptfutils.verify_packet(self, exp_pkt, eg_port)
+        bt.testutils.log.info("Verifying no other packets ...")
+        ptfutils.verify_no_other_packets(self, self.device_id, timeout=self.packet_wait_time)
+
+    def runTest(self):
+        self.runTestImpl()
+
+
+class Test2(AbstractTest):
+    '''
+    Trace:
+    '''
+
+    def setupCtrlPlane(self):
+        # Simple noop that is always called as filler.
+        pass
+
+
+    def sendPacket(self):
+        ig_port = 0
+        pkt = b'\\xFF'
+        ptfutils.send_packet(self, ig_port, pkt)
+
+    def verifyPackets(self):
+        ptfutils.verify_no_other_packets(self, self.device_id, timeout=self.packet_wait_time)
+"""
+
+
+def test_bmv2_ptf_tests_become_vectors_of_the_same_form(tmp_path):
+    path = tmp_path / "passing.py"
+    path.write_text(BMV2_PTF)
+    text = tool.without_traces(path)
+    assert "megabytes" not in text and "Date generated" not in text
+    test, dropped = tool.parse_ptf(text)
+    assert dropped == {"id": 2, "tables": [], "registers": [], "input": {"port": 0, "packet": "ff"}, "expect": None}
+    assert test["registers"] == []
+    assert test["tables"] == [
+        {"table": "PassingIngress.admission", "key": {"job": {"value": 0x244F}, "ingress_port": {"value": 3}},
+         "action": "PassingIngress.admit", "params": {"base": 0, "pool": 0x8478}},
+        {"table": "PassingIngress.t", "key": {"k": {"value": 10, "mask": 15},
+                                              "ip": {"value": 0x0A000000, "prefix_len": 8},
+                                              "r": {"low": 1, "high": 9}},
+         "action": "NoAction", "params": {}, "priority": 3},
+    ]
+    assert test["input"] == {"port": 3, "packet": "0102"}
+    assert test["expect"] == {"port": 5, "packet": "0a0b0c", "dont_care_bits": [[8, 4]]}
+
+
+def test_a_bmv2_clone_session_is_an_unknown_call():
+    filler = "        # Simple noop that is always called as filler.\n        pass\n        self.table_add("
+    text = BMV2_PTF.replace(filler, "        self.insert_pre_clone_session(5, [2])\n        self.table_add(", 1)
+    with pytest.raises(ValueError, match="insert_pre_clone_session"):
+        tool.parse_ptf(text)
 
 
 def test_ptf_tests_become_vectors_in_test_order():

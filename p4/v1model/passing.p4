@@ -19,7 +19,8 @@ struct metadata_t {
     bit<32> full;        /* bitmap with every worker's bit */
     bit<32> epoch;       /* unique per allocation */
     bit<16> group;       /* multicast group of the job's workers */
-    bit<32> worker_bit;
+    bit<32> worker_bit;  /* 1 << worker, from the table worker_bit (0 for worker >= 32) */
+    bit<32> owner_bit;   /* 1 << owner, from the table owner_bit (0 for owner >= 32) */
     bit<32> job_index;   /* counter index */
     bit<32> slot_set;    /* (base + slot) * 2 + set */
     bit<32> lane_base;   /* slot_set * PASSING_LANES */
@@ -115,6 +116,33 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
         size = 1024;
     }
 
+    /* 1 << worker and 1 << owner: constant tables, as on TNA (which shifts by constants only), because
+     * P4Testgen's bmv2 model cannot shift by a field narrower than the value (a Z3 sort mismatch) and
+     * p4c-bm2-ss forbids a wider shift amount. A worker or owner >= 32 has no bit: the default leaves
+     * the metadata at 0, which is what the shift gave. */
+    action set_worker_bit(bit<32> worker_bit) {
+        meta.worker_bit = worker_bit;
+    }
+    #define WORKER_BIT_ENTRY(i) i: set_worker_bit(32w1 << i);
+    table worker_bit {
+        key = { hdr.passing.worker: exact; }
+        actions = { set_worker_bit; @defaultonly NoAction; }
+        const entries = { PASSING_IDS_32(WORKER_BIT_ENTRY) }
+        const default_action = NoAction();
+        size = 32;
+    }
+    action set_owner_bit(bit<32> owner_bit) {
+        meta.owner_bit = owner_bit;
+    }
+    #define OWNER_BIT_ENTRY(i) i: set_owner_bit(32w1 << i);
+    table owner_bit {
+        key = { hdr.passing.owner: exact; }
+        actions = { set_owner_bit; @defaultonly NoAction; }
+        const entries = { PASSING_IDS_32(OWNER_BIT_ENTRY) }
+        const default_action = NoAction();
+        size = 32;
+    }
+
     /* A lane of a new round or of a contribution: first write, saturating add, or max. */
     #define LANE_UPDATE(i) {                                                           \
         bit<32> cur;                                                                   \
@@ -159,12 +187,15 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                 received.count(meta.job_index);
                 admission.apply();
                 /* the owner is a worker of the job: its bit is in the full bitmap (>= 32: no bit) */
-                bit<32> owner_bit = (bit<32>)1 << (bit<8>)hdr.passing.owner;
-                bool owner_is_worker = (meta.full & owner_bit) != 0;
+                owner_bit.apply();
+                bool owner_is_worker = (meta.full & meta.owner_bit) != 0;
                 bool relay = hdr.passing.type != PASSING_TYPE_DATA;
                 bool owner_only = (hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0;
                 if (meta.admitted == 0
                         || (!relay && hdr.passing.slot >= meta.pool)  /* a relayed kind's slot is no slot */
+                        /* an admission entry whose range runs past the registers (the controller never
+                         * writes one): BMv2 built without debug checks crashes on an index out of range */
+                        || (!relay && meta.base + (bit<32>)hdr.passing.slot >= PASSING_SLOTS)
                         || (!relay && owner_only && !owner_is_worker)
                         || (hdr.passing.type == PASSING_TYPE_GATHER && hdr.passing.owner != hdr.passing.worker[6:0])
                         || (hdr.passing.type == PASSING_TYPE_NACK
@@ -178,7 +209,7 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                     sm.mcast_grp = meta.group;
                     meta.relay = 1;
                 } else {
-                    meta.worker_bit = (bit<32>)1 << (bit<8>)hdr.passing.worker;
+                    worker_bit.apply();
                     meta.slot_set = ((meta.base + (bit<32>)hdr.passing.slot) << 1) | (bit<32>)hdr.passing.set[0:0];
                     meta.lane_base = meta.slot_set * PASSING_LANES;
                     bit<32> epoch;

@@ -1,0 +1,155 @@
+"""P4Testgen's tests of the v1model program (p4/v1model/testgen.json, written by `make p4-testgen`) replayed on a
+real simple_switch_grpc running build/v1model/passing.json: BMv2 must do what P4Testgen expected, vector by vector
+(docs/tofino.md, "Executed by P4Testgen"; issue 27).
+
+One switch for all vectors (bare_switch: a namespace of its own, ports 0-7 as veth pairs). A vector: its table
+entries over P4Runtime, its frame on its port, then behind it on the same port one marker frame per port, which
+a fixed l2_forward entry of the marker's sends out of that port. BMv2 keeps the order of one input port through
+its ingress and on each output port, so once every marker is back, whatever the vector's frame made has arrived:
+a drop is known without waiting on the clock. Then the vector's entries are deleted and every register is reset
+(P4Testgen's bmv2 model starts registers at 0, as BMv2 does), so nothing leaks into the next vector.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from .network import REPO
+
+if "testgen_vectors" not in sys.modules:  # p4/ is no package (`p4` is p4runtime's protobuf package)
+    _spec = importlib.util.spec_from_file_location("testgen_vectors", REPO / "p4" / "testgen_vectors.py")
+    sys.modules["testgen_vectors"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["testgen_vectors"])
+testgen_vectors = sys.modules["testgen_vectors"]
+
+PROGRAM = testgen_vectors.PROGRAMS["v1model"]
+VECTORS = testgen_vectors.load_vectors(PROGRAM)["tests"] if (REPO / PROGRAM.vectors).exists() else []
+PORTS = 8  # the vectors' ports: p4testgen --port-ranges 0:7 (testgen_vectors.PROGRAMS)
+
+# Vectors where BMv2 and P4Testgen's model of it genuinely differ: id -> why. Each is run and must still differ
+# (strict xfail), so a fix on either side shows.
+KNOWN_DIFFERENCES: dict[int, str] = {}
+
+MARKER_TYPE = b"\x88\xb5"  # IEEE 802 local experimental EtherType: no parser state of the program takes it
+
+
+def marker_mac(port: int) -> bytes:
+    return bytes([0x0E, 0x70, 0x61, 0x73, 0x73, port])  # locally administered
+
+
+def marker(port: int) -> bytes:
+    return (marker_mac(port) + bytes(6) + MARKER_TYPE + b"passing replay marker").ljust(60, b"\0")
+
+
+def is_marker(port: int, frame: bytes) -> bool:
+    return frame == marker(port)
+
+
+def describe(frames: list[tuple[int, bytes]]) -> str:
+    return "; ".join(f"port {p}: {f.hex()}" for p, f in frames) or "nothing"
+
+
+def masked_difference(expected: bytes, got: bytes, dont_care: list[list[int]]) -> str | None:
+    """Where ``got`` differs from ``expected`` outside the don't-care bits ([first bit, bits] each), or None."""
+    if len(got) != len(expected):
+        return f"{len(got)} bytes, expected {len(expected)}"
+    care = bytearray(b"\xff" * len(expected))
+    for first, width in dont_care:
+        for bit in range(first, first + width):
+            care[bit // 8] &= ~(0x80 >> (bit % 8)) & 0xFF
+    wrong = [i for i in range(len(expected)) if (expected[i] ^ got[i]) & care[i]]
+    if not wrong:
+        return None
+    i = wrong[0]
+    return (f"{len(wrong)} bytes differ, first at byte {i}: got {got[i:i + 16].hex()}, "
+            f"expected {expected[i:i + 16].hex()} (care mask {care[i:i + 16].hex()})")
+
+
+class Replay:
+    def __init__(self, switch, p4runtime) -> None:
+        from passing_controller.session import Switch
+
+        self.switch, self.p4runtime, self.update = switch, p4runtime, Switch.update
+        self.registers = sorted(p4runtime.p4info.registers)
+        # the markers' forwarding stays installed: a vector's frame to a marker's address would take it
+        used = {bytes.fromhex(v["input"]["packet"])[:6] for v in VECTORS}
+        used |= {t["key"]["dst_addr"]["value"].to_bytes(6, "big") for v in VECTORS for t in v["tables"]
+                 if t["table"] == "PassingIngress.l2_forward"}
+        clash = sorted(p for p in range(PORTS) if marker_mac(p) in used)
+        assert not clash, f"vectors use the marker addresses of ports {clash}: pick other marker addresses"
+        p4runtime.write([self.update("insert", p4runtime.table_entry(
+            "PassingIngress.l2_forward", {"dst_addr": marker_mac(p)}, "PassingIngress.forward", {"port": p}))
+            for p in range(PORTS)])
+
+    def entry(self, table: dict):
+        if table.get("default") or any(set(k) != {"value"} for k in table["key"].values()):
+            raise NotImplementedError(f"only exact entries are replayed (the v1model program has no other): {table}")
+        return self.p4runtime.table_entry(table["table"], {k: m["value"] for k, m in table["key"].items()},
+                                          table["action"], table["params"])
+
+    def run(self, vector: dict) -> list[tuple[int, bytes]]:
+        """What the switch sent, (port, frame) each, for the vector's input on its entries."""
+        port = vector["input"]["port"]
+        assert 0 <= port < PORTS, f"input port {port} is not one of the replay's (0-{PORTS - 1})"
+        entries = [self.entry(t) for t in vector["tables"]]
+        inserted = []
+        try:
+            # one update per Write: p4runtime-shell (0.0.6) loops forever formatting the error of a batch
+            # in which some updates succeeded (P4RuntimeErrorIterator skips an OK status without moving on)
+            for e in entries:
+                self.p4runtime.write([self.update("insert", e)])
+                inserted.append(e)
+            self.switch.send(port, bytes.fromhex(vector["input"]["packet"]))
+            for p in range(PORTS):
+                self.switch.send(port, marker(p))
+            return self.switch.receive(is_marker, PORTS, timeout=30)
+        finally:
+            for e in inserted:
+                self.p4runtime.write([self.update("delete", e)])
+            for register in self.registers:
+                self.switch.thrift.register_reset(register)
+
+
+@pytest.fixture(scope="module")
+def replay(pipeline):
+    from passing_controller.session import Switch
+
+    from .bare_switch import NamespacedSwitch
+
+    switch = NamespacedSwitch(PORTS)
+    try:
+        p4runtime = Switch(switch.p4runtime_address, timeout=30)
+        try:
+            p4runtime.set_pipeline(pipeline)
+            yield Replay(switch, p4runtime)
+        finally:
+            p4runtime.close()
+    finally:
+        switch.stop()
+
+
+def test_the_vectors_are_those_of_the_program():
+    assert testgen_vectors.stale(PROGRAM) is None, testgen_vectors.stale(PROGRAM)
+    assert VECTORS, f"{PROGRAM.vectors} has no tests"
+
+
+def _param(vector: dict):
+    reason = KNOWN_DIFFERENCES.get(vector["id"])
+    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    return pytest.param(vector, id=f"test{vector['id']}", marks=marks)
+
+
+@pytest.mark.parametrize("vector", [_param(v) for v in VECTORS])
+def test_bmv2_does_what_p4testgen_expected(replay, vector):
+    got = replay.run(vector)
+    expect = vector["expect"]
+    if expect is None:
+        assert not got, f"P4Testgen: dropped; BMv2 sent {describe(got)}"
+        return
+    assert [p for p, _ in got] == [expect["port"]], \
+        f"P4Testgen: one frame on port {expect['port']}; BMv2 sent {describe(got)}"
+    difference = masked_difference(bytes.fromhex(expect["packet"]), got[0][1], expect["dont_care_bits"])
+    assert difference is None, f"port {expect['port']}: {difference}"
