@@ -97,8 +97,8 @@ class Replay:
         entries = [self.entry(t) for t in vector["tables"]]
         inserted = []
         try:
-            # one update per Write: p4runtime-shell (0.0.6) loops forever formatting the error of a batch
-            # in which some updates succeeded (P4RuntimeErrorIterator skips an OK status without moving on)
+            # one update per Write: a vector may hold one entry twice, and the entries it did insert are
+            # deleted after it
             for e in entries:
                 self.p4runtime.write([self.update("insert", e)])
                 inserted.append(e)
@@ -153,3 +153,17 @@ def test_bmv2_does_what_p4testgen_expected(replay, vector):
         f"P4Testgen: one frame on port {expect['port']}; BMv2 sent {describe(got)}"
     difference = masked_difference(bytes.fromhex(expect["packet"]), got[0][1], expect["dont_care_bits"])
     assert difference is None, f"port {expect['port']}: {difference}"
+
+
+def test_a_batch_that_fails_in_part_names_the_update_that_failed(replay):
+    """A Write whose second update fails (the entry exists already) raises at once, naming it: p4runtime-shell's
+    own formatting of such an error loops forever, which would hang the controller (session._write_error)."""
+    from passing_controller.p4runtime import SwitchError
+
+    entry = replay.p4runtime.table_entry("PassingIngress.l2_forward", {"dst_addr": 0x0E7061737399},
+                                         "PassingIngress.forward", {"port": 1})
+    try:
+        with pytest.raises(SwitchError, match="update 1: ALREADY_EXISTS"):
+            replay.p4runtime.write([replay.update("insert", entry), replay.update("insert", entry)])
+    finally:
+        replay.p4runtime.write([replay.update("delete", entry)])

@@ -10,18 +10,33 @@ it only when the topology has a switch.
 from __future__ import annotations
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import code_pb2, status_pb2
 from p4.v1 import p4runtime_pb2
-from p4runtime_sh.p4runtime import P4RuntimeClient, P4RuntimeException, P4RuntimeWriteException, SSLOptions
+from p4runtime_sh.p4runtime import P4RuntimeClient, P4RuntimeException, SSLOptions
 
 from .p4runtime import P4Info, Pipeline, SwitchError, SwitchUnreachable, Tls, encode
 
 
 def _write_error(e: grpc.RpcError) -> str:
-    """The per-update errors of a failed Write, as p4runtime-shell formats them."""
-    try:
-        return str(P4RuntimeWriteException(e))
-    except Exception:  # not the Write error format (e.g. the switch went away)
-        return f"{e.code().name}: {e.details()}"
+    """The per-update errors of a failed Write (P4Runtime spec: a google.rpc.Status in the trailers whose
+    details hold one p4.v1.Error per update, OK for those that were applied). Read here, not through
+    p4runtime-shell's P4RuntimeWriteException, which loops forever on a batch where some updates succeeded."""
+    for key, value in (e.trailing_metadata() or ()):
+        if key != "grpc-status-details-bin":
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except DecodeError:
+            break
+        failed = []
+        for index, detail in enumerate(status.details):
+            error = p4runtime_pb2.Error()
+            if detail.Unpack(error) and error.canonical_code != code_pb2.OK:
+                failed.append(f"update {index}: {code_pb2.Code.Name(error.canonical_code)}: {error.message}")
+        if failed:
+            return "; ".join(failed)
+    return f"{e.code().name}: {e.details()}"  # not the Write error format (e.g. the switch went away)
 
 
 class Switch:
