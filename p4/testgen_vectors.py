@@ -71,7 +71,7 @@ PROGRAMS = {
                    (Run("first_pass", {"PASSING_TESTGEN": 1}, _TNA_SEARCH),
                     Run("second_pass", {"PASSING_TESTGEN": 2}, _TNA_SEARCH))),
     "v1model": Program("v1model", "p4/v1model/passing.p4", "p4/v1model/testgen.json", "bmv2", "v1model", "PTF", None,
-                       (Run("all", {}, ("--path-selection", "RANDOM_BACKTRACK", "--port-ranges", "0:7",
+                       (Run("all", {"PASSING_TESTGEN": 1}, ("--path-selection", "RANDOM_BACKTRACK", "--port-ranges", "0:7",
                                         "--packet-size-range", "0:12000")),)),
 }
 TARGET_DEFINES = {"tofino": {"__TARGET_TOFINO__": 1}}  # p4c-barefoot defines it for tna.p4; p4testgen does not

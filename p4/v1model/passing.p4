@@ -10,6 +10,7 @@
 #include "../include/headers.p4"
 #include "../include/lanes.p4"
 #include "../include/parser.p4"
+#include "../include/testgen.p4"
 
 #define PASSING_SLOT_SETS (2 * PASSING_SLOTS)
 
@@ -70,6 +71,8 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
 
     /* ---- admission: (job, generation, worker, ingress port) -> the job's allocation ---- */
     action admit(bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
+        PASSING_TESTGEN_ALLOCATION(base, pool, full)
+        PASSING_ASSUME(epoch != 0);  /* job << 16 | generation, job >= 1: never the registers' initial 0 */
         meta.admitted = 1;
         meta.base = base;
         meta.pool = pool;

@@ -39,6 +39,7 @@ RECIRCULATION_PORT = 68  # of each pipe: the pipe is the port's top two bits
 ETH, IPV4, UDP = 14, 20, 8
 INT32 = 1 << 32
 DROP_PORT = 511  # both targets (and their P4Testgen models) drop a packet sent to port 511
+FLOOD_GROUP = 1  # PASSING_FLOOD_GROUP
 
 
 class Outside(Exception):
@@ -203,7 +204,7 @@ def slot_tag_of(vector: dict, index: int) -> dict:
     return {"tag": 0, "epoch": 0}
 
 
-def slot_view(vector: dict, job: JobView, index: int, lanes: int) -> SlotView:
+def slot_view(vector: dict, job: JobView, index: int, lanes: int, psn: int) -> SlotView:
     """The abstraction of TNA's per slot/set state (index = set * 1024 + base + slot) onto the reference's:
     ``slot_tag = (tag, epoch)``: the round's psn and allocation (``epoch`` equal to the admission's is this
     allocation); ``slot_bitmap = (bitmap, psn)``: its contributors and the psn again; ``slot_overflow``: the OR
@@ -217,7 +218,8 @@ def slot_view(vector: dict, job: JobView, index: int, lanes: int) -> SlotView:
         pair = registers(vector, f"lane_pair_{k}").get(index, {"first": 0, "second": 0})
         acc[2 * k], acc[2 * k + 1] = _signed(int(pair["first"])), _signed(int(pair["second"]))
     current = int(tag["epoch"]) == job.epoch
-    if current:  # a round of this allocation: the protocol's invariants
+    ahead = (psn - int(tag["tag"])) % INT32
+    if current and not 0 < ahead < 1 << 31:  # a round of this allocation that the packet reads: its invariants
         if int(contributors["psn"]) != int(tag["tag"]):
             raise Outside(f"slot_bitmap.psn {int(contributors['psn'])} is not the round's (slot_tag.tag "
                           f"{int(tag['tag'])})")
@@ -265,7 +267,9 @@ class Expected:
 
 
 def _bridged(ingress_port: int, **flags: int) -> dict[str, int]:
-    b = {name: 0 for name, _ in HEADER_FIELDS["bridged_h"]}
+    """The bridged header a first pass emits. Its slot_set is meaningful on the way to the second pass only (the
+    program writes it in stage 0 for every packet, from whatever admission gave): not compared otherwise."""
+    b = {name: 0 for name, _ in HEADER_FIELDS["bridged_h"] if name != "slot_set"}
     b["ingress_port"] = ingress_port
     b.update(flags)
     return b
@@ -312,7 +316,7 @@ def first_pass(vector: dict, lanes: int) -> Expected:
         # it runs the round as any. The reference rejects the packet.
         datagram = datagram[:3] + bytes([hdr["flags"] & ~wire.FLAG_OWNER_ONLY]) + datagram[4:]
     index = (hdr["set"] & 1) * SLOTS + job.spec.base + hdr["slot"]
-    state = slot_view(vector, job, index, lanes)
+    state = slot_view(vector, job, index, lanes, hdr["psn"])
     results, verdict = run_reference(job, index, state, datagram, port, lanes)
     if not results:
         return Expected(f"the state machine drops it ({', '.join(verdict)})", "drop")
@@ -476,8 +480,13 @@ def v1model_expect(vector: dict, lanes: int) -> tuple[str, int | None, bytes | N
     if hdr is None or hdr["version"] != wire.VERSION or hdr["type"] not in (wire.DATA, wire.GATHER, wire.NACK):
         return "malformed: dropped", None, None
     job = job_view(vector, hdr["job"], hdr["generation"], hdr["worker"], port)
+    # v1model multicasts in the pass that decides: with group 0 a relay or a completion goes to port 0
+    no_group = Outside(f"admission group {job.group if job else None}: no job's multicast group (job id + 1 >= 2)")
     if hdr["type"] != wire.DATA:
-        return relay(job, hdr, {}, None, port).rule + " (no unicast port)", None, None
+        relayed = relay(job, hdr, {}, None, port)
+        if relayed.to == "multicast" and job is not None and job.group <= FLOOD_GROUP:
+            raise no_group
+        return relayed.rule + " (no unicast port)", None, None
     if job is None or hdr["slot"] >= job.spec.pool:
         return "rejected: not admitted, or a slot outside the job's pool", None, None
     if job.epoch == 0:
@@ -489,6 +498,8 @@ def v1model_expect(vector: dict, lanes: int) -> tuple[str, int | None, bytes | N
     results, verdict = run_reference(job, index, empty, datagram, port, lanes)
     if any(not multicast for _, _, multicast in results):
         raise Divergence("a round new at every slot answered a retransmission")
+    if results and job.group <= FLOOD_GROUP:
+        raise no_group
     return ("a completed round: multicast, no unicast port" if results else
             f"the state machine drops it ({', '.join(verdict)})"), None, None
 
