@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
+
 from passing import wire
 from passing_controller import admission, counters, result_rewrite
 from passing_controller.allocation import Allocation, Worker
@@ -15,10 +17,21 @@ from tests.conformance.scenarios import Job
 
 from .network import AGGREGATION_IP, Bmv2Network
 
+# The egress has emitted every RESULT of a step once its count has not moved for this long after
+# the ingress counted every packet sent (the wait the two whole-counter reads per poll made before).
+SETTLE_SECONDS = 0.1
+
 
 class Bmv2Target:
     """Each (job, worker) origin is a UDP socket in one of the hosts, round robin over all
-    hosts but the last; the last host is the stranger that no job admits."""
+    hosts but the last; the last host is the stranger that no job admits.
+
+    Counters: a whole counter costs BMv2 a read of each of its 1024 cells (about 20 ms), a cell
+    alone well under 1 ms. So a step reads only the cells its packets can touch (the job ids
+    they carry, mod 1024, and ``malformed``'s one cell) over the last whole read; ``rebase``,
+    after each scenario, reads every cell and names any that changed unread. Counters only
+    grow, so a scenario whose steps add up and whose other cells never moved changed, at every
+    step, the totals over all cells exactly as its steps say."""
 
     lanes = wire.DEFAULT_LANES
 
@@ -28,12 +41,13 @@ class Bmv2Target:
         self.stranger = network.hosts[-1]
         self.origins: dict[str, tuple[Host, int]] = {}
         self.allocations: dict[int, Allocation] = {}
-        self.baseline = self._totals()
-        self.sent = 0
+        self.whole = counters.read_all(switch)  # every cell, as last read
+        self.indices: set[int] = set()  # the cells read since: the job ids sent, mod 1024
+        self.cells = counters.read_indices(switch, self.indices)  # those cells as last read
+        self.sent = 0  # packets, and RESULTs collected, since the last whole read
         self.collected = 0
-        # The counters as last read, while nothing was sent since: a read costs BMv2 about 50 ms per
-        # counter (one per cell of its 1024), and a step's counters before are the last one's after.
-        self._counters: dict[str, int] | None = dict(self.baseline)
+        # The counters as last read, while nothing was sent since: a step's before is the last one's after.
+        self._counters: dict[str, int] | None = self._totals()
 
     def _origin(self, origin: Origin) -> tuple[str, Host, int]:
         key = json.dumps(origin)
@@ -63,6 +77,9 @@ class Bmv2Target:
         result_rewrite.remove(self.switch, a)
 
     def send(self, origin: Origin, payload: bytes) -> None:
+        if len(payload) >= wire.HEADER_SIZE:  # the cell of its job id (a shorter one is malformed)
+            job = int(np.frombuffer(payload[:wire.HEADER_SIZE], wire.HEADER_DTYPE)["job"][0])
+            self.indices.add(job % counters.MAX_JOBS)
         key, host, _ = self._origin(origin)
         self.network.agent(host.name).call(op="send", key=key, to=f"{AGGREGATION_IP}:{wire.UDP_PORT}",
                                            payload=payload.hex())
@@ -72,33 +89,58 @@ class Bmv2Target:
     def collect(self) -> list[tuple[Origin, bytes]]:
         deadline = time.monotonic() + 10
         while True:  # the switch's ingress has seen everything sent (the two counters that tell)
-            seen = sum(sum(self.switch.read_counter(f"PassingIngress.{name}").values()) - self.baseline[name]
-                       for name in ("received", "malformed"))
-            if seen >= self.sent:
+            self._read_cells()
+            if self._grown("received") + self._grown("malformed") >= self.sent:
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError("BMv2 did not process what was sent")
             time.sleep(0.01)
         got: list[tuple[Origin, bytes]] = []
-        emitted, last = -1, None
+        last, moved_at = None, time.monotonic()
         while time.monotonic() < deadline:  # every RESULT the egress emitted has arrived
             for agent in self.network.agents.values():
                 for key, payload, _src in agent.call(op="drain")["received"]:
                     origin = json.loads(key)
                     got.append((tuple(origin) if isinstance(origin, list) else origin, bytes.fromhex(payload)))
-            total = sum(self.switch.read_counter("PassingEgress.results_sent").values())
-            emitted = total - self.baseline["results_sent"] - self.collected
-            if total == last and len(got) >= emitted:  # the egress count is settled and all arrived
-                break
-            last = total
+            self._read_cells()
+            total, now = self._grown("results_sent"), time.monotonic()
+            if total != last:
+                last, moved_at = total, now
+            if now - moved_at >= SETTLE_SECONDS and len(got) >= total - self.collected:
+                break  # the egress count is settled and all arrived
             time.sleep(0.02)
         self.collected += len(got)
         return got
 
     def counters(self) -> dict[str, int]:
         if self._counters is None:
+            self._read_cells()
             self._counters = self._totals()
         return dict(self._counters)
 
+    def rebase(self) -> dict[str, list[int]]:
+        """Read every cell; returns, by counter, the indices that changed since they were last read
+        (a cell no step read, or one that moved after the last step); from here on, counts start again."""
+        whole = counters.read_all(self.switch)
+        changed = {}
+        for name, per_index in whole.items():
+            known = {**self.whole[name], **self.cells[name]}
+            moved = sorted(i for i in per_index.keys() | known.keys() if per_index.get(i, 0) != known.get(i, 0))
+            if moved:
+                changed[name] = moved
+        self.whole, self.indices = whole, set()
+        self.cells = counters.read_indices(self.switch, self.indices)
+        self.sent = self.collected = 0
+        self._counters = self._totals()
+        return changed
+
+    def _read_cells(self) -> None:
+        self.cells = counters.read_indices(self.switch, self.indices)
+
+    def _grown(self, name: str) -> int:
+        """How much counter ``name`` grew since the last whole read, over the cells read."""
+        return sum(n - self.whole[name].get(i, 0) for i, n in self.cells[name].items())
+
     def _totals(self) -> dict[str, int]:
-        return counters.totals(self.switch)
+        """Every counter summed over its cells: the cells read, over the last whole read."""
+        return {name: sum({**per_index, **self.cells[name]}.values()) for name, per_index in self.whole.items()}
