@@ -17,9 +17,8 @@ from tests.conformance.scenarios import Job
 
 from .network import AGGREGATION_IP, Bmv2Network
 
-# The egress has emitted every RESULT of a step once its count has not moved for this long after
-# the ingress counted every packet sent (the wait the two whole-counter reads per poll made before).
-SETTLE_SECONDS = 0.1
+PROBE_PORT = 19999  # every host's socket for the probes that mark the end of a step (plain L2 traffic)
+PROBE = json.dumps("probe")  # its agents' key (never an origin's)
 
 
 class Bmv2Target:
@@ -31,7 +30,13 @@ class Bmv2Target:
     they carry, mod 1024, and ``malformed``'s one cell) over the last whole read; ``rebase``,
     after each scenario, reads every cell and names any that changed unread. Counters only
     grow, so a scenario whose steps add up and whose other cells never moved changed, at every
-    step, the totals over all cells exactly as its steps say."""
+    step, the totals over all cells exactly as its steps say.
+
+    The end of a step is an event, not a wait: once the ingress has counted what was sent, a
+    probe goes to every host by plain L2 forwarding. BMv2 has one ingress thread, replicates in
+    it, and keeps each port's egress queue and its transmit queue in order, so a probe that
+    reached its host left after everything the step sent that host, every counter of the step
+    counted (``collect``)."""
 
     lanes = wire.DEFAULT_LANES
 
@@ -41,6 +46,9 @@ class Bmv2Target:
         self.stranger = network.hosts[-1]
         self.origins: dict[str, tuple[Host, int]] = {}
         self.allocations: dict[int, Allocation] = {}
+        for info in network.hosts:
+            network.agent(info.name).call(op="bind", key=PROBE, port=PROBE_PORT)
+        self.probes = 0  # probe rounds sent
         self.whole = counters.read_all(switch)  # every cell, as last read
         self.indices: set[int] = set()  # the cells read since: the job ids sent, mod 1024
         self.cells = counters.read_indices(switch, self.indices)  # those cells as last read
@@ -95,20 +103,34 @@ class Bmv2Target:
             if time.monotonic() > deadline:
                 raise TimeoutError("BMv2 did not process what was sent")
             time.sleep(0.01)
+        self.probes += 1
+        probe = f"end of step {self.probes}".encode().hex()
+        hosts = self.network.hosts
+        for i, info in enumerate(hosts):  # each host sends the next one (around) its probe
+            to = f"{hosts[(i + 1) % len(hosts)].ip}:{PROBE_PORT}"
+            self.network.agent(info.name).call(op="send", key=PROBE, to=to, payload=probe)
         got: list[tuple[Origin, bytes]] = []
-        last, moved_at = None, time.monotonic()
-        while time.monotonic() < deadline:  # every RESULT the egress emitted has arrived
-            for agent in self.network.agents.values():
+        probed: set[str] = set()  # the hosts whose probe arrived
+        emitted = None  # RESULTs the egress emitted in the step: known once every probe arrived
+        while time.monotonic() < deadline:
+            for name, agent in self.network.agents.items():
                 for key, payload, _src in agent.call(op="drain")["received"]:
+                    if key == PROBE:
+                        if payload == probe:  # (an earlier step's probe is late: nothing to count)
+                            probed.add(name)
+                        continue
                     origin = json.loads(key)
                     got.append((tuple(origin) if isinstance(origin, list) else origin, bytes.fromhex(payload)))
-            self._read_cells()
-            total, now = self._grown("results_sent"), time.monotonic()
-            if total != last:
-                last, moved_at = total, now
-            if now - moved_at >= SETTLE_SECONDS and len(got) >= total - self.collected:
-                break  # the egress count is settled and all arrived
-            time.sleep(0.02)
+            if emitted is None and len(probed) == len(hosts):
+                self._read_cells()
+                emitted = self._grown("results_sent") - self.collected
+            if emitted is not None and len(got) >= emitted:
+                break  # the egress emitted all it will for this step, and all of it arrived
+            time.sleep(0.005)
+        else:
+            if emitted is None:
+                raise TimeoutError(f"the end-of-step probes reached only {sorted(probed)} of {len(hosts)} hosts")
+            # RESULTs counted and never delivered: what came is compared with what the step expects
         self.collected += len(got)
         return got
 
