@@ -6,6 +6,7 @@ threads that join through passing.control and allreduce through Group.from_answe
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 
@@ -16,6 +17,7 @@ from passing import Group
 from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports
 from passing.control import ControllerError, join, leave
+from passing_controller.cli import controller_main
 from passing_controller.topology import Topology, TopologyError
 from tests.cluster import run_threads, start_aggregator
 from tests.keys import ask, controller, operator_keys
@@ -280,7 +282,13 @@ def test_with_no_aggregator_left_the_error_names_every_one_tried(full_ps, tmp_pa
 
 
 @pytest.mark.parametrize("option", ["ps_timeout", "check_timeout"])
-def test_the_ps_timeouts_must_be_positive(tmp_path, option):
+def test_the_ps_timeouts_must_be_positive(tmp_path, capsys, option):
+    topology = {"ps": [{"data": "127.0.0.1:1", "control": "tcp://127.0.0.1:1"}]}
     with pytest.raises(ValueError, match="timeout must be positive; got 0"):
-        controller(Topology.from_dict({"ps": [{"data": "127.0.0.1:1", "control": "tcp://127.0.0.1:1"}]}),
-                   tmp_path / "ctl.sqlite", **{option: 0.0})
+        controller(Topology.from_dict(topology), tmp_path / "ctl.sqlite", **{option: 0.0})
+    # the command line's --ps-timeout / --check-timeout reach the same check
+    (tmp_path / "topo.json").write_text(json.dumps(topology))
+    flag = "--" + option.replace("_", "-")
+    assert controller_main(["--topology", str(tmp_path / "topo.json"), "--store", str(tmp_path / "cli.sqlite"),
+                            "--listen", "tcp://127.0.0.1:*", flag, "0"]) == 2
+    assert "timeout must be positive; got 0" in capsys.readouterr().err
