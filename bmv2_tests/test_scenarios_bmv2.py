@@ -23,7 +23,13 @@ def target(network, switch):
 @pytest.mark.parametrize("scenario", [s for s in SCENARIOS if not s.switch_only and not s.software_only],
                          ids=lambda s: s.name)
 def test_scenario_on_bmv2(target, scenario):
-    run_scenario(target, scenario, scapy_builder)
+    try:
+        run_scenario(target, scenario, scapy_builder)
+    finally:
+        changed = target.rebase()  # every cell read again: the next scenario starts from them
+    # the steps read the cells of their packets' job ids: the counters' totals moved by their
+    # deltas only if no other cell moved, and none moved after the last step read them
+    assert not changed, f"{scenario.name}: counter cells changed that no step accounted for: {changed}"
 
 
 @pytest.mark.timeout(60)

@@ -6,6 +6,7 @@ threads that join through passing.control and allreduce through Group.from_answe
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 
@@ -16,6 +17,7 @@ from passing import Group
 from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports
 from passing.control import ControllerError, join, leave
+from passing_controller.cli import controller_main
 from passing_controller.topology import Topology, TopologyError
 from tests.cluster import run_threads, start_aggregator
 from tests.keys import ask, controller, operator_keys
@@ -45,8 +47,11 @@ def topology(ps_ready: dict) -> Topology:
 
 
 class Running:
-    def __init__(self, topo: Topology, store, join_timeout: float = 10.0, default_pool: int = 16) -> None:
-        self.ctl = controller(topo, store, join_timeout=join_timeout, default_pool=default_pool, switch_timeout=0.5)
+    def __init__(self, topo: Topology, store, join_timeout: float = 10.0, default_pool: int = 16,
+                 **options: float) -> None:
+        """``options``: the Controller's other keyword arguments (ps_timeout, check_timeout)."""
+        self.ctl = controller(topo, store, join_timeout=join_timeout, default_pool=default_pool, switch_timeout=0.5,
+                              **options)
         self.endpoint = self.ctl.endpoint
         self.thread = threading.Thread(target=self.ctl.serve)
         self.thread.start()
@@ -175,6 +180,11 @@ def test_a_topology_needs_somewhere_to_aggregate():
 
 # ---- the next aggregator when one fails to admit a group (the one policy of placement.candidates) ----
 
+# A down or hanging PS is found out by waiting out the controller's PS request timeout: these
+# tests set 2 s (the default is 5 s), the time the controller's own liveness check gives a PS,
+# which the live PSs of these tests answer in milliseconds.
+PS_TIMEOUT = 2.0
+
 
 class HangingPs:
     """A control endpoint that takes requests and never answers them."""
@@ -225,7 +235,7 @@ def _first_failing(kind: str, full_ps_ready: dict) -> tuple[dict, object | None]
 def test_a_failing_ps_is_skipped_for_the_next_one(ps, full_ps, tmp_path, kind, switch):
     bad, hanging = _first_failing(kind, full_ps)
     # Job ids start at 1 and the first PS tried is ps[job_id % 2]: put the failing one there.
-    running = Running(_topology_with([ps, bad], switch), tmp_path / "ctl.sqlite")
+    running = Running(_topology_with([ps, bad], switch), tmp_path / "ctl.sqlite", ps_timeout=PS_TIMEOUT)
     try:
         data = [np.full(500, w + 1, dtype=np.float32) for w in range(2)]
         for job in ("first", "second"):  # the second join finds the failed PS marked down: no wait
@@ -256,7 +266,7 @@ def test_with_no_aggregator_left_the_error_names_every_one_tried(full_ps, tmp_pa
     down = {"data": f"127.0.0.1:{closed_port()}", "control": f"tcp://127.0.0.1:{closed_port()}"}
     hanging = HangingPs()
     running = Running(_topology_with([down, {"data": hanging.data, "control": hanging.control}, full_ps], True),
-                      tmp_path / "ctl.sqlite", join_timeout=30)
+                      tmp_path / "ctl.sqlite", join_timeout=30, ps_timeout=PS_TIMEOUT)
     try:
         results = run_workers(running.endpoint, "doomed", 1, [np.ones(10, np.float32)])
         assert isinstance(results[0], ControllerError)
@@ -264,7 +274,21 @@ def test_with_no_aggregator_left_the_error_names_every_one_tried(full_ps, tmp_pa
         assert "no aggregator can take the group" in message and "switch unreachable" in message
         for control in (down["control"], hanging.control, full_ps["control"]):
             assert control in message
+        assert f"within {PS_TIMEOUT:g} s" in message  # the controller's --ps-timeout, not the 5 s default
         assert ask(running.endpoint, "status")["jobs"] == []  # nothing half-allocated
     finally:
         running.stop()
         hanging.close()
+
+
+@pytest.mark.parametrize("option", ["ps_timeout", "check_timeout"])
+def test_the_ps_timeouts_must_be_positive(tmp_path, capsys, option):
+    topology = {"ps": [{"data": "127.0.0.1:1", "control": "tcp://127.0.0.1:1"}]}
+    with pytest.raises(ValueError, match="timeout must be positive; got 0"):
+        controller(Topology.from_dict(topology), tmp_path / "ctl.sqlite", **{option: 0.0})
+    # the command line's --ps-timeout / --check-timeout reach the same check
+    (tmp_path / "topo.json").write_text(json.dumps(topology))
+    flag = "--" + option.replace("_", "-")
+    assert controller_main(["--topology", str(tmp_path / "topo.json"), "--store", str(tmp_path / "cli.sqlite"),
+                            "--listen", "tcp://127.0.0.1:*", flag, "0"]) == 2
+    assert "timeout must be positive; got 0" in capsys.readouterr().err

@@ -113,15 +113,28 @@ def test_the_embedded_ps_is_one_option_away():
     assert stderr.count(ANNOUNCEMENT) == 1, stderr[-3000:]  # said once, by rank 0
 
 
+def forked_one_server(ranks: int, scenario: str, **env: str) -> tuple[list[dict], str]:
+    """``torchrun_standalone``'s run with the environment torchrun gives its ranks on one server
+    (cluster.local.rank_env), the ranks forked from a process that imported torch already."""
+    procs = launch_ranks([*WORKER, scenario], 1, ranks, {"PASSING_TIMEOUT": "20", "PASSING_REPORT_INTERVAL": "0.2",
+                                                         **env}, popen_for_server=torch_ranks)
+    outcomes = collect(procs, 170)
+    for rank, (rc, report, stderr) in enumerate(outcomes):
+        assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
+    return [report for _, report, _ in outcomes], "".join(stderr for _, _, stderr in outcomes)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("scheme", ["passing", "psring"])
 def test_one_server_has_no_network_stage(scheme):
     """`torchrun --standalone` with the in-host schemes: every rank is on one server, so all_reduce is
     gloo's own (bit for bit, SUM and AVG, sync and async); no controller is contacted (a configured one
     that does not answer is no error), no aggregator starts, no socket or thread of PASSING's exists, and
-    rank 0 says why, once."""
-    for env in ({}, {"PASSING_CONTROLLER": f"tcp://127.0.0.1:{free_tcp_port()}", "PASSING_JOIN_TIMEOUT": "1"}):
-        reports, stderr = torchrun_standalone(2, "one_server", PASSING_SCHEME=scheme, **env)
+    rank 0 says why, once. torchrun itself launches the run without a controller; the run with one that
+    does not answer has torchrun's environment, its ranks forked (a torchrun costs 6 s of imports)."""
+    for launch, env in ((torchrun_standalone, {}), (forked_one_server, {
+            "PASSING_CONTROLLER": f"tcp://127.0.0.1:{free_tcp_port()}", "PASSING_JOIN_TIMEOUT": "1"})):
+        reports, stderr = launch(2, "one_server", PASSING_SCHEME=scheme, **env)
         assert len(reports) == 2
         for r in reports:
             assert r["mode"] == "in-host" and "one server" in r["reason"], r

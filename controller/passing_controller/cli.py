@@ -12,6 +12,7 @@ import zmq
 
 from . import keys, metrics, rpc, top
 from .p4runtime import Pipeline
+from .ps_control import CHECK_TIMEOUT, REQUEST_TIMEOUT
 from .service import PROTOCOL_VERSION, Controller
 from .store import StoreError
 from .topology import Topology, TopologyError
@@ -31,6 +32,11 @@ def controller_main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys", type=Path, help=KEYS_HELP)
     p.add_argument("--join-timeout", type=float, default=60.0)
     p.add_argument("--pool", type=int, default=256, help="slots per group unless a join asks otherwise")
+    p.add_argument("--ps-timeout", type=float, default=REQUEST_TIMEOUT, metavar="SECONDS",
+                   help="a PS that does not answer a request (add_job, ...) this soon is down (default %(default)g)")
+    p.add_argument("--check-timeout", type=float, default=CHECK_TIMEOUT, metavar="SECONDS",
+                   help="a silent group's PS that does not answer the liveness check this soon is down; also "
+                   "the bound of a PS counter read (default %(default)g)")
     p.add_argument("--metrics", metavar="ADDR:PORT", help="serve Prometheus metrics over HTTP here (docs/control.md)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -51,7 +57,7 @@ def controller_main(argv: list[str] | None = None) -> int:
         topo = Topology.load(args.topology)
         pipeline = Pipeline(args.p4info, args.device_config) if args.p4info else None
         ctl = Controller(topo, pipeline, args.store, args.listen, server_keys, aggregator_key, args.join_timeout,
-                         args.pool)
+                         args.pool, ps_timeout=args.ps_timeout, check_timeout=args.check_timeout)
     except (TopologyError, StoreError, keys.KeysError, OSError, ValueError, zmq.ZMQError) as e:
         print(f"passing-controller: error: {e}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ from .keys import matches
 from .membership import AGGREGATOR_CHOICES, MAX_GROUP, MAX_WORKERS, Membership
 from .p4runtime import SwitchError
 from .placement import AGGREGATOR_RETRY_SECONDS, Placement
-from .ps_control import CHECK_TIMEOUT, PsControl
+from .ps_control import PsControl
 from .schema import RequestError
 from .serve import InPool, Reply
 from .state import PendingGroup, State
@@ -171,7 +171,7 @@ class Failover:
                     return f"switch unreachable: {e}"
             return None
         try:
-            self.ps.request(r.aggregator["control"], "ping", timeout=CHECK_TIMEOUT)
+            self.ps.request(r.aggregator["control"], "ping", timeout=self.ps.check_timeout)
         except (OSError, RequestError) as e:
             return f"PS {r.aggregator['control']}: {e}"
         return None

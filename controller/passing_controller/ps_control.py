@@ -12,13 +12,21 @@ from .topology import PsEndpoint, Topology
 
 PS_CONTROL_VERSION = 3  # the software aggregator's control channel (docs/protocol.md)
 CHECK_TIMEOUT = 2.0  # seconds a PS may take to answer the liveness check of a silent group, or a counter read
+REQUEST_TIMEOUT = 5.0  # seconds a PS may take to answer any other request (ping at placement, add_job, remove_job)
 
 
 class PsControl:
-    def __init__(self, topo: Topology, keys: ServerKeys, aggregator_key: bytes | None) -> None:
+    def __init__(self, topo: Topology, keys: ServerKeys, aggregator_key: bytes | None,
+                 request_timeout: float = REQUEST_TIMEOUT, check_timeout: float = CHECK_TIMEOUT) -> None:
         """``keys``: the controller's own key pair; ``aggregator_key``: the public key of the
-        software aggregators that the topology does not give one for."""
+        software aggregators that the topology does not give one for; ``request_timeout`` and
+        ``check_timeout``: how long a PS may take to answer a request, and a liveness check or a
+        counter read (the controller's --ps-timeout and --check-timeout)."""
+        for name, value in (("PS request timeout", request_timeout), ("PS check timeout", check_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive; got {value}")
         self.topo, self.keys, self.aggregator_key = topo, keys, aggregator_key
+        self.request_timeout, self.check_timeout = request_timeout, check_timeout
 
     def endpoint(self, control: str) -> PsEndpoint:
         return next(p for p in self.topo.ps if p.control == control)
@@ -32,10 +40,11 @@ class PsControl:
                                "directory has no aggregator.key")
         return ClientKeys(server, self.keys.public, self.keys.secret)
 
-    def request(self, control: str, cmd: str, timeout: float = 5.0, **fields: Any) -> dict:
-        """One request to a software aggregator's control channel (docs/protocol.md)."""
-        reply = rpc.call(control, {"version": PS_CONTROL_VERSION, "cmd": cmd, **fields}, timeout,
-                         self.client_keys(control))
+    def request(self, control: str, cmd: str, timeout: float | None = None, **fields: Any) -> dict:
+        """One request to a software aggregator's control channel (docs/protocol.md), answered
+        within ``timeout`` seconds (default: ``request_timeout``)."""
+        reply = rpc.call(control, {"version": PS_CONTROL_VERSION, "cmd": cmd, **fields},
+                         self.request_timeout if timeout is None else timeout, self.client_keys(control))
         if not reply.get("ok"):
             raise RequestError(f"software aggregator {control} refused {cmd}: {reply.get('error')}")
         return reply

@@ -10,7 +10,7 @@ from typing import Any
 
 from . import counters
 from .p4runtime import SwitchError
-from .ps_control import CHECK_TIMEOUT, PsControl
+from .ps_control import PsControl
 from .schema import RequestError
 from .state import State
 from .store import Record
@@ -104,7 +104,7 @@ class Readout:
         errors: dict[str, str] = {}
         for control in sorted({r.aggregator["control"] for r in records if r.mode == "ps"}):
             try:
-                answers[control] = self.ps.request(control, "stats", timeout=CHECK_TIMEOUT)["jobs"]
+                answers[control] = self.ps.request(control, "stats", timeout=self.ps.check_timeout)["jobs"]
             except (OSError, RequestError) as e:  # a PS that does not answer shows no counters, the rest do
                 errors[control] = str(e)
                 log.warning("PS %s: %s", control, e)

@@ -28,7 +28,7 @@ from .keys import ServerKeys
 from .membership import Membership
 from .p4runtime import Pipeline
 from .placement import MAX_POOL, Placement
-from .ps_control import CHECK_TIMEOUT, PsControl
+from .ps_control import CHECK_TIMEOUT, REQUEST_TIMEOUT, PsControl
 from .readout import Readout
 from .schema import RequestError, Unauthorized
 from .serve import PROTOCOL_VERSION, Server
@@ -46,15 +46,18 @@ OPERATOR_COMMANDS = WORKER_COMMANDS | {"status", "stats", "metrics"}
 class Controller:
     def __init__(self, topology: Topology, pipeline: Pipeline | None, store: str | Path, listen: str,
                  keys: ServerKeys, aggregator_key: bytes | None = None, join_timeout: float = 60.0,
-                 default_pool: int = 256, switch_timeout: float = 5.0) -> None:
+                 default_pool: int = 256, switch_timeout: float = 5.0, ps_timeout: float = REQUEST_TIMEOUT,
+                 check_timeout: float = CHECK_TIMEOUT) -> None:
         """``keys``: the controller's key pair and the clients it admits, with their roles;
         ``aggregator_key``: the public key of the software aggregators that the topology does
-        not give one for."""
+        not give one for; ``ps_timeout``: seconds a PS may take to answer a request (placement's
+        ping, add_job, remove_job); ``check_timeout``: to answer the liveness check of a silent
+        group or a counter read (docs/control.md)."""
         if not 1 <= default_pool <= MAX_POOL:
             raise ValueError(f"default pool {default_pool} outside 1..{MAX_POOL}")
         self.state = State(store, topology.slots, [ps.control for ps in topology.ps])
         self.switch = SwitchLink(topology, pipeline, switch_timeout, self.state)
-        self.ps = PsControl(topology, keys, aggregator_key)
+        self.ps = PsControl(topology, keys, aggregator_key, ps_timeout, check_timeout)
         self.readout = Readout(topology, self.state, self.switch, self.ps)
         self.placement = Placement(topology, self.state, self.switch, self.ps, self.readout, default_pool)
         self.switch.connect()

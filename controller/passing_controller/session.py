@@ -149,10 +149,11 @@ class Switch:
 
     # ---- reads -------------------------------------------------------------------------
 
-    def read(self, entity: p4runtime_pb2.Entity) -> list[p4runtime_pb2.Entity]:
+    def read(self, *entities: p4runtime_pb2.Entity) -> list[p4runtime_pb2.Entity]:
+        """Every entity matching any of ``entities``, in one ReadRequest."""
         req = p4runtime_pb2.ReadRequest()
         req.device_id = self.device_id
-        req.entities.append(entity)
+        req.entities.extend(entities)
         try:
             return [e for response in self.client.stub.Read(req, timeout=self.timeout) for e in response.entities]
         except grpc.RpcError as e:
@@ -168,6 +169,19 @@ class Switch:
         entity = p4runtime_pb2.Entity()
         entity.counter_entry.counter_id = self._info().counter(counter).preamble.id
         return {e.counter_entry.index.index: e.counter_entry.data.packet_count for e in self.read(entity)}
+
+    def read_counter_cells(self, cells: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """(counter, index) -> packet count of the given cells, in one read. A whole counter costs
+        BMv2 a read of each of its cells (about 20 ms for 1024); a cell alone, well under 1 ms."""
+        entities = []
+        for counter, index in cells:
+            entity = p4runtime_pb2.Entity()
+            entity.counter_entry.counter_id = self._info().counter(counter).preamble.id
+            entity.counter_entry.index.index = index
+            entities.append(entity)
+        names = {self._info().counter(counter).preamble.id: counter for counter, _ in cells}
+        return {(names[e.counter_entry.counter_id], e.counter_entry.index.index): e.counter_entry.data.packet_count
+                for e in (self.read(*entities) if entities else [])}
 
     def read_multicast_groups(self) -> list[p4runtime_pb2.Entity]:
         entity = p4runtime_pb2.Entity()
