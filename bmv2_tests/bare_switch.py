@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from .network import stop_process
+
 CLONE_NEWNET = 0x40000000
 ETH_P_ALL = 0x0003
 THRIFT_PORT = 9090  # inside the namespace: no other switch there
@@ -239,11 +241,6 @@ class NamespacedSwitch:
         for s in self.sockets:
             s.close()
         if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            stop_process(self.process)
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True)  # its veths go with it
         shutil.rmtree(self.dir, ignore_errors=True)

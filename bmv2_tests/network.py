@@ -60,6 +60,16 @@ def free_tcp_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(process: subprocess.Popen) -> None:
+    """A switch process asked to stop, killed if it has not within 10 s, and reaped."""
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def host_mac(i: int) -> str:
     return f"02:00:00:00:00:{i:02x}"
 
@@ -125,11 +135,7 @@ def make_switch_class():
 
         def stop(self, deleteIntfs=True):
             if self.process is not None:
-                self.process.terminate()
-                try:
-                    self.process.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
+                stop_process(self.process)
                 self.process = None
             super().stop(deleteIntfs)
 

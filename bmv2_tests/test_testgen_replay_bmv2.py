@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from tests.conformance.testgen import masked_difference
+
 from .network import REPO
 
 if "testgen_vectors" not in sys.modules:  # p4/ is no package (`p4` is p4runtime's protobuf package)
@@ -50,22 +52,6 @@ def is_marker(port: int, frame: bytes) -> bool:
 
 def describe(frames: list[tuple[int, bytes]]) -> str:
     return "; ".join(f"port {p}: {f.hex()}" for p, f in frames) or "nothing"
-
-
-def masked_difference(expected: bytes, got: bytes, dont_care: list[list[int]]) -> str | None:
-    """Where ``got`` differs from ``expected`` outside the don't-care bits ([first bit, bits] each), or None."""
-    if len(got) != len(expected):
-        return f"{len(got)} bytes, expected {len(expected)}"
-    care = bytearray(b"\xff" * len(expected))
-    for first, width in dont_care:
-        for bit in range(first, first + width):
-            care[bit // 8] &= ~(0x80 >> (bit % 8)) & 0xFF
-    wrong = [i for i in range(len(expected)) if (expected[i] ^ got[i]) & care[i]]
-    if not wrong:
-        return None
-    i = wrong[0]
-    return (f"{len(wrong)} bytes differ, first at byte {i}: got {got[i:i + 16].hex()}, "
-            f"expected {expected[i:i + 16].hex()} (care mask {care[i:i + 16].hex()})")
 
 
 class Replay:

@@ -80,6 +80,7 @@ PROGRAMS = {
 TARGET_DEFINES = {"tofino": {"__TARGET_TOFINO__": 1}}  # p4c-barefoot defines it for tna.p4; p4testgen does not
 # tna.p4 and its Tofino includes come with the Tofino backend's sources (docs/tofino.md)
 TARGET_INCLUDES = {"tofino": ("backends/tofino/bf-p4c/p4include",)}
+P4C_SOURCE = Path(os.environ.get("P4C_SOURCE", "/opt/src/p4c"))  # the p4c checkout P4Testgen was built from
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
@@ -243,7 +244,8 @@ def parse_ptf(text: str, deparser: str | None = None) -> list[dict]:
     """Every test of a P4Testgen PTF file (of the tofino or the bmv2 target), in test order; with ``deparser``,
     each test also carries ``ingress`` (ingress_of) from its trace."""
     tests = []
-    traces = {int(m[1]): m[2] for m in re.finditer(r"class Test(\d+)\(.*?'{3}(.*?)'{3}", text, flags=re.S)}
+    traces = {int(m[1]): m[2] for m in re.finditer(r"class Test(\d+)\(.*?'{3}(.*?)'{3}", text, flags=re.S)} \
+        if deparser is not None else {}
     text = re.sub(r"'{3}.*?'{3}", "", text, flags=re.S)  # the path traces: megabytes each, not kept
     for cls in ast.parse(text).body:
         match = re.fullmatch(r"Test(\d+)", cls.name) if isinstance(cls, ast.ClassDef) else None
@@ -325,8 +327,7 @@ def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines
     tool = shutil.which("p4testgen")
     if tool is None:
         sys.exit("make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)")
-    source_root = Path(os.environ.get("P4C_SOURCE", "/opt/src/p4c"))
-    includes = [f"-I{source_root / d}" for d in TARGET_INCLUDES.get(program.target, ())]
+    includes = [f"-I{P4C_SOURCE / d}" for d in TARGET_INCLUDES.get(program.target, ())]
     with tempfile.TemporaryDirectory(prefix="passing-testgen-") as out:
         args = [tool, "--target", program.target, "--arch", program.arch, "--std", "p4-16", *includes,
                 *[f"-D{k}={v}" for k, v in {**TARGET_DEFINES.get(program.target, {}), **defines,
@@ -389,8 +390,7 @@ def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int
 
 def _p4c_commit() -> str | None:
     """The p4c checkout P4Testgen was built from (its --version says "<null>")."""
-    source_root = os.environ.get("P4C_SOURCE", "/opt/src/p4c")
-    done = subprocess.run(["git", "-C", source_root, "rev-parse", "HEAD"], capture_output=True, text=True)
+    done = subprocess.run(["git", "-C", str(P4C_SOURCE), "rev-parse", "HEAD"], capture_output=True, text=True)
     return done.stdout.strip() or None
 
 
@@ -408,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tests", type=int, default=0, help="0: until every path is explored")
     gen.add_argument("--seed", type=int, default=1)
     gen.add_argument("--lanes", type=int, default=64, help="PASSING_LANES of the program")
-    gen.add_argument("--log", type=Path, help="write p4testgen's whole output there (e.g. with --print-coverage)")
+    gen.add_argument("--log", type=Path,
+                     help="write p4testgen's whole output there (LOG.<run> for each run of a program of several)")
     sub.add_parser("check", help="exit 1 when a vector file is missing or stale")
     args, extra = parser.parse_known_args(argv)  # generate: what this parser does not know goes to p4testgen
     extra = [a for a in extra if a != "--"]

@@ -173,13 +173,14 @@ class Switch:
     def read_counter_cells(self, cells: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """(counter, index) -> packet count of the given cells, in one read. A whole counter costs
         BMv2 a read of each of its cells (about 20 ms for 1024); a cell alone, well under 1 ms."""
+        ids = {counter: self._info().counter(counter).preamble.id for counter, _ in cells}
         entities = []
         for counter, index in cells:
             entity = p4runtime_pb2.Entity()
-            entity.counter_entry.counter_id = self._info().counter(counter).preamble.id
+            entity.counter_entry.counter_id = ids[counter]
             entity.counter_entry.index.index = index
             entities.append(entity)
-        names = {self._info().counter(counter).preamble.id: counter for counter, _ in cells}
+        names = {counter_id: counter for counter, counter_id in ids.items()}
         return {(names[e.counter_entry.counter_id], e.counter_entry.index.index): e.counter_entry.data.packet_count
                 for e in (self.read(*entities) if entities else [])}
 

@@ -286,19 +286,22 @@ def free_udp_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     ports: list[int] = []
     for _ in range(100 * count + 100):
         if len(ports) == count:
-            return ports
+            break
         port = rng.choice(candidates)
-        if port in ports:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        ports.append(port)
-    if len(ports) == count:
-        return ports
-    raise OSError(f"found only {len(ports)} of {count} free UDP ports on {host}")
+        if port not in ports and _udp_port_free(host, port):
+            ports.append(port)
+    if len(ports) < count:
+        raise OSError(f"found only {len(ports)} of {count} free UDP ports on {host}")
+    return ports
+
+
+def _udp_port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _kernel_chosen_udp_ports(count: int, host: str) -> list[int]:

@@ -282,28 +282,46 @@ def _table_hit(vector: dict, table: str, key: str, value: int) -> dict | None:
     return None
 
 
+def _to_aggregator(vector: dict, p: Parsed) -> bool:
+    """A UDP datagram to PASSING's port at an address the aggregator_address table holds."""
+    udp, ip = p.headers.get("udp_h"), p.headers.get("ipv4_h")
+    return udp is not None and udp["dst_port"] == wire.UDP_PORT \
+        and _table_hit(vector, "aggregator_address", "ip", ip["dst_addr"]) is not None
+
+
+def _l2(vector: dict, p: Parsed) -> tuple[str, int | None]:
+    """What l2_forward does with a frame: ("forward", port), ("flood", None) or ("drop", None); a miss is
+    its default drop, a forward to port 511 a drop on both targets."""
+    entry = _table_hit(vector, "l2_forward", "dst_addr", p.headers["ethernet_h"]["dst_addr"])
+    action = entry["action"].split(".")[-1] if entry else "drop"
+    if action == "forward" and _params(entry)["port"] != DROP_PORT:
+        return "forward", _params(entry)["port"]
+    return ("flood" if action == "flood" else "drop"), None
+
+
+def _aggregated_kind(hdr: dict | None) -> bool:
+    """A whole DATA, GATHER or NACK of this version: what the aggregator takes (anything else is malformed)."""
+    return hdr is not None and hdr["version"] == wire.VERSION and hdr["type"] in (wire.DATA, wire.GATHER, wire.NACK)
+
+
 def first_pass(vector: dict, lanes: int) -> Expected:
     raw = bytes.fromhex(vector["input"]["packet"])
     port = int(vector["input"]["port"])
     p = parse(raw, lanes)
     if p.error:
         return Expected("parser error: malformed, dropped", "drop")
-    udp, ip = p.headers.get("udp_h"), p.headers.get("ipv4_h")
-    to_aggregator = udp is not None and udp["dst_port"] == wire.UDP_PORT \
-        and _table_hit(vector, "aggregator_address", "ip", ip["dst_addr"]) is not None
     headers = dict(p.headers)
     headers["bridged_h"] = _bridged(port)
-    if not to_aggregator:
-        entry = _table_hit(vector, "l2_forward", "dst_addr", p.headers["ethernet_h"]["dst_addr"])
-        action = entry["action"].split(".")[-1] if entry else "drop"
-        if action == "forward" and _params(entry)["port"] != DROP_PORT:
-            return Expected("l2: forwarded", "port", _params(entry)["port"], headers, p.lanes)
+    if not _to_aggregator(vector, p):
+        action, out = _l2(vector, p)
+        if action == "forward":
+            return Expected("l2: forwarded", "port", out, headers, p.lanes)
         if action == "flood":
             headers["bridged_h"]["flood"] = 1
             return Expected("l2: flooded", "multicast", None, headers, p.lanes)
-        return Expected("l2: " + ("dropped" if entry else "unknown destination, dropped"), "drop")
+        return Expected("l2: dropped", "drop")
     hdr = p.headers.get("passing_h")
-    if hdr is None or hdr["version"] != wire.VERSION or hdr["type"] not in (wire.DATA, wire.GATHER, wire.NACK):
+    if not _aggregated_kind(hdr):
         return Expected("malformed: not a whole DATA, GATHER or NACK of the program's lanes", "drop")
     job = job_view(vector, hdr["job"], hdr["generation"], hdr["worker"], port)
     if hdr["type"] != wire.DATA:
@@ -321,7 +339,7 @@ def first_pass(vector: dict, lanes: int) -> Expected:
     if not results:
         return Expected(f"the state machine drops it ({', '.join(verdict)})", "drop")
     multicast = results[0][2]
-    worker, result, _ = next(r for r in results if r[1][1] == wire.RESULT or not r[2])
+    _, result, _ = next(r for r in results if r[1][1] == wire.RESULT or not r[2])
     sums = list(struct.unpack_from(f">{lanes}I", result, wire.HEADER_SIZE)) if len(result) > wire.HEADER_SIZE \
         else None
     same_round = state.epoch == job.spec.epoch and state.tag == hdr["psn"]
@@ -463,21 +481,17 @@ def v1model_expect(vector: dict, lanes: int) -> tuple[str, int | None, bytes | N
     p = parse(raw, lanes)
     if p.error:
         return "parser error: malformed, dropped", None, None
-    udp, ip = p.headers.get("udp_h"), p.headers.get("ipv4_h")
-    to_aggregator = udp is not None and udp["dst_port"] == wire.UDP_PORT \
-        and _table_hit(vector, "aggregator_address", "ip", ip["dst_addr"]) is not None
-    if not to_aggregator:
-        entry = _table_hit(vector, "l2_forward", "dst_addr", p.headers["ethernet_h"]["dst_addr"])
-        action = entry["action"].split(".")[-1] if entry else "drop"
-        if action != "forward" or _params(entry)["port"] == DROP_PORT:
+    if not _to_aggregator(vector, p):
+        action, out = _l2(vector, p)
+        if action != "forward":
             return f"l2: {action}, no unicast port", None, None
         packet = raw
-        if ip is not None:  # the deparser writes the IPv4 checksum of every IPv4 packet
+        if "ipv4_h" in p.headers:  # the deparser writes the IPv4 checksum of every IPv4 packet
             header = raw[ETH:ETH + IPV4]
             packet = raw[:ETH + 10] + struct.pack(">H", ipv4_checksum(header)) + raw[ETH + 12:]
-        return "l2: forwarded", _params(entry)["port"], packet
+        return "l2: forwarded", out, packet
     hdr = p.headers.get("passing_h")
-    if hdr is None or hdr["version"] != wire.VERSION or hdr["type"] not in (wire.DATA, wire.GATHER, wire.NACK):
+    if not _aggregated_kind(hdr):
         return "malformed: dropped", None, None
     job = job_view(vector, hdr["job"], hdr["generation"], hdr["worker"], port)
     # v1model multicasts in the pass that decides: with group 0 a relay or a completion goes to port 0
@@ -516,16 +530,24 @@ def v1model_check(vector: dict, lanes: int) -> str:
         raise Divergence(f"{rule}: to port {port}, the program drops it")
     if got["port"] != port:
         raise Divergence(f"{rule}: to port {port}, the program sends it to port {got['port']}")
-    have = bytes.fromhex(got["packet"])
-    if len(have) != len(packet):
-        raise Divergence(f"{rule}: {len(have)} bytes, the protocol says {len(packet)}")
-    care = np.ones(len(packet) * 8, dtype=bool)
-    for start, width in got.get("dont_care_bits", []):
-        care[start:start + width] = False
-    a = np.unpackbits(np.frombuffer(have, np.uint8))
-    b = np.unpackbits(np.frombuffer(packet, np.uint8))
-    wrong = np.flatnonzero(care & (a != b))
-    if wrong.size:
-        first = int(wrong[0]) // 8
-        raise Divergence(f"{rule}: byte {first} is {have[first]:#04x}, the protocol says {packet[first]:#04x}")
+    difference = masked_difference(packet, bytes.fromhex(got["packet"]), got["dont_care_bits"])
+    if difference is not None:
+        raise Divergence(f"{rule}: the program's packet, against the protocol's: {difference}")
     return rule
+
+
+def masked_difference(expected: bytes, got: bytes, dont_care: list[list[int]]) -> str | None:
+    """Where ``got`` differs from ``expected`` outside the don't-care bits ([first bit, bits] each, as P4Testgen
+    writes them), or None."""
+    if len(got) != len(expected):
+        return f"{len(got)} bytes, expected {len(expected)}"
+    care = np.ones(len(expected) * 8, dtype=bool)
+    for first, width in dont_care:
+        care[first:first + width] = False
+    wrong = np.flatnonzero(care & (np.unpackbits(np.frombuffer(got, np.uint8))
+                                   != np.unpackbits(np.frombuffer(expected, np.uint8))))
+    if not wrong.size:
+        return None
+    i = int(wrong[0]) // 8
+    return (f"{len(np.unique(wrong // 8))} bytes differ, first at byte {i}: got {got[i:i + 16].hex()}, "
+            f"expected {expected[i:i + 16].hex()}")
