@@ -1,26 +1,52 @@
 """An FSDP step's communication on backend "passing" against gloo, in the same rank processes.
 
     python bench/fsdp_comm.py [--servers 4] [--ranks 2] [--params 1048576] [--iterations 7]
+    sudo .venv/bin/python bench/fsdp_comm.py --emulated [--factor 100] [--configs 4x2 8x1]
 
 FSDP2 (fully_shard, resharding after forward) moves, per step and per parameter of the model, an
-all_gather in forward, an all_gather in backward and a reduce_scatter of the gradients; this times
-exactly that (2 x all_gather_into_tensor + reduce_scatter_tensor of ``params`` float32) on s
-servers x n ranks on loopback, PASSING through a software aggregator behind a PS-only controller
-(cluster.local), alternating with gloo's in the same processes; prints the medians and their
-ratio and writes bench/results/fsdp_comm.json.
+all_gather in forward, an all_gather in backward and a reduce_scatter of the gradients; in backward
+it issues the next layer's all_gather while the previous layer's reduce_scatter runs. Each rank
+times, alternating PASSING's calls with gloo's in the same processes:
+
+* each collective alone (``all_gather_into_tensor``, ``reduce_scatter_tensor`` of ``params``
+  float32), and, in the emulated cluster, the bytes each server's link carried up and down per call
+  (its eth0 counters, read by the server's local rank 0 between barriers);
+* a step: the forward all_gather, then the backward all_gather and the reduce_scatter issued
+  together (``async_op=True``) and both waited for. PASSING runs a group's collectives in issue
+  order on one thread (docs/torch.md), so it cannot overlap them; gloo's two threads per group can.
+
+Loopback (the default): s servers x n ranks on one machine, PASSING through a software aggregator
+behind a PS-only controller (cluster.local). ``--emulated`` (root): the emulated cluster of
+bench/emulated.py, every server behind a tbf-limited link (the paper's 10 Gbit/s divided by
+``--factor``), PASSING through the software aggregator that stands for the switch (in the switch
+namespace, no link limit of its own, the switch's 64-lane packets), gloo over the same links.
+Writes bench/results/fsdp_comm.json (loopback) or fsdp_comm-emulated.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results" / "fsdp_comm.json"
+RESULTS = REPO / "bench" / "results"
+IFACE_ENV = "PASSING_BENCH_IFACE"  # the server's link, whose counters local rank 0 reads (emulated cluster)
+
+
+def link_bytes() -> tuple[int, int] | None:
+    """(bytes sent, bytes received) on this server's link, or None outside the emulated cluster."""
+    iface = os.environ.get(IFACE_ENV)
+    if not iface:
+        return None
+    stats = Path("/sys/class/net") / iface / "statistics"
+    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
 def worker(params: int, iterations: int) -> None:
@@ -37,62 +63,189 @@ def worker(params: int, iterations: int) -> None:
     gathered = torch.empty(shard * world)
     grads = torch.randn(shard * world)
     reduced = torch.empty(shard)
-    times: dict[str, list[float]] = {f"{b}{part}": [] for b in ("passing", "gloo") for part in ("", "_ag", "_rs")}
+    groups = (("passing", None), ("gloo", gloo))
+
+    def collective(kind: str, group: Any, async_op: bool = False) -> Any:
+        if kind == "all_gather":
+            return dist.all_gather_into_tensor(gathered, piece, group=group, async_op=async_op)
+        return dist.reduce_scatter_tensor(reduced, grads, group=group, async_op=async_op)
+
+    # each collective alone: one warm-up, then timed calls after a barrier each; link bytes per call
+    alone: dict[str, Any] = {}
+    for name, group in groups:
+        for kind in ("all_gather", "reduce_scatter"):
+            collective(kind, group)
+            dist.barrier(group=gloo)
+            before, seconds = link_bytes(), []
+            for _ in range(iterations):
+                dist.barrier(group=gloo)
+                start = time.perf_counter()
+                collective(kind, group)
+                seconds.append(time.perf_counter() - start)
+            dist.barrier(group=gloo)
+            after = link_bytes()
+            moved = None if before is None or after is None else {
+                "up": (after[0] - before[0]) / iterations, "down": (after[1] - before[1]) / iterations}
+            alone[f"{name}_{kind}"] = {"median_s": statistics.median(seconds), "link_bytes_per_call": moved}
+
+    # a step: forward all_gather; backward all_gather and reduce_scatter issued together
+    steps: dict[str, list[float]] = {name: [] for name, _ in groups}
     for i in range(iterations + 1):  # the first of each: warm-up
-        for name, group in (("passing", None), ("gloo", gloo)):
+        for name, group in groups:
             dist.barrier(group=gloo)
             start = time.perf_counter()
-            dist.all_gather_into_tensor(gathered, piece, group=group)  # forward
-            dist.all_gather_into_tensor(gathered, piece, group=group)  # backward
-            gathered_at = time.perf_counter()
-            dist.reduce_scatter_tensor(reduced, grads, group=group)
+            collective("all_gather", group)
+            works = [collective("all_gather", group, async_op=True), collective("reduce_scatter", group, async_op=True)]
+            for work in works:
+                work.wait()
             if i:
-                end = time.perf_counter()
-                times[name].append(end - start)
-                times[f"{name}_ag"].append((gathered_at - start) / 2)
-                times[f"{name}_rs"].append(end - gathered_at)
+                steps[name].append(time.perf_counter() - start)
     pg = dist.distributed_c10d._get_default_group()
-    report = {"mode": pg.mode, "medians": {k: statistics.median(v) for k, v in times.items()}, "times": times}
+    report = {"mode": pg.mode, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "alone": alone,
+              "step_median_s": {k: statistics.median(v) for k, v in steps.items()}, "steps_s": steps,
+              "transport": pg.transport_stats()}
     dist.destroy_process_group()
     print(json.dumps(report), flush=True)
+
+
+def physics(servers: int, size: int) -> dict[str, dict[str, float]]:
+    """Per-server payload bytes (docs/protocol.md, Kinds; S = the tensor's bytes, N servers, in-host stage first),
+    and what gloo moves on a server's link with its ranks adjacent in a ring of W: an all_gather (W-1)/W S each
+    way, a reduce_scatter an all_reduce (gloo has no reduce-scatter of its own) 2 (W-1)/W S."""
+    n = servers
+    return {"all_gather": {"up": size / n, "down": size * (n - 1) / n},
+            "reduce_scatter": {"up": size, "down": size / n}}
+
+
+def summarize(outcomes: list[dict[str, Any]], servers: int, ranks: int, params: int) -> dict[str, Any]:
+    """Medians over the ranks (each a median over its calls); link bytes per server from each local rank 0."""
+    size = params * 4
+    alone = {}
+    for key in outcomes[0]["alone"]:
+        entry: dict[str, Any] = {"median_s": statistics.median(r["alone"][key]["median_s"] for r in outcomes)}
+        moved = [r["alone"][key]["link_bytes_per_call"] for r in outcomes if r["local_rank"] == 0]
+        if moved and moved[0] is not None:
+            entry["link_up_per_server"] = statistics.median(m["up"] for m in moved)
+            entry["link_down_per_server"] = statistics.median(m["down"] for m in moved)
+            if key.startswith("passing_"):
+                kind = key.removeprefix("passing_")
+                entry["up_over_physics"] = entry["link_up_per_server"] / physics(servers, size)[kind]["up"]
+                entry["down_over_physics"] = entry["link_down_per_server"] / physics(servers, size)[kind]["down"]
+        alone[key] = entry
+    step = {name: statistics.median(r["step_median_s"][name] for r in outcomes) for name in ("passing", "gloo")}
+    return {"servers": servers, "ranks": ranks, "params": params, "tensor_bytes": size, "mode": outcomes[0]["mode"],
+            "alone": alone, "step_s": step, "gloo_over_passing": step["gloo"] / step["passing"],
+            "retransmissions": sum(r["transport"].get("retransmissions", 0) for r in outcomes)}
+
+
+def line(r: dict[str, Any]) -> str:
+    a = r["alone"]
+    text = (f"{r['servers']}x{r['ranks']}, {r['params']} float32 ({r['mode']}): step PASSING "
+            f"{r['step_s']['passing'] * 1e3:.1f} ms, gloo {r['step_s']['gloo'] * 1e3:.1f} ms, gloo / PASSING = "
+            f"{r['gloo_over_passing']:.2f}; {r['retransmissions']} resent; alone (ms): ")
+    text += ", ".join(f"{k} {v['median_s'] * 1e3:.1f}" for k, v in a.items())
+    if "link_up_per_server" in a["passing_all_gather"]:
+        text += "; per server up/down, x S: " + ", ".join(
+            f"{k} {v['link_up_per_server'] / r['tensor_bytes']:.3f}/{v['link_down_per_server'] / r['tensor_bytes']:.3f}"
+            for k, v in a.items())
+    return text
+
+
+def check(outcomes: list[tuple[int, dict[str, Any] | None, str]]) -> list[dict[str, Any]]:
+    for rank, (rc, report, stderr) in enumerate(outcomes):
+        if rc != 0 or report is None:
+            raise SystemExit(f"rank {rank} failed ({rc}):\n{stderr[-3000:]}")
+    return [report for _, report, _ in outcomes]
+
+
+def worker_argv(args: argparse.Namespace, params: int) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--params", str(params),
+            "--iterations", str(args.iterations)]
+
+
+def run_loopback(args: argparse.Namespace) -> dict[str, Any]:
+    from cluster.local import LocalServices, collect, launch_ranks
+
+    with LocalServices() as services:
+        outcomes = check(collect(launch_ranks(worker_argv(args, args.params), args.servers, args.ranks,
+                                              {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": "60",
+                                               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}), 1800))
+    return summarize(outcomes, args.servers, args.ranks, args.params)
+
+
+def run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
+    sys.path.insert(0, str(REPO / "bench"))
+    import emulated
+
+    from cluster import netns
+    from cluster.local import launch_ranks
+
+    why = netns.available()
+    if why:
+        raise SystemExit(f"fsdp_comm: cannot make network namespaces ({why}); run as root")
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
+    rate = 10_000 / args.factor  # the paper's 10 Gbit/s link
+    params = args.params if args.params_given else round(emulated.MODELS["resnet50"][0] / args.factor)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="passing-fsdp-") as tmp:
+        cluster = emulated.Cluster(max(s for s, _ in configs), rate, Path(tmp), args.nice)
+        try:
+            for servers, ranks in configs:
+                env = {"PASSING_CONTROLLER": cluster.controllers["switch"], "PASSING_TIMEOUT": "120",
+                       "PASSING_POOL": str(emulated.pool_for(rate)), "GLOO_SOCKET_IFNAME": "eth0", IFACE_ENV: "eth0"}
+                in_server = lambda s: lambda a, **kw: cluster.popen(cluster.servers[s], a, **kw)  # noqa: E731
+                procs = launch_ranks(worker_argv(args, params), servers, ranks, env, popen_for_server=in_server,
+                                     master_host=cluster.net.hosts[cluster.servers[0]].ip)
+                outcomes = emulated.wait_all(procs, 1800)
+                reports = []
+                for rank, (code, out, err) in enumerate(outcomes):
+                    found = [ln for ln in out.splitlines() if ln.startswith("{")]
+                    if code != 0 or not found:
+                        raise SystemExit(f"rank {rank} of {servers}x{ranks} exited {code}:\n{err[-3000:]}")
+                    reports.append(json.loads(found[-1]))
+                r = summarize(reports, servers, ranks, params)
+                r.update({"factor": args.factor, "rate_mbit": rate, "pool": emulated.pool_for(rate),
+                          "aggregator": emulated.SWITCH_LABEL, "loadavg": open("/proc/loadavg").read().split()[:3]})
+                print(line(r), flush=True)
+                results.append(r)
+        finally:
+            cluster.stop()
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--params", type=int, default=1 << 20)
+    parser.add_argument("--params", type=int, help="float32 parameters (default 1 M; emulated: ResNet50 / factor)")
     parser.add_argument("--iterations", type=int, default=7)
+    parser.add_argument("--emulated", action="store_true", help="servers in network namespaces behind tbf links (root)")
+    parser.add_argument("--factor", type=float, default=100.0, help="emulated: divides the 10 Gbit/s link rate")
+    parser.add_argument("--configs", nargs="+", default=["4x2", "8x1"], help="emulated: servers x ranks")
+    parser.add_argument("--nice", type=int, default=-10, help="emulated: nice level of ranks and aggregators")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.params_given = args.params is not None
     if args.worker:
         worker(args.params, args.iterations)
         return
     sys.path.insert(0, str(REPO))
-    from cluster.local import LocalServices, collect, ensure_keys, launch_ranks
+    from cluster.local import ensure_keys
 
     ensure_keys()  # the controller, aggregator and workers authenticate (docs/security.md)
-
-    with LocalServices() as services:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--params", str(args.params),
-                "--iterations", str(args.iterations)]
-        outcomes = collect(launch_ranks(argv, args.servers, args.ranks,
-                                        {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": "60",
-                                         "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}), 1800)
-    for rank, (rc, report, stderr) in enumerate(outcomes):
-        if rc != 0 or report is None:
-            raise SystemExit(f"rank {rank} failed ({rc}):\n{stderr[-3000:]}")
-    medians = {k: statistics.median(r["medians"][k] for _, r, _ in outcomes) for k in outcomes[0][1]["medians"]}
-    passing, gloo = medians["passing"], medians["gloo"]
-    result = {"servers": args.servers, "ranks": args.ranks, "params": args.params, "iterations": args.iterations,
-              "mode": outcomes[0][1]["mode"], "medians_s": medians, "gloo_over_passing": gloo / passing}
-    print(f"{args.servers}x{args.ranks}, {args.params} float32 parameters ({outcomes[0][1]['mode']}): "
-          f"PASSING {passing * 1e3:.1f} ms (all_gather {medians['passing_ag'] * 1e3:.1f}, reduce_scatter "
-          f"{medians['passing_rs'] * 1e3:.1f}), gloo {gloo * 1e3:.1f} ms (all_gather {medians['gloo_ag'] * 1e3:.1f}, "
-          f"reduce_scatter {medians['gloo_rs'] * 1e3:.1f}) per step's communication (gloo / PASSING = "
-          f"{gloo / passing:.2f})")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    RESULTS.mkdir(exist_ok=True)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    if args.emulated:
+        runs = run_emulated(args)
+        out = RESULTS / "fsdp_comm-emulated.json"
+        out.write_text(json.dumps({"started": started, "runs": runs}, indent=2) + "\n")
+    else:
+        args.params = args.params or 1 << 20
+        result = run_loopback(args)
+        print(line(result), flush=True)
+        out = RESULTS / "fsdp_comm.json"
+        out.write_text(json.dumps({"started": started, **result}, indent=2) + "\n")
+    print(f"fsdp_comm: wrote {out}")
 
 
 if __name__ == "__main__":

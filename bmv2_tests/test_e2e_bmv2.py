@@ -327,3 +327,34 @@ def test_reduce_scatter_and_all_gather_through_bmv2(network, controller, tmp_pat
         assert counted["results_sent"] == workers * counted["completed"] + (workers - 1) * gathers, counted
     print(f"sharded on BMv2 ({engine}, drop {drop}): {counted['completed']} rounds, {counted['relayed']} relayed, "
           f"{counted['results_sent']} sent")
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_through_bmv2_trains_as_on_gloo(network, controller):
+    """An unmodified FSDP2 (fully_shard) training on backend "passing", 2 servers x 2 ranks in h1 and h2:
+    its reduce_scatter and all_gather go through the switch (OWNER_ONLY rounds, GATHERs relayed), the
+    switch's counters say so, and the losses are gloo's, step by step."""
+    from cluster.local import collect, launch_ranks
+
+    servers = ["h1", "h2"]
+    before = controller.ctl("stats")["switch_totals"]
+    # BMv2's queues hold 64 packets per port: windows of 16 keep a server's two groups within them
+    procs = launch_ranks([sys.executable, "-m", "tests.torch_sharded_worker", "fsdp", "30"], 2, 2,
+                         {"PASSING_CONTROLLER": CONTROLLER, "PASSING_POOL": "16", "PASSING_TIMEOUT": "60"},
+                         popen_for_server=lambda s: network.net.get(servers[s]).popen,
+                         env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": f"{servers[s]}-eth0"},
+                         master_host=network.net.get("h1").IP())
+    outcomes = collect(procs, 480)
+    for rank, (rc, report, stderr) in enumerate(outcomes):
+        assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
+    for _, r, _ in outcomes:
+        p, g = r["passing"], r["gloo"]
+        assert r["mode"] == "switch" and p["streamed"] and not g["streamed"], r
+        assert p["losses"][-1] < 0.8 * p["losses"][0], p["losses"]
+        for a, b in zip(p["losses"], g["losses"]):
+            assert abs(a - b) <= 1e-3 * max(abs(b), 1e-3), (p["losses"], g["losses"])
+    after = controller.ctl("stats")["switch_totals"]
+    counted = {k: after[k] - before[k] for k in after}
+    # the all_gathers' GATHERs were relayed and the reduce_scatters' (and completion) rounds completed
+    assert counted["relayed"] > 0 and counted["completed"] > 0, counted
+    assert counted["rejected"] == counted["malformed"] == 0, counted

@@ -3,15 +3,17 @@ processes against a software aggregator behind a PS-only controller, compared wi
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
 
-from cluster.local import collect, launch_ranks  # noqa: E402
+from cluster import netns  # noqa: E402
+from cluster.local import collect, launch_ranks, start_controller  # noqa: E402
 from tests.test_torch_backend import services  # noqa: E402, F401  (the fixture)
-from tests.zygote import torch_ranks  # noqa: E402
+from tests.zygote import torch_ranks, torch_ranks_in  # noqa: E402
 
 WORKER = [sys.executable, "-m", "tests.torch_sharded_worker"]
 
@@ -65,13 +67,44 @@ def test_after_a_failover_to_gloo_the_network_stage_is_gloo(services, servers, r
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("servers,ranks", [(2, 1), (2, 2)])
 def test_fsdp2_fully_shard_trains_as_on_gloo(services, servers, ranks):  # noqa: F811
-    for r in run(services, "fsdp", servers, ranks, "30", timeout=360):
+    check_fsdp_reports(run(services, "fsdp", servers, ranks, "30", timeout=360))
+
+
+def check_fsdp_reports(reports: list[dict]) -> None:
+    for r in reports:
         p, g = r["passing"], r["gloo"]
-        assert p["streamed"], "FSDP's collectives did not go through PASSING"
+        assert r["mode"] == "ps" and p["streamed"], "FSDP's collectives did not go through PASSING"
         assert not g["streamed"]
         assert p["losses"][-1] < 0.8 * p["losses"][0], p["losses"]  # it trains
         for a, b in zip(p["losses"], g["losses"]):
             assert abs(a - b) <= 1e-3 * max(abs(b), 1e-3), (p["losses"], g["losses"])
+
+
+@pytest.mark.timeout(400)
+def test_fsdp2_across_network_namespaces_trains_as_on_gloo(tmp_path):
+    """2 servers x 2 ranks, each server a network namespace, the PS and the controller in namespaces of their
+    own: FSDP2's reduce_scatter and all_gather cross the servers' links to the PS, gloo's over the same links."""
+    why = netns.available()
+    if why:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    names = ["server0", "server1", "ps", "ctl"]
+    with netns.EmulatedNetwork(names) as net:
+        ip = {n: net.hosts[n].ip for n in names}
+        ps = net.popen("ps", [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen",
+                              f"{ip['ps']}:9877", "--control", f"tcp://{ip['ps']}:9878"],
+                       stdout=subprocess.PIPE, text=True)
+        assert ps.stdout.readline(), "the aggregator did not start"
+        controller = f"tcp://{ip['ctl']}:9090"
+        start_controller({"ps": [{"data": f"{ip['ps']}:9877", "control": f"tcp://{ip['ps']}:9878"}]}, tmp_path,
+                         controller, popen=lambda argv, **kw: net.popen("ctl", argv, **kw))
+        servers = ["server0", "server1"]
+        procs = launch_ranks([*WORKER, "fsdp", "30"], 2, 2, {"PASSING_CONTROLLER": controller, "PASSING_TIMEOUT": "30"},
+                             popen_for_server=torch_ranks_in([net.hosts[n].namespace for n in servers]),
+                             env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"}, master_host=ip["server0"])
+        outcomes = collect(procs, 360)
+    for rank, (rc, report, stderr) in enumerate(outcomes):
+        assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
+    check_fsdp_reports([report for _, report, _ in outcomes])
 
 
 @pytest.mark.timeout(400)

@@ -135,6 +135,7 @@ def fsdp(steps: int) -> dict:
         sent = packets_sent()
         losses = train(model, optimizer, x, y, steps)
         out[name] = {"losses": losses, "streamed": packets_sent() > sent}
+    out["mode"] = dist.distributed_c10d._get_default_group().mode
     return out
 
 
