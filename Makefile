@@ -28,13 +28,18 @@ setup: $(STAMP)
 # many it left out); BMv2/Mininet tests skip with a reason when absent. test-all runs every test,
 # slow ones included: CI does (.ci/run).
 # pytest's exit 5 ("no tests collected") is a failure here, never a pass.
+# TEST_WORKERS: pytest-xdist processes (loadgroup: a module's tests stay together, the BMv2 suite is one
+# group; conftest.py). Much of the suite waits (timeouts a scenario is about, process start-up): two
+# workers on two cores take about two thirds of the time of one. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 test: $(STAMP)
 	$(PY) -m ruff check host controller tests bench bmv2_tests demo cluster p4
-	$(PY) -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test-all: $(STAMP)
 	$(PY) -m ruff check host controller tests bench bmv2_tests demo cluster p4
-	$(PY) -m pytest
+	$(PYTEST)
 
 lint: $(STAMP)
 	$(PY) -m ruff check host controller tests bench bmv2_tests demo cluster p4

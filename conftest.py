@@ -27,6 +27,14 @@ def pytest_configure(config):
     os.environ.setdefault("PASSING_JOB_SECRET", os.urandom(16).hex())
 
 
+def pytest_collection_modifyitems(config, items):
+    """Groups for pytest-xdist's loadgroup (the Makefile runs two workers): a module's tests stay on one
+    worker, so its module-scoped services start once, and the BMv2 suite is one group, one Mininet at a time."""
+    for item in items:
+        group = "bmv2" if item.nodeid.startswith("bmv2_tests/") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_deselected(items):
     if items:
         config = items[0].config
@@ -44,6 +52,15 @@ def pytest_terminal_summary(terminalreporter, config):
 
 def pytest_sessionfinish(session, exitstatus):
     session.config._passing_exitstatus = int(exitstatus)
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: the note is the controller's to print
+        session.config.workeroutput["slow_deselected"] = getattr(session.config, "_passing_slow_deselected", 0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: every worker collected (and left out) the same slow tests."""
+    count = getattr(node, "workeroutput", {}).get("slow_deselected", 0)
+    node.config._passing_slow_deselected = max(getattr(node.config, "_passing_slow_deselected", 0), count)
 
 
 @pytest.hookimpl(trylast=True)

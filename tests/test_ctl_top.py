@@ -97,8 +97,10 @@ def test_top_shows_jobs_modes_slots_and_rates(tmp_path):
     term = Terminal([str(BIN / "passing-ctl"), "--controller", endpoint, "top"])
     try:
         workers.start()
-        # rates need two answers: wait for a row whose packet rate is a number above 0
-        lines = term.wait_for(lambda d: (r := job_row(d)) is not None and r[6] != "-" and float(r[6]) > 0)
+        # rates need two answers: wait for a row whose packet rate is a number above 0, drawn to its end
+        # (a read of the terminal can end in the middle of a redraw)
+        lines = term.wait_for(lambda d: (r := job_row(d)) is not None and r[6] != "-" and float(r[6]) > 0
+                              and r[-1] == "running")
         assert lines[0].startswith(f"PASSING top  {endpoint}")
         assert f"ps {ready['control']} up 8/4096 slots used" in lines[1]
         assert "1 on a PS" in lines[2] and "1 ps, 0 waiting" in lines[2]
