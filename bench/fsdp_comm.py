@@ -10,7 +10,7 @@ times, alternating PASSING's calls with gloo's in the same processes:
 
 * each collective alone (``all_gather_into_tensor``, ``reduce_scatter_tensor`` of ``params``
   float32), and, in the emulated cluster, the bytes each server's link carried up and down per call
-  (its eth0 counters, read by the server's local rank 0 between barriers);
+  (the byte counters of the two tbfs of its link, read by the server's local rank 0 between barriers);
 * a step: the forward all_gather, then the backward all_gather and the reduce_scatter issued
   together (``async_op=True``) and both waited for. PASSING runs a group's collectives in issue
   order on one thread (docs/torch.md), so it cannot overlap them; gloo's two threads per group can.
@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,16 +39,23 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-IFACE_ENV = "PASSING_BENCH_IFACE"  # the server's link, whose counters local rank 0 reads (emulated cluster)
+UPLINK_ENV = "PASSING_BENCH_UPLINK"  # "namespace device" of the tbf that limits this server's uplink (emulated)
+DOWNLINK_ENV = "PASSING_BENCH_DOWNLINK"  # and of the one on the switch's side that limits its downlink
+
+
+def tbf_sent(where: str) -> int:
+    """Bytes a tbf has sent: the wire's bytes, headers of every segment included (the device counters count a
+    segmentation-offloaded batch's headers once)."""
+    namespace, device = where.split()
+    shown = subprocess.run(["ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", device],
+                           capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"qdisc tbf .*?\n\s*Sent (\d+) bytes", shown).group(1))
 
 
 def link_bytes() -> tuple[int, int] | None:
-    """(bytes sent, bytes received) on this server's link, or None outside the emulated cluster."""
-    iface = os.environ.get(IFACE_ENV)
-    if not iface:
-        return None
-    stats = Path("/sys/class/net") / iface / "statistics"
-    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+    """(bytes up, bytes down) so far on this server's link, or None outside the emulated cluster."""
+    up, down = os.environ.get(UPLINK_ENV), os.environ.get(DOWNLINK_ENV)
+    return (tbf_sent(up), tbf_sent(down)) if up and down else None
 
 
 def worker(params: int, iterations: int) -> None:
@@ -173,6 +182,13 @@ def run_loopback(args: argparse.Namespace) -> dict[str, Any]:
     return summarize(outcomes, args.servers, args.ranks, args.params)
 
 
+def tbf_env(net: Any, name: str) -> dict[str, str]:
+    """Where host ``name``'s two tbfs are: on its interface, and on its port in the switch's namespace."""
+    host = net.hosts[name]
+    return {UPLINK_ENV: f"{host.namespace} {host.interface}",
+            DOWNLINK_ENV: f"{net.switch.namespace} {host.switch_port}"}
+
+
 def run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO / "bench"))
     import emulated
@@ -192,9 +208,10 @@ def run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
         try:
             for servers, ranks in configs:
                 env = {"PASSING_CONTROLLER": cluster.controllers["switch"], "PASSING_TIMEOUT": "120",
-                       "PASSING_POOL": str(emulated.pool_for(rate)), "GLOO_SOCKET_IFNAME": "eth0", IFACE_ENV: "eth0"}
+                       "PASSING_POOL": str(emulated.pool_for(rate)), "GLOO_SOCKET_IFNAME": "eth0"}
                 in_server = lambda s: lambda a, **kw: cluster.popen(cluster.servers[s], a, **kw)  # noqa: E731
                 procs = launch_ranks(worker_argv(args, params), servers, ranks, env, popen_for_server=in_server,
+                                     env_for_server=lambda s: tbf_env(cluster.net, cluster.servers[s]),
                                      master_host=cluster.net.hosts[cluster.servers[0]].ip)
                 outcomes = emulated.wait_all(procs, 1800)
                 reports = []

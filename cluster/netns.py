@@ -73,6 +73,7 @@ class Host:
     namespace: str
     ip: str
     interface: str = "eth0"
+    switch_port: str = ""  # its link's other end, a veth on the switch namespace's bridge
 
 
 class EmulatedNetwork:
@@ -111,9 +112,9 @@ class EmulatedNetwork:
         _sh("ip", "link", "set", "lo", "up", ns=ns)
 
     def _add_host(self, i: int, name: str, rate: float | None) -> None:
-        host = Host(name, f"{self.tag}-{name}", f"{SUBNET}.{(i + 1) // 250}.{(i + 1) % 250}")
-        self._make_namespace(host.namespace)
         inner, outer = f"{self.tag}h{i}"[-15:], f"{self.tag}s{i}"[-15:]
+        host = Host(name, f"{self.tag}-{name}", f"{SUBNET}.{(i + 1) // 250}.{(i + 1) % 250}", switch_port=outer)
+        self._make_namespace(host.namespace)
         _sh("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
         _sh("ip", "link", "set", inner, "netns", host.namespace)
         _sh("ip", "link", "set", outer, "netns", self.switch.namespace)
