@@ -169,7 +169,9 @@ class NamespacedSwitch:
         deadline = time.monotonic() + 30
         while not (os.path.exists(f"{self.dir}/p4runtime.sock") and (self.thrift or self._connect_thrift())):
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"simple_switch_grpc did not start: {self.log()}")
+                raise RuntimeError("simple_switch_grpc did not start, or has no Thrift server (the replay resets "
+                                   "registers over Thrift: configure its target --with-thrift, docs/bmv2.md): "
+                                   f"{self.log()}")
             time.sleep(0.1)
 
     def _raw_sockets(self) -> list[socket.socket]:
