@@ -27,12 +27,12 @@ def pytest_configure(config):
     os.environ.setdefault("PASSING_JOB_SECRET", os.urandom(16).hex())
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_itemcollected(item):
     """Groups for pytest-xdist's loadgroup (the Makefile runs two workers): a module's tests stay on one
-    worker, so its module-scoped services start once, and the BMv2 suite is one group, one Mininet at a time."""
-    for item in items:
-        group = "bmv2" if item.nodeid.startswith("bmv2_tests/") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+    worker, so its module-scoped services start once, and the BMv2 suite is one group, one Mininet at a time.
+    Marked as each item is collected: xdist reads the groups in its own pytest_collection_modifyitems."""
+    group = "bmv2" if item.nodeid.startswith("bmv2_tests/") else item.nodeid.split("::")[0]
+    item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_deselected(items):

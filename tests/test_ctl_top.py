@@ -34,7 +34,10 @@ class Terminal:
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
         self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
-                                     env={**os.environ, "TERM": "xterm-256color"})
+                                     # curses takes LINES and COLUMNS over the terminal's size (pytest-xdist's
+                                     # workers run with COLUMNS set)
+                                     env={**os.environ, "TERM": "xterm-256color", "LINES": str(ROWS),
+                                          "COLUMNS": str(COLUMNS)})
         os.close(slave)
         self.master = master
         self.screen = pyte.Screen(COLUMNS, ROWS)
