@@ -67,7 +67,7 @@ def test_after_a_failover_to_gloo_the_network_stage_is_gloo(services, servers, r
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("servers,ranks", [(2, 1), (2, 2)])
 def test_fsdp2_fully_shard_trains_as_on_gloo(services, servers, ranks):  # noqa: F811
-    check_fsdp_reports(run(services, "fsdp", servers, ranks, "30", timeout=360))
+    check_fsdp_reports(run(services, "fsdp", servers, ranks, "15", "0.3", timeout=360))
 
 
 def check_fsdp_reports(reports: list[dict]) -> None:
@@ -98,7 +98,8 @@ def test_fsdp2_across_network_namespaces_trains_as_on_gloo(tmp_path):
         start_controller({"ps": [{"data": f"{ip['ps']}:9877", "control": f"tcp://{ip['ps']}:9878"}]}, tmp_path,
                          controller, popen=lambda argv, **kw: net.popen("ctl", argv, **kw))
         servers = ["server0", "server1"]
-        procs = launch_ranks([*WORKER, "fsdp", "30"], 2, 2, {"PASSING_CONTROLLER": controller, "PASSING_TIMEOUT": "30"},
+        procs = launch_ranks([*WORKER, "fsdp", "15", "0.3"], 2, 2,
+                             {"PASSING_CONTROLLER": controller, "PASSING_TIMEOUT": "30"},
                              popen_for_server=torch_ranks_in([net.hosts[n].namespace for n in servers]),
                              env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"}, master_host=ip["server0"])
         outcomes = collect(procs, 360)
@@ -112,7 +113,7 @@ def test_hsdp_trains_as_on_gloo(services):  # noqa: F811
     """HSDP (fully_shard over a replicate x shard mesh of "passing" subgroups) on 4 single-rank servers:
     the shard groups' reduce_scatter and all_gather and the replicate groups' all_reduce all go through
     PASSING, and the losses are gloo's."""
-    for r in run(services, "hsdp", 4, 1, "20", timeout=360):
+    for r in run(services, "hsdp", 4, 1, "10", "0.3", timeout=360):
         p, g = r["passing"], r["gloo"]
         assert p["shard_streamed"] and p["replicate_streamed"], p  # reduce_scatter/all_gather; all_reduce
         assert not g["shard_streamed"] and not g["replicate_streamed"]

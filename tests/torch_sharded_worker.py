@@ -111,9 +111,9 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
     return losses
 
 
-def fsdp(steps: int) -> dict:
+def fsdp(steps: int, lr: float = 0.1) -> dict:
     """FSDP2 (fully_shard) of a small MLP on the passing default group and on a gloo group: the same
-    model, data and optimizer; their losses step by step."""
+    model, data and optimizer (SGD at ``lr``, momentum 0.9); their losses step by step."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -129,7 +129,7 @@ def fsdp(steps: int) -> dict:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         x = torch.randn(64, 32, generator=torch.Generator().manual_seed(100 + rank))  # this rank's batch
         y = (x[:, :4] * 2).sin()
         sent = packets_sent()
@@ -139,9 +139,10 @@ def fsdp(steps: int) -> dict:
     return out
 
 
-def hsdp(steps: int) -> dict:
+def hsdp(steps: int, lr: float = 0.1) -> dict:
     """HSDP: fully_shard over a 2-D mesh of 4 ranks, [[0, 1], [2, 3]], sharded along the rows and
-    replicated along the columns, on "passing" subgroups and on gloo subgroups alike; the losses."""
+    replicated along the columns, on "passing" subgroups and on gloo subgroups alike (SGD at ``lr``,
+    momentum 0.9); the losses."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -161,7 +162,7 @@ def hsdp(steps: int) -> dict:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         x = torch.randn(64, 32, generator=torch.Generator().manual_seed(100 + rank))
         y = (x[:, :4] * 2).sin()
         sent = packets_sent_in(rows[row]), packets_sent_in(columns[column])
@@ -194,8 +195,9 @@ def on_gloo(sizes: list[int]) -> dict:
     return collectives(sizes)
 
 
-SCENARIOS = {"collectives": lambda a: collectives([int(s) for s in a]), "fsdp": lambda a: fsdp(int(a[0])),
-             "hsdp": lambda a: hsdp(int(a[0])), "on_gloo": lambda a: on_gloo([int(s) for s in a])}
+SCENARIOS = {"collectives": lambda a: collectives([int(s) for s in a]),
+             "fsdp": lambda a: fsdp(int(a[0]), *map(float, a[1:])),  # steps [learning rate]
+             "hsdp": lambda a: hsdp(int(a[0]), *map(float, a[1:])), "on_gloo": lambda a: on_gloo([int(s) for s in a])}
 
 
 def main() -> None:
