@@ -27,6 +27,18 @@ def pytest_configure(config):
     os.environ.setdefault("PASSING_JOB_SECRET", os.urandom(16).hex())
 
 
+# Modules that take longest, scheduled first (a stable sort, so each module keeps its own order): the two
+# xdist workers then end together instead of one of them running a long torch module alone at the end.
+LONG_FIRST = ("bmv2_tests/", "tests/test_torch_", "tests/test_control_security.py", "tests/test_native_engine.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        return next((i for i, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)), len(LONG_FIRST))
+
+    items.sort(key=rank)
+
+
 def pytest_itemcollected(item):
     """Groups for pytest-xdist's loadgroup (the Makefile runs two workers): a module's tests stay on one
     worker, so its module-scoped services start once, and the BMv2 suite is one group, one Mininet at a time.
