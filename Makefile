@@ -9,15 +9,17 @@ STAMP  := $(VENV)/.installed
 all: test
 
 # host/csrc is compiled by the install (host/setup.py): a change there reinstalls.
-# The install is uv's (from PyPI, into the venv): the same packages as pip's, in ~35 s where pip takes
-# ~90 s (pip unzips torch and byte-compiles on one thread). --compile-bytecode as pip does: where
-# PYTHONDONTWRITEBYTECODE is set (it is here) nothing would cache it later, and every process of the suite
-# that imports torch would compile it again (5.5 s instead of 2.6 s). uv reads no pip configuration, so it
-# is given pip's find-links (where a machine keeps wheels such as its CPU torch: without them torch==2.13.0
-# is PyPI's, as for pip).
+# The install is uv's (from PyPI, into the venv): the same packages as pip's, in ~10 s where pip takes
+# ~90 s (pip unzips torch and byte-compiles every file on one thread). uv compiles nothing: the modules a
+# run imports are compiled as they are first imported and cached, which PYTHONDONTWRITEBYTECODE (set on
+# some machines, this one among them) would forbid, making every process that imports torch compile it
+# again (5.5 s instead of 2.6 s): so no recipe here inherits it. uv reads no pip configuration, so it is
+# given pip's find-links (where a machine keeps wheels such as its CPU torch: without them torch==2.13.0 is
+# PyPI's, as for pip).
+unexport PYTHONDONTWRITEBYTECODE
 PIP_FIND_LINKS_ARGS = $(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/.*find-links='\([^']*\)'/\1/p" \
                         | tr ' ' '\n' | sort -u | sed 's/^/--find-links /')
-INSTALL = $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) $(PIP_FIND_LINKS_ARGS)
+INSTALL = $(VENV)/bin/uv pip install --quiet --python $(PY) $(PIP_FIND_LINKS_ARGS)
 $(STAMP): host/pyproject.toml host/setup.py controller/pyproject.toml $(wildcard host/csrc/*.c host/csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet uv
