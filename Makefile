@@ -33,8 +33,8 @@ setup: $(STAMP)
 # slow ones included: CI does (.ci/run).
 # pytest's exit 5 ("no tests collected") is a failure here, never a pass.
 # TEST_WORKERS: pytest-xdist processes (loadgroup: a module's tests stay together, the BMv2 suite is one
-# group; conftest.py). Much of the suite waits (timeouts a scenario is about, process start-up): two
-# workers on two cores take about two thirds of the time of one. TEST_WORKERS=0: one process.
+# group; conftest.py). Much of the suite waits (timeouts a scenario is about, process start-up): with two
+# workers the two cores are busy 1.7 of the time, with one under 1. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 test: $(STAMP)
