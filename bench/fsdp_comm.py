@@ -49,7 +49,10 @@ def tbf_sent(where: str) -> int:
     namespace, device = where.split()
     shown = subprocess.run(["ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", device],
                            capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"qdisc tbf .*?\n\s*Sent (\d+) bytes", shown).group(1))
+    found = re.search(r"qdisc tbf .*?\n\s*Sent (\d+) bytes", shown)
+    if found is None:
+        raise RuntimeError(f"no tbf on {device} in {namespace}: {shown.strip()}")
+    return int(found.group(1))
 
 
 def link_bytes() -> tuple[int, int] | None:
@@ -118,9 +121,9 @@ def worker(params: int, iterations: int) -> None:
 
 
 def physics(servers: int, size: int) -> dict[str, dict[str, float]]:
-    """Per-server payload bytes (docs/protocol.md, Kinds; S = the tensor's bytes, N servers, in-host stage first),
-    and what gloo moves on a server's link with its ranks adjacent in a ring of W: an all_gather (W-1)/W S each
-    way, a reduce_scatter an all_reduce (gloo has no reduce-scatter of its own) 2 (W-1)/W S."""
+    """PASSING's payload bytes per server (docs/protocol.md, Kinds; S = the tensor's bytes, N servers, in-host
+    stage first). gloo's, for comparison in docs/benchmarks.md: a ring of W ranks, those of a server adjacent,
+    moves (W-1)/W S each way per all_gather and twice that per reduce_scatter (an all_reduce in gloo)."""
     n = servers
     return {"all_gather": {"up": size / n, "down": size * (n - 1) / n},
             "reduce_scatter": {"up": size, "down": size / n}}
@@ -128,7 +131,8 @@ def physics(servers: int, size: int) -> dict[str, dict[str, float]]:
 
 def summarize(outcomes: list[dict[str, Any]], servers: int, ranks: int, params: int) -> dict[str, Any]:
     """Medians over the ranks (each a median over its calls); link bytes per server from each local rank 0."""
-    size = params * 4
+    world = servers * ranks
+    size = params // world * world * 4  # the gathered and reduced tensor's bytes
     alone = {}
     for key in outcomes[0]["alone"]:
         entry: dict[str, Any] = {"median_s": statistics.median(r["alone"][key]["median_s"] for r in outcomes)}
