@@ -141,9 +141,9 @@ def summarize(outcomes: list[dict[str, Any]], servers: int, ranks: int, params: 
             entry["link_up_per_server"] = statistics.median(m["up"] for m in moved)
             entry["link_down_per_server"] = statistics.median(m["down"] for m in moved)
             if key.startswith("passing_"):
-                kind = key.removeprefix("passing_")
-                entry["up_over_physics"] = entry["link_up_per_server"] / physics(servers, size)[kind]["up"]
-                entry["down_over_physics"] = entry["link_down_per_server"] / physics(servers, size)[kind]["down"]
+                want = physics(servers, size)[key.removeprefix("passing_")]
+                entry["up_over_physics"] = entry["link_up_per_server"] / want["up"]
+                entry["down_over_physics"] = entry["link_down_per_server"] / want["down"]
         alone[key] = entry
     step = {name: statistics.median(r["step_median_s"][name] for r in outcomes) for name in ("passing", "gloo")}
     return {"servers": servers, "ranks": ranks, "params": params, "tensor_bytes": size, "mode": outcomes[0]["mode"],
@@ -179,11 +179,12 @@ def worker_argv(args: argparse.Namespace, params: int) -> list[str]:
 def run_loopback(args: argparse.Namespace) -> dict[str, Any]:
     from cluster.local import LocalServices, collect, launch_ranks
 
+    params = args.params or 1 << 20
     with LocalServices() as services:
-        outcomes = check(collect(launch_ranks(worker_argv(args, args.params), args.servers, args.ranks,
+        outcomes = check(collect(launch_ranks(worker_argv(args, params), args.servers, args.ranks,
                                               {"PASSING_CONTROLLER": services.controller, "PASSING_TIMEOUT": "60",
                                                "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}), 1800))
-    return summarize(outcomes, args.servers, args.ranks, args.params)
+    return summarize(outcomes, args.servers, args.ranks, params)
 
 
 def tbf_env(net: Any, name: str) -> dict[str, str]:
@@ -198,14 +199,14 @@ def run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
     import emulated
 
     from cluster import netns
-    from cluster.local import launch_ranks
+    from cluster.local import collect, launch_ranks
 
     why = netns.available()
     if why:
         raise SystemExit(f"fsdp_comm: cannot make network namespaces ({why}); run as root")
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
     rate = 10_000 / args.factor  # the paper's 10 Gbit/s link
-    params = args.params if args.params_given else round(emulated.MODELS["resnet50"][0] / args.factor)
+    params = args.params or round(emulated.MODELS["resnet50"][0] / args.factor)
     results = []
     with tempfile.TemporaryDirectory(prefix="passing-fsdp-") as tmp:
         cluster = emulated.Cluster(max(s for s, _ in configs), rate, Path(tmp), args.nice)
@@ -217,14 +218,7 @@ def run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
                 procs = launch_ranks(worker_argv(args, params), servers, ranks, env, popen_for_server=in_server,
                                      env_for_server=lambda s: tbf_env(cluster.net, cluster.servers[s]),
                                      master_host=cluster.net.hosts[cluster.servers[0]].ip)
-                outcomes = emulated.wait_all(procs, 1800)
-                reports = []
-                for rank, (code, out, err) in enumerate(outcomes):
-                    found = [ln for ln in out.splitlines() if ln.startswith("{")]
-                    if code != 0 or not found:
-                        raise SystemExit(f"rank {rank} of {servers}x{ranks} exited {code}:\n{err[-3000:]}")
-                    reports.append(json.loads(found[-1]))
-                r = summarize(reports, servers, ranks, params)
+                r = summarize(check(collect(procs, 1800)), servers, ranks, params)
                 r.update({"factor": args.factor, "rate_mbit": rate, "pool": emulated.pool_for(rate),
                           "aggregator": emulated.SWITCH_LABEL, "loadavg": open("/proc/loadavg").read().split()[:3]})
                 print(line(r), flush=True)
@@ -246,7 +240,6 @@ def main() -> None:
     parser.add_argument("--nice", type=int, default=-10, help="emulated: nice level of ranks and aggregators")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.params_given = args.params is not None
     if args.worker:
         worker(args.params, args.iterations)
         return
@@ -261,7 +254,6 @@ def main() -> None:
         out = RESULTS / "fsdp_comm-emulated.json"
         out.write_text(json.dumps({"started": started, "runs": runs}, indent=2) + "\n")
     else:
-        args.params = args.params or 1 << 20
         result = run_loopback(args)
         print(line(result), flush=True)
         out = RESULTS / "fsdp_comm.json"
