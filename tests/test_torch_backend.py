@@ -47,6 +47,7 @@ def test_all_reduce_equals_gloo_within_the_scale_bound(services, servers, ranks)
         assert (r["servers"], r["ranks_per_server"]) == (servers, ranks)
         assert len(r["checks"]) == len(SIZES) * 4  # sync/async × SUM/AVG
         assert r["mode"] == ("in-host" if servers == 1 else "ps"), r["mode"]
+        assert r["in_host"] == ("SharedMemoryInHost" if servers > 1 and ranks > 1 else None), r["in_host"]
         for c in r["checks"]:
             # one server: the in-host stage is the whole all_reduce, gloo's own, bit for bit
             assert c["streamed"] == (servers > 1), f"{c}: streamed through PASSING or not"

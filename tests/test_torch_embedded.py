@@ -67,11 +67,13 @@ def torchrun_standalone(ranks: int, scenario: str, **env: str) -> tuple[list[dic
 
 def check_ring(outcomes: list[tuple[int, dict | None, str]], ranks: int) -> None:
     """Every rank summed right, the same bits on all, with no aggregator: nothing streamed, no
-    stream, no embedded controller; with one rank per server, gloo's own bits. Rank 0 said why, once."""
+    stream, no embedded controller; the in-host stage through shared memory; with one rank per
+    server, gloo's own bits. Rank 0 said why, once."""
     for rank, (rc, report, stderr) in enumerate(outcomes):
         assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
         assert report["mode"] == "ring" and "PASSING_EMBEDDED=ps" in report["reason"], report["reason"]
         assert not report["stream"] and not report["embedded"], report
+        assert report["in_host"] == (None if ranks == 1 else "SharedMemoryInHost"), report["in_host"]
         assert len(report["checks"]) == len(SIZES) * 4  # sync/async x SUM/AVG
         for c in report["checks"]:
             assert not c["streamed"] and c["identical"] and c["error"] <= c["bound"], c

@@ -75,7 +75,7 @@ def test_work_reraises_the_operations_own_error_and_honours_a_timeout():
     import datetime
 
     from passing.stream import AggregatorUnreachable
-    from passing.torch.backend import PassingWork
+    from passing.torch.work import PassingWork
 
     pending = PassingWork()
     with pytest.raises(TimeoutError):

@@ -27,7 +27,6 @@ import threading
 import time
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -42,8 +41,10 @@ from ..keys import ClientKeys
 from ..stream import Group, GroupFailed, PassingError
 from ..transport import BatchSocket
 from . import embedded, sharded
-from .hierarchy import Layout, NetworkStage, PeerStage, sum_through, two_stage_allreduce
+from .hierarchy import Layout, NetworkStage, PeerStage, sum_through
+from .in_host import CollectiveInHost, InHostStage, cpu_in_host
 from .options import SCHEMES, OptionError, Options, route_source
+from .work import InOrder, PassingWork
 
 log = logging.getLogger("passing.torch")
 
@@ -154,47 +155,6 @@ class FailoverStage:
         return sum_through(self, tensor)
 
 
-class PassingWork(dist.Work):
-    """An all_reduce under way. wait() re-raises the very error the operation hit
-    (torch's own future-wrapping Work reports success whatever happened)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.future: torch.futures.Future = torch.futures.Future()
-        self.error: BaseException | None = None
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.future.set_exception(error)
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        if timeout is not None and timeout.total_seconds() > 0:
-            deadline = time.monotonic() + timeout.total_seconds()
-            while not self.future.done():  # torch's Future has no timed wait
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"all_reduce not done within {timeout.total_seconds():g} s")
-                time.sleep(0.001)
-        try:
-            self.future.wait()
-        except BaseException:
-            if self.error is None:
-                raise
-            raise self.error from None
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self.future
-
-    def is_completed(self) -> bool:
-        return self.future.done()
-
-    def is_success(self) -> bool:
-        return self.future.done() and self.error is None
-
-    def exception(self) -> BaseException | None:
-        return self.error
-
-
 class ProcessGroupPassing(ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, name: str,
                  options: Options) -> None:
@@ -213,10 +173,11 @@ class ProcessGroupPassing(ProcessGroup):
         self.mode = "gloo" if self.scheme.aggregator is None else ""
         self.reason = f"scheme {options.scheme}: every all_reduce is gloo's"
         self.local: dict[str, C10dBackend] = {}  # device type -> in-host group of this server's ranks
+        self.in_host: dict[str, InHostStage] = {}  # device type -> the in-host stage of the all_reduce
         self.peers: dict[str, C10dBackend] = {}  # device type -> this local rank's group across servers (ring)
         self.network: NetworkStage | None = None  # how a chunk is summed over the servers
         self.stream: Group | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._runner: InOrder | None = None  # this group's collectives, in issue order
         self._membership: Membership | None = None
         self.embedded_mode = False  # PASSING_EMBEDDED=ps, no controller: rank 0's embedded one serves the group
         self.embedded: embedded.Embedded | None = None  # rank 0's services in embedded mode
@@ -264,9 +225,13 @@ class ProcessGroupPassing(ProcessGroup):
                                       self.keys, self.stream, float(self.options.report_interval),
                                       embedded=self.embedded_mode)
         weakref.finalize(self, _close, self._membership, self.embedded)  # also at interpreter exit
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"passing-pg{name}")
+        self._start_runner(name)
         log.info("passing: rank %d: job %s group %d worker %d of %d on %s (%s)", rank, job, group, worker, workers,
                  self.mode, self.reason)
+
+    def _start_runner(self, name: str) -> None:
+        self._runner = InOrder(f"passing-pg{name}")
+        weakref.finalize(self, self._runner.shutdown)  # also at interpreter exit: what was issued runs
 
     def _in_host_only(self, rank: int) -> None:
         """Every rank is on one server: the in-host stage alone produces the sum, so all_reduce is
@@ -292,7 +257,7 @@ class ProcessGroupPassing(ProcessGroup):
             self.local = self._local_groups(store, timeout)
             self.peers = self._peer_groups(store, timeout)
             self.network = PeerStage(self.peers)
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"passing-pg{name}")
+            self._start_runner(name)
             how = (f"in-host reduce-scatter among each server's {n} ranks, all_reduce of each rank's chunk among its "
                    f"{s} peers on the other servers (gloo; NCCL for CUDA), in-host all-gather")
         else:
@@ -340,12 +305,15 @@ class ProcessGroupPassing(ProcessGroup):
             log.info("passing: embedded controller of rank 0 at %s", endpoint)
 
     def _local_groups(self, store: dist.Store, timeout: timedelta) -> dict[str, C10dBackend]:
+        """The in-host groups of this server's ranks, and the all_reduce's in-host stages over them."""
         n, j = self.layout.ranks_per_server, self.layout.local_rank
         prefix = f"passing/local/{self.layout.server}/"
         groups: dict[str, C10dBackend] = {  # the same machine: over loopback
             "cpu": gloo_group(PrefixStore(prefix + "gloo/", store), j, n, timeout, "127.0.0.1")}
+        self.in_host = {"cpu": cpu_in_host(groups["cpu"], store, prefix + "shm/", timeout.total_seconds())}
         if torch.cuda.is_available() and dist.is_nccl_available():
             groups["cuda"] = dist.ProcessGroupNCCL(PrefixStore(prefix + "nccl/", store), j, n)
+            self.in_host["cuda"] = CollectiveInHost(groups["cuda"])
         return groups
 
     def _job_name(self, store: dist.Store, name: str) -> tuple[str, str]:
@@ -424,23 +392,23 @@ class ProcessGroupPassing(ProcessGroup):
 
     def submit(self, tensor: torch.Tensor, op: str) -> PassingWork:
         """Allreduce ``tensor`` in place, in issue order; the work's future's value is [tensor]."""
-        work = PassingWork()
-        assert self._executor is not None
-        self._executor.submit(self._run, tensor, op, work)
+        assert self._runner is not None
+        work = PassingWork(self._runner)
+        self._runner.submit(work, lambda: self._run(tensor, op, work))
         return work
 
     def _run(self, tensor: torch.Tensor, op: str, work: PassingWork) -> None:
         start = time.monotonic()
         try:
             if tensor.numel():
-                local = self.local.get(tensor.device.type) if self.local else None
-                if self.local and local is None:
+                in_host = self.in_host.get(tensor.device.type) if self.in_host else None
+                if self.in_host and in_host is None:
                     raise PassingError(f"no in-host group for {tensor.device.type} tensors")
                 assert self.network is not None
                 # float16/bfloat16 (mixed precision) travel as their float32 values and come back cast
                 flat = tensor.detach().reshape(-1)
                 wide = flat if flat.dtype == torch.float32 else flat.float()
-                out = two_stage_allreduce(wide, local, self.layout, self.network)
+                out = self.network.sum(wide) if in_host is None else in_host.allreduce(wide, self.network)
                 if op == "avg":
                     out /= self.size()
                 if out.data_ptr() != tensor.data_ptr():  # summed in place already when it could be
@@ -473,8 +441,8 @@ class ProcessGroupPassing(ProcessGroup):
         return self.stream.stats.as_dict() if self.stream else {}
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        if self._runner is not None:
+            self._runner.shutdown()
         if self._membership is not None:
             _close(self._membership, self.embedded)
         super().shutdown()

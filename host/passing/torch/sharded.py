@@ -29,9 +29,10 @@ from torch._C._distributed_c10d import AllgatherOptions
 from torch.distributed import ReduceOp
 
 from .options import SHARDED_COLLECTIVES
+from .work import PassingWork
 
 if TYPE_CHECKING:
-    from .backend import PassingWork, ProcessGroupPassing
+    from .backend import ProcessGroupPassing
 
 log = logging.getLogger("passing.torch")
 
@@ -186,10 +187,9 @@ def _avg(opts: Any) -> bool:
 
 
 def _submit(pg: ProcessGroupPassing, run: Any, outputs: list[torch.Tensor]) -> PassingWork:
-    """Run in issue order on the group's thread; the work's value is ``outputs``."""
-    from .backend import PassingWork
-
-    work = PassingWork()
+    """Run in issue order (passing.torch.work); the work's value is ``outputs``."""
+    assert pg._runner is not None
+    work = PassingWork(pg._runner)
 
     def job() -> None:
         try:
@@ -199,7 +199,7 @@ def _submit(pg: ProcessGroupPassing, run: Any, outputs: list[torch.Tensor]) -> P
             return
         work.future.set_result(outputs)
 
-    pg._executor.submit(job)
+    pg._runner.submit(work, job)
     return work
 
 

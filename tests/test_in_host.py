@@ -1,0 +1,127 @@
+"""The in-host stage through shared memory (passing.torch.in_host): the segment and barrier
+that the ranks of a server set up through the c10d store, the sums piece by piece, and what
+happens when they cannot share memory or a rank goes away. The ranks are threads here, each
+with its own store client, segment mapping and sockets; tests/test_torch_embedded.py runs the
+same stage in real processes under torch."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from passing.stream import PassingError
+from passing.torch.in_host import SharedMemoryInHost, shared_memory
+
+PIECE_BYTES = 4 * 60  # pieces of 60 float32, cut in n chunks
+
+
+class Servers:
+    """The network stage of rank j as ``servers`` servers that all hold the same chunk: it sums by
+    multiplying, and records the chunk sizes it was handed."""
+
+    def __init__(self, servers: int) -> None:
+        self.servers = servers
+        self.sizes: list[int] = []
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.sizes.append(tensor.numel())
+        tensor *= self.servers
+        return tensor
+
+
+def on_threads(n: int, body: Callable[[int, dist.Store], Any], timeout: float = 60) -> list[Any]:
+    """``body(rank, store)`` on n threads, each with its own client of one TCPStore; their results
+    (or the exceptions they raised), in rank order."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+    results: list[Any] = [None] * n
+
+    def run(rank: int) -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=timeout))
+        try:
+            results[rank] = body(rank, store)
+        except BaseException as e:  # handed to the test
+            results[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a rank did not finish"
+    return results
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_rank_gets_the_sum_piece_by_piece(n, tmp_path):
+    """Sizes under a chunk, at a piece's edges and over several pieces: every rank ends with the
+    exact sum over the ranks and the servers, in its own tensor, and the same bits as the others.
+    Every rank streams a whole chunk each piece (a short one padded), so no network group skips a call."""
+    sizes = [1, n - 1, n + 1, 59, 60, 61, 3 * 60 + 7]
+    servers = 3
+
+    def body(rank: int, store: dist.Store) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+        found = shared_memory(store, "t/", rank, n, n * PIECE_BYTES, 10, str(tmp_path))
+        assert not isinstance(found, str), found
+        stage, out = SharedMemoryInHost(*found, n, rank), []
+        for size in sizes:
+            network = Servers(servers)
+            mine = torch.arange(size, dtype=torch.float32) * (rank + 1) + 0.25
+            result = stage.allreduce(mine, network)
+            assert result.data_ptr() == mine.data_ptr()  # summed in the caller's tensor
+            out.append((mine, network.sizes))
+        return out
+
+    results = on_threads(n, body)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, BaseException), f"rank {rank}: {result!r}"
+    for i, size in enumerate(sizes):
+        expected = sum(torch.arange(size, dtype=torch.float32) * (r + 1) + 0.25 for r in range(n)) * servers
+        pieces = [min(60, size - start) for start in range(0, size, 60)]
+        for rank, result in enumerate(results):
+            mine, streamed = result[i]
+            assert torch.equal(mine, results[0][i][0]), f"rank {rank}, size {size}: not rank 0's bits"
+            torch.testing.assert_close(mine, expected, rtol=1e-6, atol=1e-4)
+            assert streamed == [-(-p // n) for p in pieces], (rank, size, streamed)
+    assert os.listdir(tmp_path) == []  # the segment and the socket were removed once all had them
+
+
+def test_ranks_that_cannot_share_memory_all_say_why(tmp_path):
+    """Local rank 0 cannot make the segment (its directory does not exist): every rank gets the
+    same reason, and none is left waiting for the others."""
+    missing = str(tmp_path / "not-there")
+    results = on_threads(3, lambda rank, store: shared_memory(store, "t/", rank, 3, 3 * PIECE_BYTES, 10, missing))
+    assert all(isinstance(r, str) for r in results), results
+    assert len(set(results)) == 1 and "local rank 0" in results[0] and "not-there" in results[0], results
+
+
+def test_a_rank_that_goes_away_is_an_error_at_the_barrier_not_a_hang(tmp_path):
+    """A rank whose sockets close (a process that exits) stops the others at their next barrier
+    with an error that names it, at once rather than at the timeout."""
+
+    def body(rank: int, store: dist.Store) -> Any:
+        found = shared_memory(store, "t/", rank, 3, 3 * PIECE_BYTES, 30, str(tmp_path))
+        assert not isinstance(found, str), found
+        segment, barrier = found
+        if rank == 2:
+            barrier.close()
+            return None
+        start = time.monotonic()
+        with pytest.raises(PassingError) as raised:
+            SharedMemoryInHost(segment, barrier, 3, rank).allreduce(torch.ones(10), Servers(1))
+        return str(raised.value), time.monotonic() - start
+
+    results = on_threads(3, body)
+    for rank in (0, 1):
+        assert not isinstance(results[rank], BaseException), f"rank {rank}: {results[rank]!r}"
+    message, seconds = results[0]
+    assert "local rank 2 left" in message and seconds < 10, results[0]
+    message, seconds = results[1]  # rank 1 hears it from rank 0, which stopped
+    assert "local rank 0 left" in message and seconds < 10, results[1]
