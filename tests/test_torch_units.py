@@ -89,3 +89,49 @@ def test_work_reraises_the_operations_own_error_and_honours_a_timeout():
     done = PassingWork()
     done.future.set_result([torch.ones(1)])
     assert done.wait() and done.is_success() and done.get_future().value()[0].item() == 1.0
+
+
+def test_collectives_run_in_issue_order_and_a_waiting_caller_runs_the_next_itself():
+    """passing.torch.work.InOrder: queued collectives run one at a time in issue order; waiting
+    on the next one before the group's thread has taken it runs it in the waiting thread;
+    waiting on a later one leaves the earlier ones first; shutdown runs what is queued."""
+    import threading
+
+    from passing.torch.work import InOrder, PassingWork
+
+    ran: list[tuple[str, str]] = []
+    started, gate = threading.Event(), threading.Event()
+
+    def job(name: str, work: PassingWork, hold: bool = False):
+        def run() -> None:
+            if hold:
+                started.set()
+                gate.wait(10)
+            ran.append((name, threading.current_thread().name))
+            work.future.set_result([name])
+        return run
+
+    runner = InOrder("pg-test")
+    first, second, third = PassingWork(runner), PassingWork(runner), PassingWork(runner)
+    runner.submit(first, job("first", first, hold=True))
+    assert started.wait(10)  # the group's thread has it, and holds
+    runner.submit(second, job("second", second))
+    runner.submit(third, job("third", third))
+    assert not runner.run_here(second) and not runner.run_here(third)  # one runs: they wait their turn
+    gate.set()
+    assert third.wait() and [name for name, _ in ran] == ["first", "second", "third"]
+    assert all(thread == "pg-test" for _, thread in ran), ran
+
+    ran.clear()
+    fourth = PassingWork(runner)
+    with runner._changed:  # the group's thread cannot take it before this thread asks
+        runner.submit(fourth, job("fourth", fourth))
+        assert runner.run_here(fourth)
+    assert ran == [("fourth", threading.current_thread().name)] and fourth.wait()
+
+    fifth = PassingWork(runner)
+    runner.submit(fifth, job("fifth", fifth))
+    runner.shutdown()
+    assert fifth.is_completed() and fifth.get_future().value() == ["fifth"]
+    with pytest.raises(RuntimeError, match="shut down"):
+        runner.submit(PassingWork(runner), job("late", PassingWork()))
