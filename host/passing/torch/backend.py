@@ -363,7 +363,8 @@ class ProcessGroupPassing(ProcessGroup):
                 self._fallbacks_logged.add(why)
                 log.warning("passing: all_reduce of %s goes to gloo/NCCL (logged once)", why)
             return self._get_backend(tensors[0].device).allreduce(tensors, opts)
-        return self.submit(tensors[0], "avg" if opts.reduceOp.op == ReduceOp.AVG else "sum")
+        return self.submit(tensors[0], "avg" if opts.reduceOp.op == ReduceOp.AVG else "sum",
+                           caller_waits=not opts.asyncOp)
 
     def _whole_group_allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         """One server, or nothing configured and one rank per server: gloo's (NCCL's) own all_reduce
@@ -390,11 +391,12 @@ class ProcessGroupPassing(ProcessGroup):
         work.get_future().then(divide)
         return result
 
-    def submit(self, tensor: torch.Tensor, op: str) -> PassingWork:
-        """Allreduce ``tensor`` in place, in issue order; the work's future's value is [tensor]."""
+    def submit(self, tensor: torch.Tensor, op: str, caller_waits: bool = False) -> PassingWork:
+        """Allreduce ``tensor`` in place, in issue order; the work's future's value is [tensor].
+        ``caller_waits``: the caller waits on it at once (async_op=False): see passing.torch.work."""
         assert self._runner is not None
         work = PassingWork(self._runner)
-        self._runner.submit(work, lambda: self._run(tensor, op, work))
+        self._runner.submit(work, lambda: self._run(tensor, op, work), caller_waits)
         return work
 
     def _run(self, tensor: torch.Tensor, op: str, work: PassingWork) -> None:

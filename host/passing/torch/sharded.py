@@ -110,7 +110,7 @@ def _reduce_scatter_single(pg: ProcessGroupPassing, output: torch.Tensor, input:
     if input.numel() != output.numel() * pg.size():
         raise ValueError(f"reduce_scatter: input of {input.numel()} elements for an output of {output.numel()} "
                          f"in a group of {pg.size()}")
-    return _submit(pg, lambda: reduce_scatter(pg, output, input, _avg(opts)), [output])
+    return _submit(pg, lambda: reduce_scatter(pg, output, input, _avg(opts)), [output], opts)
 
 
 def _reduce_scatter_list(pg: ProcessGroupPassing, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
@@ -125,7 +125,7 @@ def _reduce_scatter_list(pg: ProcessGroupPassing, outputs: list[torch.Tensor], i
     def run() -> None:
         reduce_scatter(pg, output, torch.cat([t.reshape(-1) for t in inputs]), _avg(opts))
 
-    return _submit(pg, run, [output])
+    return _submit(pg, run, [output], opts)
 
 
 def _reduce_scatter_coalesced(pg: ProcessGroupPassing, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -138,7 +138,7 @@ def _reduce_scatter_coalesced(pg: ProcessGroupPassing, outputs: list[torch.Tenso
         for o, i in zip(outputs, inputs):
             reduce_scatter(pg, o, i, _avg(opts))
 
-    return _submit(pg, run, outputs)
+    return _submit(pg, run, outputs, opts)
 
 
 def _all_gather_single(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.Tensor,
@@ -148,7 +148,7 @@ def _all_gather_single(pg: ProcessGroupPassing, output: torch.Tensor, input: tor
     if output.numel() != input.numel() * pg.size():
         raise ValueError(f"all_gather: output of {output.numel()} elements for an input of {input.numel()} "
                          f"in a group of {pg.size()}")
-    return _submit(pg, lambda: all_gather(pg, output, input), [output])
+    return _submit(pg, lambda: all_gather(pg, output, input), [output], opts)
 
 
 def _all_gather_list(pg: ProcessGroupPassing, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -166,7 +166,7 @@ def _all_gather_list(pg: ProcessGroupPassing, output_lists: list[list[torch.Tens
         for t, piece in zip(outputs, flat.split(input.numel())):
             t.copy_(piece.view(t.shape))
 
-    return _submit(pg, run, outputs)
+    return _submit(pg, run, outputs, opts)
 
 
 def _all_gather_coalesced(pg: ProcessGroupPassing, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -179,14 +179,14 @@ def _all_gather_coalesced(pg: ProcessGroupPassing, outputs: list[torch.Tensor], 
         for o, i in zip(outputs, inputs):
             all_gather(pg, o, i)
 
-    return _submit(pg, run, outputs)
+    return _submit(pg, run, outputs, opts)
 
 
 def _avg(opts: Any) -> bool:
     return opts.reduceOp.op == ReduceOp.AVG
 
 
-def _submit(pg: ProcessGroupPassing, run: Any, outputs: list[torch.Tensor]) -> PassingWork:
+def _submit(pg: ProcessGroupPassing, run: Any, outputs: list[torch.Tensor], opts: Any) -> PassingWork:
     """Run in issue order (passing.torch.work); the work's value is ``outputs``."""
     assert pg._runner is not None
     work = PassingWork(pg._runner)
@@ -199,7 +199,7 @@ def _submit(pg: ProcessGroupPassing, run: Any, outputs: list[torch.Tensor]) -> P
             return
         work.future.set_result(outputs)
 
-    pg._runner.submit(work, job)
+    pg._runner.submit(work, job, caller_waits=not opts.asyncOp)
     return work
 
 

@@ -1,8 +1,9 @@
 """The collectives of a PASSING process group under way: run one at a time, in issue order.
 
 They run on the group's own thread, so that async_op=True overlaps them with the caller;
-but a caller that waits on the next one before that thread has taken it runs it itself:
-on a loaded machine waking a thread and being woken back costs milliseconds a call.
+but a caller that is going to wait (async_op=False), or that waits on the next one before
+that thread has taken it, runs it itself: on a loaded machine waking a thread and being
+woken back costs milliseconds a call.
 """
 
 from __future__ import annotations
@@ -75,12 +76,17 @@ class InOrder:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, work: PassingWork, job: Callable[[], None]) -> None:
-        """Queue ``job``, which completes ``work`` (sets its result or fails it) and raises nothing."""
+    def submit(self, work: PassingWork, job: Callable[[], None], caller_waits: bool = False) -> None:
+        """Queue ``job``, which completes ``work`` (sets its result or fails it) and raises nothing.
+        ``caller_waits`` (torch's async_op=False): run it here and now if nothing else is queued
+        or running, without waking the group's thread."""
         with self._changed:
             if self._closed:
                 raise RuntimeError("the process group is shut down")
             self._queue.append((work, job))
+        if caller_waits and self.run_here(work):
+            return
+        with self._changed:
             self._changed.notify_all()
 
     def run_here(self, work: PassingWork) -> bool:
