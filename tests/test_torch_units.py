@@ -93,8 +93,9 @@ def test_work_reraises_the_operations_own_error_and_honours_a_timeout():
 
 def test_collectives_run_in_issue_order_and_a_waiting_caller_runs_the_next_itself():
     """passing.torch.work.InOrder: queued collectives run one at a time in issue order; waiting
-    on the next one before the group's thread has taken it runs it in the waiting thread;
-    waiting on a later one leaves the earlier ones first; shutdown runs what is queued."""
+    on the next one before the group's thread has taken it runs it in the waiting thread, and so
+    does issuing one with async_op=False when nothing is before it; waiting on a later one leaves
+    the earlier ones first; shutdown runs what is queued."""
     import threading
 
     from passing.torch.work import InOrder, PassingWork
@@ -128,6 +129,19 @@ def test_collectives_run_in_issue_order_and_a_waiting_caller_runs_the_next_itsel
         runner.submit(fourth, job("fourth", fourth))
         assert runner.run_here(fourth)
     assert ran == [("fourth", threading.current_thread().name)] and fourth.wait()
+
+    ran.clear()  # async_op=False: run in the caller's thread when nothing is before it, else in turn
+    started.clear()
+    gate.clear()
+    held, waited, now = PassingWork(runner), PassingWork(runner), PassingWork(runner)
+    runner.submit(held, job("held", held, hold=True))
+    assert started.wait(10)
+    runner.submit(waited, job("waited", waited), caller_waits=True)
+    assert not waited.is_completed()  # queued behind the one running
+    gate.set()
+    assert waited.wait() and [name for name, _ in ran] == ["held", "waited"]
+    runner.submit(now, job("now", now), caller_waits=True)
+    assert now.is_completed() and ran[-1] == ("now", threading.current_thread().name)
 
     fifth = PassingWork(runner)
     runner.submit(fifth, job("fifth", fifth))
