@@ -40,22 +40,25 @@ def timed_all_reduces(tensor: torch.Tensor, iterations: int,
     return seconds, starts
 
 
+class NoNetwork:
+    """A network stage that leaves the chunk as it is: what is left is the in-host stage."""
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
 def in_host_probe(pg: Any, elements: int, repeats: int, barrier: dist.ProcessGroup) -> float | None:
-    """Median seconds of the in-host stage alone (reduce-scatter + all-gather on the server's
-    gloo group, as two_stage_allreduce runs it); None where the scheme has no in-host stage."""
-    local = getattr(pg, "local", {}).get("cpu")
-    if local is None:
+    """Median seconds of the in-host stage alone, as the all_reduce runs it (passing.torch.in_host:
+    shared memory, or the ring where the ranks cannot share it); None where the scheme has none."""
+    in_host = getattr(pg, "in_host", {}).get("cpu")
+    if in_host is None:
         return None
-    n = pg.layout.ranks_per_server
-    chunk = -(-elements // n)
-    padded = torch.randn(n * chunk)
-    mine, gathered = torch.empty(chunk), torch.empty(n * chunk)
+    tensor = torch.randn(elements)
     seconds = []
     for _ in range(repeats):
         dist.barrier(group=barrier)
         start = time.perf_counter()
-        local._reduce_scatter_base(mine, padded, dist.ReduceScatterOptions()).wait()
-        local._allgather_base(gathered, mine).wait()
+        in_host.allreduce(tensor, NoNetwork())
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
 

@@ -65,7 +65,7 @@ def torchrun_standalone(ranks: int, scenario: str, **env: str) -> tuple[list[dic
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], proc.stderr
 
 
-def check_ring(outcomes: list[tuple[int, dict | None, str]], ranks: int) -> None:
+def check_ring(outcomes: list[tuple[int, dict | None, str]], ranks: int, in_host: str = "SharedMemoryInHost") -> None:
     """Every rank summed right, the same bits on all, with no aggregator: nothing streamed, no
     stream, no embedded controller; the in-host stage through shared memory; with one rank per
     server, gloo's own bits. Rank 0 said why, once."""
@@ -73,7 +73,7 @@ def check_ring(outcomes: list[tuple[int, dict | None, str]], ranks: int) -> None
         assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
         assert report["mode"] == "ring" and "PASSING_EMBEDDED=ps" in report["reason"], report["reason"]
         assert not report["stream"] and not report["embedded"], report
-        assert report["in_host"] == (None if ranks == 1 else "SharedMemoryInHost"), report["in_host"]
+        assert report["in_host"] == (None if ranks == 1 else in_host), report["in_host"]
         assert len(report["checks"]) == len(SIZES) * 4  # sync/async x SUM/AVG
         for c in report["checks"]:
             assert not c["streamed"] and c["identical"] and c["error"] <= c["bound"], c
@@ -92,6 +92,20 @@ def test_nothing_configured_sums_among_the_peers_over_gloo(servers, ranks):
     procs = launch_ranks([*WORKER, "allreduce", *SIZES], servers, ranks,
                          {"PASSING_CONTROLLER": "", "PASSING_TIMEOUT": "20"}, popen_for_server=torch_ranks)
     check_ring(collect(procs, 240), ranks)
+
+
+@pytest.mark.timeout(300)
+def test_where_a_server_has_no_shared_memory_the_in_host_stage_is_a_ring(tmp_path):
+    """2 x 2, the segment's directory missing: every rank of a server agrees on the ring over
+    loopback TCP, the sums are as right, and each server's local rank 0 says why, once."""
+    missing = tmp_path / "no-tmpfs-here"
+    procs = launch_ranks([*WORKER, "allreduce", *SIZES], 2, 2,
+                         {"PASSING_CONTROLLER": "", "PASSING_TIMEOUT": "20", "PASSING_SHARED_MEMORY": str(missing)},
+                         popen_for_server=torch_ranks)
+    outcomes = collect(procs, 240)
+    check_ring(outcomes, 2, in_host="RingInHost")
+    stderr = "".join(err for _, _, err in outcomes)
+    assert stderr.count("the in-host stage goes over loopback TCP") == 2 and str(missing) in stderr, stderr[-3000:]
 
 
 @pytest.mark.timeout(300)

@@ -15,8 +15,10 @@ def test_field_beats_environment_beats_default():
     o = Options(pool=64).resolve(env)
     assert (o.scheme, o.pool, o.scale, o.host, o.server) == ("psring", 64, 1e8, "10.1.1.1", "rack1-a")
     d = Options().resolve({"PASSING_HOST": "127.0.0.1", "GROUP_RANK": "3"})
-    assert (d.scheme, d.scale, d.timeout, d.controller, d.embedded, d.server, d.report_interval) == (
-        "passing", "auto", 300.0, None, "off", "3", 10.0)  # no controller, no embedded PS: gloo among the peers
+    assert (d.scheme, d.scale, d.timeout, d.controller, d.embedded, d.server, d.report_interval, d.shared_memory) == (
+        "passing", "auto", 300.0, None, "off", "3", 10.0, "/dev/shm")  # no controller, no embedded PS: gloo among
+    # the peers, the in-host stage through /dev/shm
+    assert Options().resolve({"PASSING_SHARED_MEMORY": "off"}).shared_memory == "off"
 
 
 def test_host_defaults_to_the_route_toward_the_controller():
@@ -35,6 +37,7 @@ def test_host_defaults_to_the_route_toward_the_controller():
     ({"PASSING_MTU": "jumbo"}, "not a number"),
     ({"PASSING_EMBEDDED": "switch"}, "embedded must be one of off, ps"),
     ({"PASSING_EMBEDDED": "ps", "PASSING_CONTROLLER": "tcp://127.0.0.1:9090"}, "set one or the other"),
+    ({"PASSING_SHARED_MEMORY": "shm"}, "shared_memory must be 'off' or an absolute directory"),
 ])
 def test_bad_values_are_refused_with_the_reason(env, message):
     with pytest.raises(OptionError, match=message):

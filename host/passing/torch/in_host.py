@@ -285,9 +285,14 @@ def shared_memory(store: dist.Store, prefix: str, rank: int, size: int, nbytes: 
 
 def cpu_in_host(group: C10dBackend, store: dist.Store, prefix: str, timeout: float,
                 piece_bytes: int = PIECE_BYTES, directory: str = SHM_DIR) -> InHostStage:
-    """The CPU in-host stage of ``group``'s ranks (one server): through shared memory, in pieces
-    of ``piece_bytes``, or, where they cannot share it, a ring; local rank 0 logs why not."""
+    """The CPU in-host stage of ``group``'s ranks (one server): through shared memory in
+    ``directory``, in pieces of ``piece_bytes``; or, where they cannot share it or ``directory``
+    is "off", a ring; local rank 0 logs why."""
     n, rank = group.size(), group.rank()
+    if directory == "off":
+        if rank == 0:
+            log.info("passing: the in-host stage goes over loopback TCP (shared memory off)")
+        return RingInHost(group)
     found = shared_memory(store, prefix, rank, n, n * piece_bytes, timeout, directory)
     if isinstance(found, str):
         if rank == 0:

@@ -65,11 +65,13 @@ class Options:
     mtu: int | None = None  # PASSING_MTU: path MTU to rank 0's embedded aggregator (default: its interface's)
     keep_on_gloo: tuple[str, ...] | str | None = None  # PASSING_KEEP_ON_GLOO: sharded collectives that stay on the
     # device's backend, comma-separated: reduce_scatter, all_gather (default: none)
+    shared_memory: str | None = None  # PASSING_SHARED_MEMORY: where the ranks of a server share the in-host stage's
+    # segment (a tmpfs directory; default /dev/shm), or "off": a ring over loopback TCP instead
 
     DEFAULTS = {"controller": None, "embedded": "off", "scheme": "passing", "scale": "auto", "on_overflow": "raise",
                 "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 1.0, "host": None, "server": None,
                 "job": None, "engine": "auto", "failover_after": None, "report_interval": 10.0, "mtu": None,
-                "keep_on_gloo": ()}
+                "keep_on_gloo": (), "shared_memory": "/dev/shm"}
 
     def resolve(self, environ: dict[str, str] | None = None) -> Options:
         """A copy with every field filled in, checked."""
@@ -135,6 +137,8 @@ class Options:
         unknown = set(self.keep_on_gloo) - set(SHARDED_COLLECTIVES)
         if unknown:
             raise OptionError(f"keep_on_gloo takes {', '.join(SHARDED_COLLECTIVES)}; got {', '.join(sorted(unknown))}")
+        if self.shared_memory != "off" and not os.path.isabs(str(self.shared_memory)):
+            raise OptionError(f"shared_memory must be 'off' or an absolute directory; got {self.shared_memory!r}")
         if not self.report_interval >= 0:
             raise OptionError(f"report_interval must be 0 or more; got {self.report_interval}")
 
