@@ -11,7 +11,7 @@ setup(
     ext_modules=[
         Extension(
             "passing._native",
-            sources=["csrc/wire.c", "csrc/engine.c", "csrc/server.c", "csrc/stream.c", "csrc/udp.c"],
+            sources=["csrc/wire.c", "csrc/engine.c", "csrc/server.c", "csrc/stream.c", "csrc/udp.c", "csrc/memory.c"],
             depends=["csrc/passing_native.h", "csrc/udp.h", "csrc/engine.h"],
             include_dirs=["csrc"],
             extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"],

@@ -17,8 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from passing import native
 from passing.stream import PassingError
 from passing.torch.in_host import SharedMemoryInHost, shared_memory
+
+ENGINES = ["numpy", pytest.param("native", marks=pytest.mark.skipif(not native.available(),
+                                                                    reason="the native library is not built"))]
 
 PIECE_BYTES = 4 * 60  # pieces of 60 float32, cut in n chunks
 
@@ -59,8 +63,9 @@ def on_threads(n: int, body: Callable[[int, dist.Store], Any], timeout: float = 
     return results
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_every_rank_gets_the_sum_piece_by_piece(n, tmp_path):
+def test_every_rank_gets_the_sum_piece_by_piece(n, engine, tmp_path):
     """Sizes under a chunk, at a piece's edges and over several pieces: every rank ends with the
     exact sum over the ranks and the servers, in its own tensor, and the same bits as the others.
     Every rank streams a whole chunk each piece (a short one padded), so no network group skips a call."""
@@ -70,7 +75,7 @@ def test_every_rank_gets_the_sum_piece_by_piece(n, tmp_path):
     def body(rank: int, store: dist.Store) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
         found = shared_memory(store, "t/", rank, n, n * PIECE_BYTES, 10, str(tmp_path))
         assert not isinstance(found, str), found
-        stage, out = SharedMemoryInHost(*found, n, rank), []
+        stage, out = SharedMemoryInHost(*found, n, rank, engine), []
         for size in sizes:
             network = Servers(servers)
             mine = torch.arange(size, dtype=torch.float32) * (rank + 1) + 0.25
@@ -125,3 +130,29 @@ def test_a_rank_that_goes_away_is_an_error_at_the_barrier_not_a_hang(tmp_path):
     assert "local rank 2 left" in message and seconds < 10, results[0]
     message, seconds = results[1]  # rank 1 hears it from rank 0, which stopped
     assert "local rank 0 left" in message and seconds < 10, results[1]
+
+
+@pytest.mark.skipif(not native.available(), reason="the native library is not built")
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_the_native_bulk_moves_are_torchs_bit_for_bit(offset):
+    """pn_copy_f32 and pn_sum_f32 (host/csrc/memory.c) against torch's copy_ and add chain, the
+    specification: below and above the size where the stores turn non-temporal, at every
+    alignment of the destination, with 1 to 4 sources, NaN, infinities, signed zeros and
+    subnormals among the values."""
+    g = torch.Generator().manual_seed(offset)
+    for n in (0, 1, 7, 65535, 65536, 65537, 300_001):
+        sources = [torch.randn(n + offset, generator=g) * 1e3 for _ in range(4)]
+        specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-42, -1e-42, 3.4e38])
+        for t in sources:
+            t[offset::max(1, n // 7)][:len(specials)] = specials[:len(t[offset::max(1, n // 7)])]
+        views = [t[offset:] for t in sources]
+        for k in range(1, 5):
+            expected = views[0].clone()
+            for t in views[1:k]:
+                expected += t
+            out = torch.full((n + offset,), 5.0)[offset:]
+            native.sum_f32(out.data_ptr(), [t.data_ptr() for t in views[:k]], n)
+            assert torch.equal(out.view(torch.int32), expected.view(torch.int32)), (n, k, offset)
+        out = torch.full((n + offset,), 5.0)[offset:]
+        native.copy_f32(out.data_ptr(), views[0].data_ptr(), n)
+        assert torch.equal(out.view(torch.int32), views[0].view(torch.int32)), (n, offset)

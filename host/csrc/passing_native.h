@@ -252,4 +252,19 @@ PN_API int pn_gather_run(pn_gather_call *c, pn_stream_report *r);
  * infinity's 0x7F800000. finite_only: over the finite values alone (0 when none). */
 PN_API uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only);
 
+/* ---- the in-host stage's bulk moves (passing/torch/in_host.py; torch's copy_ and add
+ * are the specification, bit for bit) ------------------------------------------------ */
+
+/* From PN_STREAM_BYTES of output on, the stores bypass the cache (non-temporal): an
+ * in-host piece is far larger than the cache, so a normal store would first read the
+ * line it overwrites, a third of the memory traffic of a copy. Below, normal stores. */
+#define PN_STREAM_BYTES (256u * 1024u)
+
+/* dst[i] = src[i] for i < n; the two do not overlap. */
+PN_API void pn_copy_f32(float *dst, const float *src, size_t n);
+
+/* dst[i] = ((srcs[0][i] + srcs[1][i]) + srcs[2][i]) + ... over k >= 1 sources, in that
+ * order (so the same bits as adding them one by one); dst overlaps none of them. */
+PN_API void pn_sum_f32(float *dst, const float *const *srcs, uint32_t k, size_t n);
+
 #endif

@@ -115,6 +115,8 @@ _PROTOTYPES = {
     "pn_stream_run": (ctypes.c_int, [ctypes.POINTER(StreamCall), ctypes.POINTER(StreamReport)]),
     "pn_gather_run": (ctypes.c_int, [ctypes.POINTER(GatherCall), ctypes.POINTER(StreamReport)]),
     "pn_max_abs_bits": (ctypes.c_uint32, [_p, ctypes.c_size_t, ctypes.c_int]),
+    "pn_copy_f32": (None, [_p, _p, ctypes.c_size_t]),
+    "pn_sum_f32": (None, [_p, ctypes.POINTER(_p), ctypes.c_uint32, ctypes.c_size_t]),
 }
 
 _lib: ctypes.CDLL | None = None
@@ -198,3 +200,14 @@ def max_abs_bits(x: np.ndarray, finite_only: bool = False) -> int:
     if x.dtype != np.float32 or not x.flags.c_contiguous:
         raise ValueError("max_abs_bits: a contiguous float32 array")
     return int(lib().pn_max_abs_bits(address(x), x.size, int(finite_only)))
+
+
+def copy_f32(dst: int, src: int, n: int) -> None:
+    """n float32 from address ``src`` to address ``dst`` (not overlapping): pn_copy_f32."""
+    lib().pn_copy_f32(dst, src, n)
+
+
+def sum_f32(dst: int, sources: list[int], n: int) -> None:
+    """dst = sources[0] + sources[1] + ..., in that order, over n float32 at those addresses
+    (dst overlapping none of them): pn_sum_f32."""
+    lib().pn_sum_f32(dst, (_p * len(sources))(*sources), len(sources), n)

@@ -311,7 +311,8 @@ class ProcessGroupPassing(ProcessGroup):
         groups: dict[str, C10dBackend] = {  # the same machine: over loopback
             "cpu": gloo_group(PrefixStore(prefix + "gloo/", store), j, n, timeout, "127.0.0.1")}
         self.in_host = {"cpu": cpu_in_host(groups["cpu"], store, prefix + "shm/", timeout.total_seconds(),
-                                          directory=str(self.options.shared_memory))}
+                                          directory=str(self.options.shared_memory),
+                                          engine=str(self.options.engine))}
         if torch.cuda.is_available() and dist.is_nccl_available():
             groups["cuda"] = dist.ProcessGroupNCCL(PrefixStore(prefix + "nccl/", store), j, n)
             self.in_host["cuda"] = CollectiveInHost(groups["cuda"])

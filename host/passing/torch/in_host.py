@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 
+from .. import native
 from ..stream import PassingError
 from .hierarchy import NetworkStage
 
@@ -59,13 +60,31 @@ class SharedMemoryInHost:
     written by i between the two and read by everyone after the second, and before the next
     piece's first. Each chunk is added by one rank, so every rank gets the same bits."""
 
-    def __init__(self, segment: mmap.mmap, barrier: ServerBarrier, n: int, j: int) -> None:
+    def __init__(self, segment: mmap.mmap, barrier: ServerBarrier, n: int, j: int, engine: str = "auto") -> None:
         self.segment, self.barrier, self.n, self.j = segment, barrier, n, j
         region = len(segment) // 4 // (n * n)  # float32 elements
         self.regions = torch.frombuffer(segment, dtype=torch.float32)[:n * n * region].view(n, n, region)
         self.piece = n * region  # elements
+        self.native = native.use_native(engine)  # the bulk moves in C (streaming stores), else torch's
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.native:
+            native.copy_f32(dst.data_ptr(), src.data_ptr(), dst.numel())
+        else:
+            dst.copy_(src)
+
+    def _sum(self, dst: torch.Tensor, sources: list[torch.Tensor]) -> None:
+        """dst = sources[0] + sources[1] + ..., in that order."""
+        if self.native:
+            native.sum_f32(dst.data_ptr(), [t.data_ptr() for t in sources], dst.numel())
+            return
+        torch.add(sources[0], sources[1], out=dst)
+        for t in sources[2:]:
+            dst += t
 
     def allreduce(self, flat: torch.Tensor, network: NetworkStage) -> torch.Tensor:
+        if flat.dim() != 1 or not flat.is_contiguous() or flat.dtype != torch.float32:
+            raise ValueError("the in-host stage takes a contiguous 1-D float32 tensor")
         n, j, regions = self.n, self.j, self.regions
         for start in range(0, flat.numel(), self.piece):
             piece = flat[start:start + self.piece]
@@ -74,19 +93,16 @@ class SharedMemoryInHost:
             bounds = [(min(i * chunk, size), min((i + 1) * chunk, size)) for i in range(n)]  # the last may be short
             for i, (a, b) in enumerate(bounds):
                 if i != j:
-                    regions[j, i, :b - a].copy_(piece[a:b])
+                    self._copy(regions[j, i, :b - a], piece[a:b])
             self.barrier.wait()
             lo, hi = bounds[j]
             own = regions[j, j, :chunk]  # a short chunk is padded with zeros: every rank streams a chunk
-            others = [k for k in range(n) if k != j]
-            torch.add(piece[lo:hi], regions[others[0], j, :hi - lo], out=own[:hi - lo])
-            for k in others[1:]:
-                own[:hi - lo] += regions[k, j, :hi - lo]
+            self._sum(own[:hi - lo], [piece[lo:hi], *(regions[k, j, :hi - lo] for k in range(n) if k != j)])
             own[hi - lo:].zero_()
             _set(network.sum(own), own)
             self.barrier.wait()
             for i, (a, b) in enumerate(bounds):
-                piece[a:b].copy_(regions[i, i, :b - a])
+                self._copy(piece[a:b], regions[i, i, :b - a])
         return flat
 
 
@@ -284,10 +300,11 @@ def shared_memory(store: dist.Store, prefix: str, rank: int, size: int, nbytes: 
 
 
 def cpu_in_host(group: C10dBackend, store: dist.Store, prefix: str, timeout: float,
-                piece_bytes: int = PIECE_BYTES, directory: str = SHM_DIR) -> InHostStage:
+                piece_bytes: int = PIECE_BYTES, directory: str = SHM_DIR, engine: str = "auto") -> InHostStage:
     """The CPU in-host stage of ``group``'s ranks (one server): through shared memory in
-    ``directory``, in pieces of ``piece_bytes``; or, where they cannot share it or ``directory``
-    is "off", a ring; local rank 0 logs why."""
+    ``directory``, in pieces of ``piece_bytes``, its bulk moves in C where ``engine`` says so
+    (passing.native.use_native); or, where they cannot share it or ``directory`` is "off", a
+    ring; local rank 0 logs why."""
     n, rank = group.size(), group.rank()
     if directory == "off":
         if rank == 0:
@@ -299,4 +316,4 @@ def cpu_in_host(group: C10dBackend, store: dist.Store, prefix: str, timeout: flo
             log.warning("passing: the in-host stage goes over loopback TCP: no shared memory among the %d ranks "
                         "of this server (%s)", n, found)
         return RingInHost(group)
-    return SharedMemoryInHost(*found, n, rank)
+    return SharedMemoryInHost(*found, n, rank, engine)
