@@ -129,6 +129,7 @@ def test_collectives_run_in_issue_order_and_a_waiting_caller_runs_the_next_itsel
     ran.clear()
     fourth = PassingWork(runner)
     with runner._changed:  # the group's thread cannot take it before this thread asks
+        assert runner._changed.wait_for(lambda: not runner._running, 10)  # done with "third" (its finally)
         runner.submit(fourth, job("fourth", fourth))
         assert runner.run_here(fourth)
     assert ran == [("fourth", threading.current_thread().name)] and fourth.wait()
@@ -143,6 +144,8 @@ def test_collectives_run_in_issue_order_and_a_waiting_caller_runs_the_next_itsel
     assert not waited.is_completed()  # queued behind the one running
     gate.set()
     assert waited.wait() and [name for name, _ in ran] == ["held", "waited"]
+    with runner._changed:
+        assert runner._changed.wait_for(lambda: not runner._running, 10)
     runner.submit(now, job("now", now), caller_waits=True)
     assert now.is_completed() and ran[-1] == ("now", threading.current_thread().name)
 
