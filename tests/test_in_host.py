@@ -7,7 +7,6 @@ same stage in real processes under torch."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from passing import native
 from passing.stream import PassingError
 from passing.torch.in_host import SharedMemoryInHost, shared_memory
+from tests.cluster import run_threads
 
 ENGINES = ["numpy", pytest.param("native", marks=pytest.mark.skipif(not native.available(),
                                                                     reason="the native library is not built"))]
@@ -45,22 +45,11 @@ def on_threads(n: int, body: Callable[[int, dist.Store], Any], timeout: float = 
     """``body(rank, store)`` on n threads, each with its own client of one TCPStore; their results
     (or the exceptions they raised), in rank order."""
     server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
-    results: list[Any] = [None] * n
 
-    def run(rank: int) -> None:
-        store = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=timeout))
-        try:
-            results[rank] = body(rank, store)
-        except BaseException as e:  # handed to the test
-            results[rank] = e
+    def rank(r: int) -> Any:
+        return body(r, dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=timeout)))
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "a rank did not finish"
-    return results
+    return run_threads(rank, n, timeout)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -277,15 +277,7 @@ def shared_memory(store: dist.Store, prefix: str, rank: int, size: int, nbytes: 
     failures = [f"local rank {r}: {o}" for r, o in enumerate(outcomes) if o != "ok"]
     try:
         if not failures and rank == 0:  # everyone connected: accept them, in rank order
-            listener = sockets.pop()
-            listener.settimeout(timeout)
-            by_rank: dict[int, socket.socket] = {}
-            for _ in range(size - 1):
-                peer, _ = listener.accept()
-                peer.settimeout(timeout)
-                by_rank[peer.recv(1)[0]] = peer
-            listener.close()
-            sockets = [by_rank[k] for k in range(1, size)]
+            sockets = _accept(sockets.pop(), size, timeout)
     finally:
         if made:
             shutil.rmtree(made, ignore_errors=True)
@@ -297,6 +289,33 @@ def shared_memory(store: dist.Store, prefix: str, rank: int, size: int, nbytes: 
         return "; ".join(failures)
     assert segment is not None
     return segment, ServerBarrier(rank, sockets)
+
+
+def _accept(listener: socket.socket, size: int, timeout: float) -> list[socket.socket]:
+    """Local rank 0's ends of the barrier: one connection from each other rank, which names itself."""
+    accepted: list[socket.socket] = []  # closed, all of them, if the barrier cannot be made
+    by_rank: dict[int, socket.socket] = {}
+    try:
+        listener.settimeout(timeout)
+        for _ in range(size - 1):
+            peer, _ = listener.accept()
+            accepted.append(peer)
+            peer.settimeout(timeout)
+            said = peer.recv(1)
+            if not said or not 1 <= said[0] < size or said[0] in by_rank:
+                raise PassingError(f"the in-host stage: a local rank's barrier connection said {said!r}, "
+                                   f"not a rank of 1..{size - 1} not yet connected")
+            by_rank[said[0]] = peer
+    except (OSError, PassingError) as e:
+        for peer in accepted:
+            peer.close()
+        if isinstance(e, PassingError):
+            raise
+        raise PassingError(f"the in-host stage: the other local ranks did not all connect to its barrier "
+                           f"({type(e).__name__}: {e})") from None
+    finally:
+        listener.close()
+    return [by_rank[k] for k in range(1, size)]
 
 
 def cpu_in_host(group: C10dBackend, store: dist.Store, prefix: str, timeout: float,

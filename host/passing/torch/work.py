@@ -114,9 +114,13 @@ class InOrder:
                     self._changed.wait()
                 if not self._queue:  # closed, and everything queued has run
                     return
-                _, job = self._queue.popleft()
+                work, job = self._queue.popleft()
                 self._running = True
-            self._run(job)
+            try:
+                self._run(job)
+            except BaseException as e:  # a job completes its work and raises nothing; should one raise,
+                if not work.future.done():  # its work fails and the thread goes on serving the others
+                    work.fail(e)
 
     def shutdown(self) -> None:
         """Run what is queued, then stop the thread."""
