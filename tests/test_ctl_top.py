@@ -86,11 +86,15 @@ def test_top_shows_jobs_modes_slots_and_rates(tmp_path):
         token = answer["token"]
         calls = 0
         with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=10) as g:
-            while not stop.is_set() or calls == 0:
-                g.allreduce(np.ones(64 * 64, dtype=np.float32))
+            while True:
+                data = np.ones(64 * 64, dtype=np.float32)
+                data[-1] = 1.0 if stop.is_set() else 0.0  # the workers stop after the same call, whoever saw it
+                summed = g.allreduce(data)
                 calls += 1
                 report(endpoint, "watched", 0, w, token,
                        {**g.stats.as_dict(), "calls": calls, "call_seconds": calls * 0.001})
+                if summed[-1] > 0:
+                    break
                 time.sleep(0.02)
         leave(endpoint, "watched", 0, w, token)
         return calls
