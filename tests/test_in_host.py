@@ -87,6 +87,44 @@ def test_every_rank_gets_the_sum_piece_by_piece(n, engine, tmp_path):
     assert os.listdir(tmp_path) == []  # the segment and the socket were removed once all had them
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_sharded_collectives_in_host_parts_interleaved_with_all_reduces(n, engine, tmp_path):
+    """reduce_scatter (row j of the server's sum to local rank j), all_gather (every rank's block,
+    bytes, to every rank) and all_reduce in turn on the same segment, each over several pieces:
+    every one exact, whichever came before."""
+    width = PIECE_BYTES // 4 // n  # float32 elements of a region: the pieces of reduce_scatter's rows
+    sizes = [1, width, width + 3, 3 * width + 1]
+
+    def rows_of(rank: int, size: int) -> torch.Tensor:
+        return torch.arange(n * size, dtype=torch.float32).view(n, size) * (rank + 1) - 0.5
+
+    def block_of(rank: int, size: int) -> torch.Tensor:
+        return ((torch.arange(4 * size) * 7 + rank * 31) % 256).to(torch.uint8)
+
+    def body(rank: int, store: dist.Store) -> list[Any]:
+        found = shared_memory(store, "t/", rank, n, n * PIECE_BYTES, 10, str(tmp_path))
+        assert not isinstance(found, str), found
+        stage, out = SharedMemoryInHost(*found, n, rank, engine), []
+        for size in sizes:  # all_reduce -> all_gather -> reduce_scatter -> all_reduce ...: every hand-over
+            summed = stage.allreduce(torch.ones(2 * size + 1) * (rank + 1), Servers(1))
+            gathered = torch.zeros(n, 4 * size, dtype=torch.uint8)
+            stage.all_gather(block_of(rank, size), gathered)
+            mine = torch.full((size,), 9.0)
+            stage.reduce_scatter(rows_of(rank, size), mine)
+            out.append((mine, gathered, summed))
+        return out
+
+    results = on_threads(n, body)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, BaseException), f"rank {rank}: {result!r}"
+        for (mine, gathered, summed), size in zip(result, sizes):
+            expected = sum(rows_of(r, size) for r in range(n))[rank]
+            assert torch.equal(mine, expected), (rank, size)
+            assert torch.equal(gathered, torch.stack([block_of(r, size) for r in range(n)])), (rank, size)
+            assert torch.equal(summed, torch.full((2 * size + 1,), float(n * (n + 1) // 2))), (rank, size)
+
+
 def test_ranks_that_cannot_share_memory_all_say_why(tmp_path):
     """Local rank 0 cannot make the segment (its directory does not exist): every rank gets the
     same reason, and none is left waiting for the others."""

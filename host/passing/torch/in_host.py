@@ -42,6 +42,19 @@ class InHostStage(Protocol):
         ...
 
 
+class CpuInHostStage(InHostStage, Protocol):
+    """The CPU stages also serve the sharded collectives' in-host parts (passing.torch.sharded)."""
+
+    def reduce_scatter(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` = the sum over the server's ranks of their row j of ``rows`` (n x B float32,
+        contiguous), on local rank j; ``rows`` may be overwritten."""
+        ...
+
+    def all_gather(self, block: torch.Tensor, out: torch.Tensor) -> None:
+        """Row k of ``out`` (n x B uint8, contiguous) = local rank k's ``block`` (B uint8), on every rank."""
+        ...
+
+
 def _set(summed: torch.Tensor, into: torch.Tensor) -> None:
     if summed.data_ptr() != into.data_ptr():
         into.copy_(summed)
@@ -105,6 +118,35 @@ class SharedMemoryInHost:
                 self._copy(piece[a:b], regions[i, i, :b - a])
         return flat
 
+    # The sharded collectives keep the same rule: a region (k, i), k != i, is written by k before a
+    # piece's first barrier and read before its second; neither writes a region (i, i).
+
+    def reduce_scatter(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        n, j, regions = self.n, self.j, self.regions
+        width = regions.shape[2]
+        for start in range(0, rows.shape[1], width):
+            end = min(start + width, rows.shape[1])
+            for i in range(n):
+                if i != j:
+                    self._copy(regions[j, i, :end - start], rows[i, start:end])
+            self.barrier.wait()
+            self._sum(out[start:end], [rows[j, start:end], *(regions[k, j, :end - start] for k in range(n) if k != j)])
+            self.barrier.wait()
+
+    def all_gather(self, block: torch.Tensor, out: torch.Tensor) -> None:
+        n, j = self.n, self.j
+        regions = self.regions.view(torch.uint8)  # n x n x 4·region bytes
+        width = regions.shape[2]
+        out[j].copy_(block)
+        for start in range(0, block.numel(), width):
+            end = min(start + width, block.numel())
+            regions[j, (j + 1) % n, :end - start].copy_(block[start:end])  # a region this rank alone writes
+            self.barrier.wait()
+            for k in range(n):
+                if k != j:
+                    out[k, start:end].copy_(regions[k, (k + 1) % n, :end - start])
+            self.barrier.wait()
+
 
 class RingInHost:
     """The CPU in-host stage as rings of gloo send/recv, where the ranks share no memory."""
@@ -117,7 +159,7 @@ class RingInHost:
         self.group.recv([incoming], source, IN_HOST_TAG).wait()
         sent.wait()
 
-    def reduce_scatter(self, rows: torch.Tensor) -> torch.Tensor:
+    def reduce_scatter_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Leaves the sum over the group of row r of ``rows`` (n rows, one per rank) in row r of
         this rank r, and returns that row. gloo has no reduce-scatter of its own (its
         _reduce_scatter_base all-reduces the whole tensor and keeps one chunk: twice the bytes),
@@ -139,7 +181,7 @@ class RingInHost:
                 outgoing = incoming
         return rows[r]
 
-    def allgather(self, rows: torch.Tensor) -> None:
+    def allgather_rows(self, rows: torch.Tensor) -> None:
         """Every rank's row r to every rank, in place: n-1 steps of passing the row last received on."""
         n, r = rows.shape[0], self.group.rank()
         for step in range(n - 1):
@@ -148,10 +190,17 @@ class RingInHost:
     def allreduce(self, flat: torch.Tensor, network: NetworkStage) -> torch.Tensor:
         n = self.group.size()
         padded, rows = _rows(flat, n)
-        mine = self.reduce_scatter(rows)
+        mine = self.reduce_scatter_rows(rows)
         _set(network.sum(mine), mine)
-        self.allgather(rows)
+        self.allgather_rows(rows)
         return padded[:flat.numel()]
+
+    def reduce_scatter(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(self.reduce_scatter_rows(rows))
+
+    def all_gather(self, block: torch.Tensor, out: torch.Tensor) -> None:
+        out[self.group.rank()].copy_(block)
+        self.allgather_rows(out)
 
 
 class CollectiveInHost:
@@ -319,7 +368,7 @@ def _accept(listener: socket.socket, size: int, timeout: float) -> list[socket.s
 
 
 def cpu_in_host(group: C10dBackend, store: dist.Store, prefix: str, timeout: float,
-                piece_bytes: int = PIECE_BYTES, directory: str = SHM_DIR, engine: str = "auto") -> InHostStage:
+                piece_bytes: int = PIECE_BYTES, directory: str = SHM_DIR, engine: str = "auto") -> CpuInHostStage:
     """The CPU in-host stage of ``group``'s ranks (one server): through shared memory in
     ``directory``, in pieces of ``piece_bytes``, its bulk moves in C where ``engine`` says so
     (passing.native.use_native); or, where they cannot share it or ``directory`` is "off", a

@@ -250,8 +250,8 @@ def reduce_scatter(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.T
     chunk = output.numel()
     wide = input.detach().reshape(-1)
     wide = wide if wide.dtype == torch.float32 else wide.float()
-    local = pg.local.get("cpu") if pg.local else None
-    if local is None:  # one rank per server: the network group is the process group, worker = rank
+    in_host = pg.in_host.get("cpu") if pg.in_host else None
+    if in_host is None:  # one rank per server: the network group is the process group, worker = rank
         summed = network_reduce_scatter(pg, wide.numpy())
     else:
         grid = rank_grid(pg)
@@ -260,8 +260,7 @@ def reduce_scatter(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.T
         # local rank j's part: the chunks of the ranks with local index j, in server order
         order = torch.from_numpy(grid.T.reshape(-1).copy())
         mine = torch.empty(servers * chunk, dtype=torch.float32)
-        local._reduce_scatter_base(mine, chunks.index_select(0, order).reshape(-1),
-                                   dist.ReduceScatterOptions()).wait()
+        in_host.reduce_scatter(chunks.index_select(0, order).view(n, servers * chunk), mine)
         summed = network_reduce_scatter(pg, mine.numpy())  # network worker = server: its block is this rank's
     result = torch.from_numpy(summed)
     if avg:
@@ -274,8 +273,8 @@ def all_gather(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.Tenso
     piece = input.detach().reshape(-1).view(torch.uint8)
     size = piece.numel()
     out = output.view(-1).view(torch.uint8)
-    local = pg.local.get("cpu") if pg.local else None
-    if local is None:
+    in_host = pg.in_host.get("cpu") if pg.in_host else None
+    if in_host is None:
         network_allgather(pg, piece.numpy(), out.numpy())
         return
     grid = rank_grid(pg)
@@ -283,7 +282,7 @@ def all_gather(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.Tenso
     network = torch.empty(servers * size, dtype=torch.uint8)  # the pieces of the ranks of this local index
     network_allgather(pg, piece.numpy(), network.numpy())
     gathered = torch.empty(n * servers * size, dtype=torch.uint8)  # local rank j's network block at j
-    local._allgather_base(gathered, network, AllgatherOptions()).wait()
+    in_host.all_gather(network, gathered.view(n, servers * size))
     # block (j, s) is the piece of rank grid[s, j]
     order = torch.from_numpy(np.argsort(grid.T.reshape(-1), kind="stable"))
     out.view(pg.size(), size).copy_(gathered.view(n * servers, size).index_select(0, order))
