@@ -1,7 +1,7 @@
 """The in-host stage through shared memory (passing.torch.in_host): the segment and barrier
 that the ranks of a server set up through the c10d store, the sums piece by piece, and what
 happens when they cannot share memory or a rank goes away. The ranks are threads here, each
-with its own store client, segment mapping and sockets; tests/test_torch_embedded.py runs the
+with its own segment mapping and sockets, sharing an in-process store; tests/test_torch_embedded.py runs the
 same stage in real processes under torch."""
 
 from __future__ import annotations
@@ -42,14 +42,11 @@ class Servers:
 
 
 def on_threads(n: int, body: Callable[[int, dist.Store], Any], timeout: float = 60) -> list[Any]:
-    """``body(rank, store)`` on n threads, each with its own client of one TCPStore; their results
-    (or the exceptions they raised), in rank order."""
-    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
-
-    def rank(r: int) -> Any:
-        return body(r, dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=timeout)))
-
-    return run_threads(rank, n, timeout)
+    """``body(rank, store)`` on n threads that share one in-process store (a c10d HashStore, whose
+    blocking get lets the others set); their results (or the exceptions they raised), in rank order."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=timeout))
+    return run_threads(lambda r: body(r, store), n, timeout)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
