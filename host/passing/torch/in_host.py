@@ -2,12 +2,14 @@
 chunk by chunk, each chunk is summed over the servers by one rank (the network stage), and
 every rank gets all the sums back (design §5, "Hierarchy").
 
-On the CPU the ranks of a server share one memory segment: a rank writes its tensor once,
-the owner of each chunk adds the n copies of it, and every rank reads the sums, where a ring
-over loopback TCP moves each byte through the kernel twice per step. The segment is made by
-local rank 0 in /dev/shm, opened by the others and unlinked at once (nothing outlives the
-processes). Where the ranks cannot share one (another /dev/shm, no space), the stage is a
-ring of gloo send/recv. For CUDA tensors it is NCCL's reduce-scatter and all-gather.
+On the CPU the ranks of a server share one memory segment: a rank copies in the chunks the
+other ranks own, each owner adds them to its own, and every rank copies the sums out, where
+a ring over loopback TCP passed each byte through the kernel at every step. The segment (and
+a Unix socket for the barriers) is made by local rank 0 in a directory of its own in
+/dev/shm, mapped by the others, and removed once all have it (nothing outlives the
+processes). Where the ranks cannot share one (another /dev/shm, no room), the stage is a ring
+of gloo send/recv. For CUDA tensors it is NCCL's reduce-scatter and all-gather. The sharded
+collectives' in-host parts (passing.torch.sharded) use the same stages.
 """
 
 from __future__ import annotations
