@@ -189,7 +189,7 @@ def on_gloo(sizes: list[int]) -> dict:
 
     pg = dist.distributed_c10d._get_default_group()
     stream = pg.stream
-    group = pg.layout.local_rank if pg.local else 0
+    group = pg.layout.local_rank if pg.in_host else 0
     pg.network.gloo = gloo_group(PrefixStore(f"test/on_gloo/{group}/", dist.distributed_c10d._get_default_store()),
                                  stream.worker, stream.workers, timedelta(seconds=60), stream.socket.address[0])
     return collectives(sizes)

@@ -172,8 +172,7 @@ class ProcessGroupPassing(ProcessGroup):
         self.layout = Layout.exchange(store, rank, size, str(options.server))
         self.mode = "gloo" if self.scheme.aggregator is None else ""
         self.reason = f"scheme {options.scheme}: every all_reduce is gloo's"
-        self.local: dict[str, C10dBackend] = {}  # device type -> in-host group of this server's ranks
-        self.in_host: dict[str, InHostStage] = {}  # device type -> the in-host stage of the all_reduce
+        self.in_host: dict[str, InHostStage] = {}  # device type -> the in-host stage among this server's ranks
         self.peers: dict[str, C10dBackend] = {}  # device type -> this local rank's group across servers (ring)
         self.network: NetworkStage | None = None  # how a chunk is summed over the servers
         self.stream: Group | None = None
@@ -207,7 +206,7 @@ class ProcessGroupPassing(ProcessGroup):
             self.keys = control.worker_keys(None)
         in_host = self.scheme.in_host and self.layout.ranks_per_server > 1
         if in_host:
-            self.local = self._local_groups(store, timeout)
+            self._set_up_in_host(store, timeout)
             group, worker, workers = self.layout.local_rank, self.layout.server, self.layout.servers
         else:
             group, worker, workers = 0, rank, self.size()
@@ -254,7 +253,7 @@ class ProcessGroupPassing(ProcessGroup):
         self.mode = RING
         s, n = self.layout.servers, self.layout.ranks_per_server
         if self.scheme.in_host and n > 1:
-            self.local = self._local_groups(store, timeout)
+            self._set_up_in_host(store, timeout)
             self.peers = self._peer_groups(store, timeout)
             self.network = PeerStage(self.peers)
             self._start_runner(name)
@@ -304,19 +303,17 @@ class ProcessGroupPassing(ProcessGroup):
         else:
             log.info("passing: embedded controller of rank 0 at %s", endpoint)
 
-    def _local_groups(self, store: dist.Store, timeout: timedelta) -> dict[str, C10dBackend]:
-        """The in-host groups of this server's ranks, and the all_reduce's in-host stages over them."""
+    def _set_up_in_host(self, store: dist.Store, timeout: timedelta) -> None:
+        """The in-host stages among this server's ranks: shared memory (a gloo group over loopback only where
+        there is none) for CPU tensors, NCCL for CUDA ones."""
         n, j = self.layout.ranks_per_server, self.layout.local_rank
         prefix = f"passing/local/{self.layout.server}/"
-        groups: dict[str, C10dBackend] = {  # the same machine: over loopback
-            "cpu": gloo_group(PrefixStore(prefix + "gloo/", store), j, n, timeout, "127.0.0.1")}
-        self.in_host = {"cpu": cpu_in_host(groups["cpu"], store, prefix + "shm/", timeout.total_seconds(),
-                                          directory=str(self.options.shared_memory),
-                                          engine=str(self.options.engine))}
+        self.in_host = {"cpu": cpu_in_host(
+            j, n, lambda: gloo_group(PrefixStore(prefix + "gloo/", store), j, n, timeout, "127.0.0.1"), store,
+            prefix + "shm/", timeout.total_seconds(), directory=str(self.options.shared_memory),
+            engine=str(self.options.engine))}
         if torch.cuda.is_available() and dist.is_nccl_available():
-            groups["cuda"] = dist.ProcessGroupNCCL(PrefixStore(prefix + "nccl/", store), j, n)
-            self.in_host["cuda"] = CollectiveInHost(groups["cuda"])
-        return groups
+            self.in_host["cuda"] = CollectiveInHost(dist.ProcessGroupNCCL(PrefixStore(prefix + "nccl/", store), j, n))
 
     def _job_name(self, store: dist.Store, name: str) -> tuple[str, str]:
         """The same job name and secret on every rank of this process group, and new ones per run.

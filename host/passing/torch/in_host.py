@@ -20,6 +20,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -97,6 +98,19 @@ class SharedMemoryInHost:
         for t in sources[2:]:
             dst += t
 
+    def _sum_own_chunk(self, chunks: list[torch.Tensor], out: torch.Tensor) -> int:
+        """The first half of a piece: ``chunks`` are this rank's n chunks of it (at most a region
+        each); the others go into this rank's regions, a barrier, then ``out`` = this rank's own
+        chunk plus the other ranks' copies of it. Returns that chunk's length."""
+        n, j, regions = self.n, self.j, self.regions
+        for i, chunk in enumerate(chunks):
+            if i != j:
+                self._copy(regions[j, i, :chunk.numel()], chunk)
+        self.barrier.wait()
+        length = chunks[j].numel()
+        self._sum(out[:length], [chunks[j], *(regions[k, j, :length] for k in range(n) if k != j)])
+        return length
+
     def allreduce(self, flat: torch.Tensor, network: NetworkStage) -> torch.Tensor:
         if flat.dim() != 1 or not flat.is_contiguous() or flat.dtype != torch.float32:
             raise ValueError("the in-host stage takes a contiguous 1-D float32 tensor")
@@ -106,14 +120,9 @@ class SharedMemoryInHost:
             size = piece.numel()
             chunk = -(-size // n)
             bounds = [(min(i * chunk, size), min((i + 1) * chunk, size)) for i in range(n)]  # the last may be short
-            for i, (a, b) in enumerate(bounds):
-                if i != j:
-                    self._copy(regions[j, i, :b - a], piece[a:b])
-            self.barrier.wait()
-            lo, hi = bounds[j]
             own = regions[j, j, :chunk]  # a short chunk is padded with zeros: every rank streams a chunk
-            self._sum(own[:hi - lo], [piece[lo:hi], *(regions[k, j, :hi - lo] for k in range(n) if k != j)])
-            own[hi - lo:].zero_()
+            length = self._sum_own_chunk([piece[a:b] for a, b in bounds], own)
+            own[length:].zero_()
             _set(network.sum(own), own)
             self.barrier.wait()
             for i, (a, b) in enumerate(bounds):
@@ -124,15 +133,10 @@ class SharedMemoryInHost:
     # piece's first barrier and read before its second; neither writes a region (i, i).
 
     def reduce_scatter(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        n, j, regions = self.n, self.j, self.regions
-        width = regions.shape[2]
+        width = self.regions.shape[2]
         for start in range(0, rows.shape[1], width):
             end = min(start + width, rows.shape[1])
-            for i in range(n):
-                if i != j:
-                    self._copy(regions[j, i, :end - start], rows[i, start:end])
-            self.barrier.wait()
-            self._sum(out[start:end], [rows[j, start:end], *(regions[k, j, :end - start] for k in range(n) if k != j)])
+            self._sum_own_chunk([row[start:end] for row in rows], out[start:end])
             self.barrier.wait()
 
     def all_gather(self, block: torch.Tensor, out: torch.Tensor) -> None:
@@ -369,21 +373,22 @@ def _accept(listener: socket.socket, size: int, timeout: float) -> list[socket.s
     return [by_rank[k] for k in range(1, size)]
 
 
-def cpu_in_host(group: C10dBackend, store: dist.Store, prefix: str, timeout: float,
-                piece_bytes: int = PIECE_BYTES, directory: str = SHM_DIR, engine: str = "auto") -> CpuInHostStage:
-    """The CPU in-host stage of ``group``'s ranks (one server): through shared memory in
+def cpu_in_host(rank: int, n: int, ring_group: Callable[[], C10dBackend], store: dist.Store, prefix: str,
+                timeout: float, piece_bytes: int = PIECE_BYTES, directory: str = SHM_DIR,
+                engine: str = "auto") -> CpuInHostStage:
+    """The CPU in-host stage of local rank ``rank`` of a server's ``n``: through shared memory in
     ``directory``, in pieces of ``piece_bytes``, its bulk moves in C where ``engine`` says so
     (passing.native.use_native); or, where they cannot share it or ``directory`` is "off", a
-    ring; local rank 0 logs why."""
-    n, rank = group.size(), group.rank()
+    ring over ``ring_group()``, made then (every rank of the server comes to the same answer, so
+    they all make it); local rank 0 logs why."""
     if directory == "off":
         if rank == 0:
             log.info("passing: the in-host stage goes over loopback TCP (shared memory off)")
-        return RingInHost(group)
+        return RingInHost(ring_group())
     found = shared_memory(store, prefix, rank, n, n * piece_bytes, timeout, directory)
     if isinstance(found, str):
         if rank == 0:
             log.warning("passing: the in-host stage goes over loopback TCP: no shared memory among the %d ranks "
                         "of this server (%s)", n, found)
-        return RingInHost(group)
+        return RingInHost(ring_group())
     return SharedMemoryInHost(*found, n, rank, engine)
