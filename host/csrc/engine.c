@@ -364,11 +364,11 @@ static size_t run(pn_engine *e, const batch_input *in, size_t n, batch_output *o
         if (well_formed && e->dense[h.job] != NO_JOB) j = &e->jobs[e->dense[h.job] - 1];
         /* stop before a packet whose RESULTs might not fit */
         if (j && o->cap - o->count < j->workers) break;
-        e->totals[PN_C_RECEIVED]++;
-        if (!well_formed) {
+        if (!well_formed) {  /* not a PASSING packet: not `received` (a switch counts it so too) */
             e->totals[PN_C_MALFORMED]++;
             continue;
         }
+        e->totals[PN_C_RECEIVED]++;
         if (!j) {
             e->totals[PN_C_REJECTED]++;  /* no job to charge it to */
             continue;

@@ -7,8 +7,8 @@
  * allocated to their exact sizes, so AddressSanitizer sees any read or write past them.
  *
  * Checked after every batch (abort on violation):
- *  - every datagram consumed is counted once: received == malformed + rejected +
- *    aggregated + duplicate + duplicate_answered + stale + relayed (deltas of the totals);
+ *  - every datagram consumed is counted once: malformed, or received and then exactly one of
+ *    rejected, aggregated, duplicate, duplicate_answered, stale, relayed (deltas of the totals);
  *  - results_sent grew by the packets emitted; the unicast answers are duplicate_answered;
  *  - each packet emitted is of this version: a RESULT (as long as its job's packets) or an
  *    ACK (the header alone), flagged at most OVERFLOW, or a relayed GATHER or NACK (a
@@ -172,8 +172,8 @@ static void process(state *s, reader *r) {
         CHECK(consumed <= s->n - done && emitted <= out_cap);
         int64_t d[PN_COUNTERS];
         for (int i = 0; i < PN_COUNTERS; i++) d[i] = after[i] - before[i];
-        CHECK(d[PN_C_RECEIVED] == (int64_t)consumed);
-        CHECK(d[PN_C_RECEIVED] == d[PN_C_MALFORMED] + d[PN_C_REJECTED] + d[PN_C_AGGREGATED] + d[PN_C_DUPLICATE] +
+        CHECK(d[PN_C_RECEIVED] + d[PN_C_MALFORMED] == (int64_t)consumed);
+        CHECK(d[PN_C_RECEIVED] == d[PN_C_REJECTED] + d[PN_C_AGGREGATED] + d[PN_C_DUPLICATE] +
                                       d[PN_C_DUPLICATE_ANSWERED] + d[PN_C_STALE] + d[PN_C_RELAYED]);
         CHECK(d[PN_C_RESULTS_SENT] == (int64_t)emitted);
         CHECK(d[PN_C_COMPLETED] <= d[PN_C_AGGREGATED] && d[PN_C_OVERFLOW] <= d[PN_C_AGGREGATED]);

@@ -34,7 +34,7 @@ import numpy as np
 from . import native, wire
 
 COUNTERS = (
-    "received",  # datagrams looked at
+    "received",  # PASSING packets: every datagram looked at but the malformed ones (as a switch counts)
     "malformed",  # wrong length, version or type (one a host does not send)
     "rejected",  # unknown job, another generation, worker not from its origin, slot out of range, not the job's
     #              lanes, an owner that is not a worker (OWNER_ONLY, NACK) or not the sender (GATHER)
@@ -256,7 +256,7 @@ class AggregationEngine:
             & ((kind != wire.NACK) | ((owner < jobs.workers[dc]) & (owner != worker)))
         )
         tally = _Tally(self)
-        tally.total("received", n)
+        tally.total("received", int(ok.sum()))
         tally.total("malformed", n - int(ok.sum()))
         tally.total("rejected", int((ok & ~known).sum()))  # no job to charge them to
         tally.jobs("rejected", d[known & ~admitted])

@@ -358,27 +358,29 @@ class SoftwareAggregator:
         return taken
 
     def send(self, out: Emission) -> None:
+        """Send an emission as server.c does: by destination, each worker's packets in the engine's order
+        (a stable sort: one run per worker, which GSO sends as one message), one send per run of one
+        packet size in that order, never one per size: an ACK (a header) must not overtake an earlier
+        RESULT to the same worker. A send the kernel refuses skips the rest of its destination (its
+        workers retransmit); a buffer that stays full loses the rest of the batch. Both are counted,
+        never fatal for the shared service."""
         if len(out) == 0:
             return
         rows = self.egress.apply(len(out)) if self.egress.active else np.arange(len(out))
-        rows = rows[np.argsort(out.dest[rows], kind="stable")]  # one run per worker: GSO sends it as one
-        sizes = out.lengths[rows]
-        for size in np.unique(sizes):  # one packet size per send (a job's RESULTs are its packets' size)
-            these = rows[sizes == size]
-            self._send_rows(out.packets, out.dest[these], these, int(size))
-
-    def _send_rows(self, packets: np.ndarray, dest: np.ndarray, rows: np.ndarray, size: int) -> None:
+        rows = rows[np.argsort(out.dest[rows], kind="stable")]
+        dest, sizes = out.dest[rows], out.lengths[rows]
+        ends = np.r_[np.flatnonzero(sizes[1:] != sizes[:-1]) + 1, len(rows)]  # where each run of one size ends
         at = 0
         while at < len(rows):
+            end = int(ends[np.searchsorted(ends, at, side="right")])
             try:
-                self.socket.send_batch(packets, dest[at:], rows[at:], timeout=SEND_TIMEOUT, size=size)
-                return
-            except TimeoutError as e:  # a buffer that stayed full loses the rest of the batch (counted)
+                self.socket.send_batch(out.packets, dest[at:end], rows[at:end], timeout=SEND_TIMEOUT,
+                                       size=int(sizes[at]))
+                at = end
+            except TimeoutError as e:
                 self._send_failed(e.errno or errno.ETIMEDOUT)
                 return
             except SendError as e:
-                # never fatal for the shared service: count it, skip the destination that failed
-                # (its workers retransmit) and go on with the others
                 self._send_failed(e.errno)
                 failed = at + e.sent
                 at = failed + 1
@@ -503,8 +505,9 @@ class SoftwareAggregator:
         self.control.send(rpc.encode(reply))
 
 
-# Every DATA packet of an admitted job ends in exactly one of these (overflow is part of aggregated).
-OUTCOMES = ("rejected", "aggregated", "duplicate", "duplicate_answered", "stale")
+# Every packet of an admitted job ends in exactly one of these (overflow is part of aggregated; a GATHER
+# or NACK that is admitted is relayed): docs/protocol.md, Counters.
+OUTCOMES = ("rejected", "aggregated", "duplicate", "duplicate_answered", "stale", "relayed")
 
 
 def job_counters(counters: dict[str, int]) -> dict[str, int]:

@@ -67,7 +67,12 @@ class UdpAggregatorTarget:
         host, port = ready["data"].rsplit(":", 1)
         self.aggregator = (host, int(port))
         self.sockets: dict[Origin, socket.socket] = {}
-        self.sent = self.counters_raw()["totals"]["received"]
+        self.sent = self.looked_at()
+
+    def looked_at(self) -> int:
+        """Datagrams the aggregator has processed: the PASSING packets (received) and the rest (malformed)."""
+        totals = self.counters_raw()["totals"]
+        return totals["received"] + totals["malformed"]
 
     def close(self) -> None:
         self.proc.terminate()
@@ -97,7 +102,7 @@ class UdpAggregatorTarget:
 
     def collect(self) -> list[tuple[Origin, bytes]]:
         deadline = time.monotonic() + 5
-        while self.counters_raw()["totals"]["received"] < self.sent:  # processed, so answers are queued
+        while self.looked_at() < self.sent:  # processed, so answers are queued
             if time.monotonic() > deadline:
                 raise TimeoutError("the aggregator did not process what was sent")
             time.sleep(0.001)
