@@ -152,8 +152,8 @@ def test_a_rank_that_goes_away_is_an_error_at_the_barrier_not_a_hang(tmp_path):
         assert not isinstance(results[rank], BaseException), f"rank {rank}: {results[rank]!r}"
     message, seconds = results[0]
     assert "local rank 2 left" in message and seconds < 10, results[0]
-    message, seconds = results[1]  # rank 1 hears it from rank 0, which stopped
-    assert "local rank 0 left" in message and seconds < 10, results[1]
+    message, seconds = results[1]  # rank 1 hears it from rank 0, which failed
+    assert "local rank 0" in message and "failed" in message and seconds < 10, results[1]
 
 
 @pytest.mark.skipif(not native.available(), reason="the native library is not built")
@@ -180,3 +180,98 @@ def test_the_native_bulk_moves_are_torchs_bit_for_bit(offset):
         out = torch.full((n + offset,), 5.0)[offset:]
         native.copy_f32(out.data_ptr(), views[0].data_ptr(), n)
         assert torch.equal(out.view(torch.int32), views[0].view(torch.int32)), (n, offset)
+
+
+class FailsOnce:
+    """A network stage that raises on its ``at``-th call (counting from 1), on this rank only."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise PassingError("no RESULT for psn 7 (a network stage's error on this rank)")
+        return tensor
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_an_error_on_one_local_rank_fails_the_call_on_every_rank_never_a_wrong_sum(failing, tmp_path):
+    """Local rank ``failing``'s network stage raises in the second call; it retries, as a training loop
+    may. Every rank's second call raises (the failing one its own error, the others the stage's), and
+    every later call raises on every rank: no barrier out of phase, no sum of the wrong chunks (before
+    issue 35 the others returned wrong sums without an error)."""
+
+    def body(rank: int, store: dist.Store) -> list[Any]:
+        found = shared_memory(store, "t/", rank, 3, 3 * PIECE_BYTES, 30, str(tmp_path))
+        assert not isinstance(found, str), found
+        stage = SharedMemoryInHost(*found, 3, rank)
+        network = FailsOnce(2) if rank == failing else Servers(1)
+        outcomes: list[Any] = []
+        for call in range(4):
+            x = torch.full((30,), float(rank + 1 + 10 * call))
+            try:
+                outcomes.append(stage.allreduce(x, network).clone())
+            except PassingError as e:
+                outcomes.append(str(e))
+        return outcomes
+
+    results = on_threads(3, body)
+    for rank, outcomes in enumerate(results):
+        assert not isinstance(outcomes, BaseException), f"rank {rank}: {outcomes!r}"
+        assert torch.equal(outcomes[0], torch.full((30,), 6.0)), (rank, outcomes[0])  # the first call: exact
+        if rank == failing:
+            assert "psn 7" in outcomes[1], outcomes[1]
+        else:
+            assert isinstance(outcomes[1], str) and "failed" in outcomes[1], (rank, outcomes[1])
+        for later in outcomes[2:]:
+            assert isinstance(later, str) and "failed earlier" in later, (rank, later)
+
+
+SEGMENT_RANK = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from passing.torch.in_host import shared_memory
+rank, size, port, directory = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=60))
+print("store", flush=True)
+found = shared_memory(store, "t/", rank, size, size * 4096, 60, directory)
+print("ready" if not isinstance(found, str) else found, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("victim,how", [(0, "SIGTERM"), (0, "SIGKILL"), (1, "SIGKILL")])
+def test_nothing_of_the_segment_is_ever_in_a_file_system(victim, how, tmp_path):
+    """Local rank 0 waiting for a rank that never comes, or a set-up done, then a rank killed: the
+    segment's directory holds nothing at any moment, so nothing can outlive the processes (before
+    issue 35 a rank 0 stopped while it waited left its n x 8 MiB segment behind)."""
+    import signal
+    import subprocess
+    import sys
+
+    from cluster.local import free_tcp_port
+
+    port = free_tcp_port()
+    size = 3 if victim == 0 else 2  # victim 0: rank 2 never starts, so rank 0 waits; else all set up
+    procs = [subprocess.Popen([sys.executable, "-c", SEGMENT_RANK, str(r), str(size), str(port), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "store"
+        if victim != 0:
+            for p in procs:
+                assert p.stdout.readline().strip() == "ready"
+        else:
+            time.sleep(0.5)  # rank 0 has made the segment and waits for rank 2
+        assert os.listdir(tmp_path) == []
+        procs[victim].send_signal(getattr(signal, how))
+        procs[victim].wait(10)
+        assert os.listdir(tmp_path) == []
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    assert os.listdir(tmp_path) == []

@@ -90,7 +90,7 @@ def test_work_reraises_the_operations_own_error_and_honours_a_timeout():
         failed.wait()
     assert failed.is_completed() and not failed.is_success()
     done = PassingWork()
-    done.future.set_result([torch.ones(1)])
+    done.complete([torch.ones(1)])
     assert done.wait() and done.is_success() and done.get_future().value()[0].item() == 1.0
 
 
@@ -112,7 +112,7 @@ def test_collectives_run_in_issue_order_and_a_waiting_caller_runs_the_next_itsel
                 started.set()
                 gate.wait(10)
             ran.append((name, threading.current_thread().name))
-            work.future.set_result([name])
+            return [name]
         return run
 
     runner = InOrder("pg-test")
@@ -155,3 +155,51 @@ def test_collectives_run_in_issue_order_and_a_waiting_caller_runs_the_next_itsel
     assert fifth.is_completed() and fifth.get_future().value() == ["fifth"]
     with pytest.raises(RuntimeError, match="shut down"):
         runner.submit(PassingWork(runner), job("late", PassingWork()))
+
+
+def test_a_callback_may_issue_and_wait_on_a_collective_and_holds_up_nothing_else():
+    """PowerSGD's hook waits, inside a `then` callback, on a collective it issues: the future of a work is
+    completed once the work has left the queue, never on the group's thread, and a callback that blocks
+    holds its own completion thread only (before issue 35 the first of these hung for good)."""
+    import threading
+
+    from passing.torch.work import InOrder, PassingWork
+
+    runner = InOrder("pg-callbacks")
+    threads: dict[str, str] = {}
+
+    def issue(name: str) -> PassingWork:
+        work = PassingWork(runner)
+        runner.submit(work, lambda: threads.setdefault(name, threading.current_thread().name) and [name])
+        return work
+
+    def chained(fut):  # a callback that issues a collective and waits on it, as compute_qs does
+        threads["callback"] = threading.current_thread().name
+        return fut.value() + issue("inner").get_future().wait()
+
+    outer = issue("outer").get_future().then(chained)
+    assert outer.wait() == ["outer", "inner"]
+    assert threads["outer"] == threads["inner"] == "pg-callbacks"
+    assert threads["callback"] != "pg-callbacks"
+
+    # A callback that blocks: the next collective runs and completes meanwhile, on another thread.
+    gate, blocked = threading.Event(), threading.Event()
+
+    def block(fut):
+        blocked.set()
+        gate.wait(10)
+        return fut.value()
+
+    held = issue("held").get_future().then(block)
+    assert blocked.wait(10)
+    after = issue("after")
+    assert after.get_future().wait() == ["after"] and not held.done()
+    gate.set()
+    assert held.wait() == ["held"]
+
+    # An error reaches the callback and whoever waits; a callback's own error is its future's.
+    failing = PassingWork(runner)
+    runner.submit(failing, lambda: (_ for _ in ()).throw(ValueError("lost")))
+    with pytest.raises(ValueError, match="lost"):
+        failing.wait()
+    runner.shutdown()

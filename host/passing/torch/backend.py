@@ -44,7 +44,7 @@ from . import embedded, sharded
 from .hierarchy import Layout, NetworkStage, PeerStage, sum_through
 from .in_host import CollectiveInHost, InHostStage, cpu_in_host
 from .options import SCHEMES, OptionError, Options, route_source
-from .work import InOrder, PassingWork
+from .work import DeviceTurn, InOrder, PassingWork, on_device
 
 log = logging.getLogger("passing.torch")
 
@@ -177,6 +177,7 @@ class ProcessGroupPassing(ProcessGroup):
         self.network: NetworkStage | None = None  # how a chunk is summed over the servers
         self.stream: Group | None = None
         self._runner: InOrder | None = None  # this group's collectives, in issue order
+        self._streams: dict[int, torch.cuda.Stream] = {}  # CUDA device index -> the group's stream there
         self._membership: Membership | None = None
         self.embedded_mode = False  # PASSING_EMBEDDED=ps, no controller: rank 0's embedded one serves the group
         self.embedded: embedded.Embedded | None = None  # rank 0's services in embedded mode
@@ -385,41 +386,42 @@ class ProcessGroupPassing(ProcessGroup):
             except BaseException as e:  # handed to whoever waits on the work
                 result.fail(e)
                 return
-            result.future.set_result([t])
+            result.complete([t])
 
         work.get_future().then(divide)
         return result
 
     def submit(self, tensor: torch.Tensor, op: str, caller_waits: bool = False) -> PassingWork:
         """Allreduce ``tensor`` in place, in issue order; the work's future's value is [tensor].
-        ``caller_waits``: the caller waits on it at once (async_op=False): see passing.torch.work."""
+        ``caller_waits``: the caller waits on it at once (async_op=False): see passing.torch.work.
+        A CUDA tensor is read once the caller's current stream has reached this call (passing.torch.work.
+        on_device), as NCCL's collectives do."""
         assert self._runner is not None
-        work = PassingWork(self._runner)
-        self._runner.submit(work, lambda: self._run(tensor, op, work), caller_waits)
+        turn = DeviceTurn.of([tensor], self._streams)
+        work = PassingWork(self._runner, devices=turn.devices if turn else None)
+        self._runner.submit(work, lambda: self._run(tensor, op, work, turn), caller_waits)
         return work
 
-    def _run(self, tensor: torch.Tensor, op: str, work: PassingWork) -> None:
+    def _run(self, tensor: torch.Tensor, op: str, work: PassingWork, turn: DeviceTurn | None) -> list[torch.Tensor]:
         start = time.monotonic()
-        try:
+        with on_device(turn, work):
             if tensor.numel():
                 in_host = self.in_host.get(tensor.device.type) if self.in_host else None
                 if self.in_host and in_host is None:
                     raise PassingError(f"no in-host group for {tensor.device.type} tensors")
                 assert self.network is not None
-                # float16/bfloat16 (mixed precision) travel as their float32 values and come back cast
+                # float16/bfloat16 (mixed precision) travel as their float32 values and come back cast;
+                # a strided tensor (a 1-D view with a step) as a contiguous copy
                 flat = tensor.detach().reshape(-1)
-                wide = flat if flat.dtype == torch.float32 else flat.float()
+                wide = flat.float() if flat.dtype != torch.float32 else flat.contiguous()
                 out = self.network.sum(wide) if in_host is None else in_host.allreduce(wide, self.network)
                 if op == "avg":
                     out /= self.size()
                 if out.data_ptr() != tensor.data_ptr():  # summed in place already when it could be
                     tensor.copy_(out.view(tensor.shape))
-        except BaseException as e:  # handed to whoever waits on the work
-            work.fail(e)
-            return
         if self._membership is not None:
             self._membership.record_call(time.monotonic() - start)
-        work.future.set_result([tensor])
+        return [tensor]
 
     def _unsupported(self, tensors: list[torch.Tensor], opts: Any) -> str:
         if self.network is None:

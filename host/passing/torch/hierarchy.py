@@ -60,6 +60,7 @@ class Layout:
     ranks_per_server: int
     server: int  # this rank's server index, in order of each server's lowest rank
     local_rank: int  # this rank's index among its server's ranks
+    grid: tuple[tuple[int, ...], ...]  # grid[server][local rank] = the rank there, the same on every rank
 
     @classmethod
     def exchange(cls, store: dist.Store, rank: int, size: int, server_key: str) -> Layout:
@@ -72,4 +73,5 @@ class Layout:
         if len(set(counts.values())) != 1:
             raise OptionError(f"PASSING needs the same number of ranks on every server; got {counts} "
                               "(set PASSING_SERVER per rank if the servers' names are wrong)")
-        return cls(len(servers), counts[server_key], servers.index(server_key), members[server_key].index(rank))
+        return cls(len(servers), counts[server_key], servers.index(server_key), members[server_key].index(rank),
+                   tuple(tuple(members[s]) for s in servers))

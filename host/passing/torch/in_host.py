@@ -4,23 +4,28 @@ every rank gets all the sums back (design §5, "Hierarchy").
 
 On the CPU the ranks of a server share one memory segment: a rank copies in the chunks the
 other ranks own, each owner adds them to its own, and every rank copies the sums out, where
-a ring over loopback TCP passed each byte through the kernel at every step. The segment (and
-a Unix socket for the barriers) is made by local rank 0 in a directory of its own in
-/dev/shm, mapped by the others, and removed once all have it (nothing outlives the
-processes). Where the ranks cannot share one (another /dev/shm, no room), the stage is a ring
-of gloo send/recv. For CUDA tensors it is NCCL's reduce-scatter and all-gather. The sharded
-collectives' in-host parts (passing.torch.sharded) use the same stages.
+a ring over loopback TCP passed each byte through the kernel at every step. The segment is
+a file with no name that local rank 0 makes in /dev/shm and hands to the others over a Unix
+socket of the abstract namespace, which is also the barriers': nothing of it is ever in a
+file system, so nothing outlives the processes however they end. An error on one rank fails
+the collective on every rank of the server, and the stage with it (never a wrong sum). Where
+the ranks cannot share one (another /dev/shm, no room), the stage is a ring of gloo send/recv.
+For CUDA tensors it is NCCL's reduce-scatter and all-gather. The sharded collectives' in-host
+parts (passing.torch.sharded) use the same stages.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
-import shutil
 import socket
+import struct
 import tempfile
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -111,7 +116,21 @@ class SharedMemoryInHost:
         self._sum(out[:length], [chunks[j], *(regions[k, j, :length] for k in range(n) if k != j)])
         return length
 
+    @contextmanager
+    def _all_or_none(self) -> Iterator[None]:
+        """A collective that fails on this rank (its network stage raised, say) fails on every rank of
+        the server: the barrier is poisoned (ServerBarrier.poison), so none waits or reads out of phase."""
+        try:
+            yield
+        except BaseException:
+            self.barrier.poison()
+            raise
+
     def allreduce(self, flat: torch.Tensor, network: NetworkStage) -> torch.Tensor:
+        with self._all_or_none():
+            return self._allreduce(flat, network)
+
+    def _allreduce(self, flat: torch.Tensor, network: NetworkStage) -> torch.Tensor:
         if flat.dim() != 1 or not flat.is_contiguous() or flat.dtype != torch.float32:
             raise ValueError("the in-host stage takes a contiguous 1-D float32 tensor")
         n, j, regions = self.n, self.j, self.regions
@@ -133,32 +152,54 @@ class SharedMemoryInHost:
     # piece's first barrier and read before its second; neither writes a region (i, i).
 
     def reduce_scatter(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        width = self.regions.shape[2]
-        for start in range(0, rows.shape[1], width):
-            end = min(start + width, rows.shape[1])
-            self._sum_own_chunk([row[start:end] for row in rows], out[start:end])
-            self.barrier.wait()
+        with self._all_or_none():
+            width = self.regions.shape[2]
+            for start in range(0, rows.shape[1], width):
+                end = min(start + width, rows.shape[1])
+                self._sum_own_chunk([row[start:end] for row in rows], out[start:end])
+                self.barrier.wait()
 
     def all_gather(self, block: torch.Tensor, out: torch.Tensor) -> None:
-        n, j = self.n, self.j
-        regions = self.regions.view(torch.uint8)  # n x n x 4·region bytes
-        width = regions.shape[2]
-        out[j].copy_(block)
-        for start in range(0, block.numel(), width):
-            end = min(start + width, block.numel())
-            regions[j, (j + 1) % n, :end - start].copy_(block[start:end])  # a region this rank alone writes
-            self.barrier.wait()
-            for k in range(n):
-                if k != j:
-                    out[k, start:end].copy_(regions[k, (k + 1) % n, :end - start])
-            self.barrier.wait()
+        with self._all_or_none():
+            n, j = self.n, self.j
+            regions = self.regions.view(torch.uint8)  # n x n x 4·region bytes
+            width = regions.shape[2]
+            out[j].copy_(block)
+            for start in range(0, block.numel(), width):
+                end = min(start + width, block.numel())
+                regions[j, (j + 1) % n, :end - start].copy_(block[start:end])  # a region this rank alone writes
+                self.barrier.wait()
+                for k in range(n):
+                    if k != j:
+                        out[k, start:end].copy_(regions[k, (k + 1) % n, :end - start])
+                self.barrier.wait()
 
 
 class RingInHost:
-    """The CPU in-host stage as rings of gloo send/recv, where the ranks share no memory."""
+    """The CPU in-host stage as rings of gloo send/recv, where the ranks share no memory. A collective
+    that fails on one rank fails on all: it aborts the gloo group, whose other ranks' sends and
+    receives then fail at once, and a failed stage takes no more calls (a ring out of phase would
+    pair one call's steps with another's)."""
 
     def __init__(self, group: C10dBackend) -> None:
         self.group = group
+        self.failed = False
+
+    @contextmanager
+    def _all_or_none(self) -> Iterator[None]:
+        if self.failed:
+            raise PassingError("the in-host stage failed earlier (on this local rank or another): it is unusable")
+        try:
+            yield
+        except BaseException as e:
+            self.failed = True
+            try:
+                self.group.abort()
+            except Exception:  # noqa: BLE001  (the error that got here is the one to report)
+                log.debug("passing: aborting the in-host ring's gloo group", exc_info=True)
+            if isinstance(e, RuntimeError) and not isinstance(e, PassingError):  # gloo's, from an aborted peer
+                raise PassingError(f"the in-host stage failed on this local rank or another: {e}") from e
+            raise
 
     def _exchange(self, outgoing: torch.Tensor, to: int, incoming: torch.Tensor, source: int) -> None:
         sent = self.group.send([outgoing], to, IN_HOST_TAG)
@@ -194,19 +235,22 @@ class RingInHost:
             self._exchange(rows[(r - step) % n], (r + 1) % n, rows[(r - step - 1) % n], (r - 1) % n)
 
     def allreduce(self, flat: torch.Tensor, network: NetworkStage) -> torch.Tensor:
-        n = self.group.size()
-        padded, rows = _rows(flat, n)
-        mine = self.reduce_scatter_rows(rows)
-        _set(network.sum(mine), mine)
-        self.allgather_rows(rows)
-        return padded[:flat.numel()]
+        with self._all_or_none():
+            n = self.group.size()
+            padded, rows = _rows(flat, n)
+            mine = self.reduce_scatter_rows(rows)
+            _set(network.sum(mine), mine)
+            self.allgather_rows(rows)
+            return padded[:flat.numel()]
 
     def reduce_scatter(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(self.reduce_scatter_rows(rows))
+        with self._all_or_none():
+            out.copy_(self.reduce_scatter_rows(rows))
 
     def all_gather(self, block: torch.Tensor, out: torch.Tensor) -> None:
-        out[self.group.rank()].copy_(block)
-        self.allgather_rows(out)
+        with self._all_or_none():
+            out[self.group.rank()].copy_(block)
+            self.allgather_rows(out)
 
 
 class CollectiveInHost:
@@ -239,31 +283,55 @@ class ServerBarrier:
     """A barrier of the ranks of one server over Unix sockets: each rank tells local rank 0 it is
     there, and rank 0 answers all once everyone is. One wake-up each way, in the calling thread
     (a gloo barrier goes through gloo's threads and TCP: ten times the latency on a loaded
-    machine), and a rank that exits shows at once as its socket's end."""
+    machine), and a rank that exits shows at once as its socket's end.
+
+    A rank whose collective fails (its network stage raised) poisons the barrier: it tells the others
+    (rank 0 passes it on) and closes its sockets, so every rank's current call fails with an error
+    that says so, and every later one too. Never a barrier out of phase, which would hand the others
+    a sum of the wrong chunks."""
 
     def __init__(self, rank: int, peers: list[socket.socket]) -> None:
         self.rank, self.peers = rank, peers  # rank 0: one socket per other rank, in rank order; else: rank 0's
 
     def wait(self) -> None:
         if not self.peers:
-            raise PassingError("the in-host stage failed earlier: its barrier is closed")
+            raise PassingError("the in-host stage failed earlier (on this local rank or another): it is unusable")
         try:
             if self.rank == 0:
                 for k, peer in enumerate(self.peers, 1):
                     _receive_mark(peer, f"local rank {k}")
-                for peer in self.peers:
-                    peer.sendall(b".")
+                for k, peer in enumerate(self.peers, 1):
+                    _send_mark(peer, f"local rank {k}")
             else:
-                self.peers[0].sendall(b".")
+                _send_mark(self.peers[0], "local rank 0")
                 _receive_mark(self.peers[0], "local rank 0")
         except BaseException:
-            self.close()  # the others hear of it at their barrier at once, not at the timeout
+            self.poison()  # the others hear of it at their barrier at once, not at the timeout
             raise
+
+    def poison(self) -> None:
+        """Tell the other ranks this stage failed (as far as they can still hear it), and close it."""
+        for peer in self.peers:
+            try:
+                peer.send(FAILED, socket.MSG_DONTWAIT)
+            except OSError:
+                pass  # gone already, or its buffer full: the close says it then
+        self.close()
 
     def close(self) -> None:
         for peer in self.peers:
             peer.close()
         self.peers = []
+
+
+GO, FAILED = b".", b"x"  # a barrier's marks: here / this rank's collective failed
+
+
+def _send_mark(peer: socket.socket, who: str) -> None:
+    try:
+        peer.sendall(GO)
+    except OSError as e:  # its end closed: it exited, or failed and poisoned the barrier
+        raise PassingError(f"the in-host stage: {who} is gone or failed ({e.strerror})") from None
 
 
 def _receive_mark(peer: socket.socket, who: str) -> None:
@@ -273,81 +341,114 @@ def _receive_mark(peer: socket.socket, who: str) -> None:
         raise PassingError(f"the in-host stage: {who} did not reach the barrier within "
                            f"{peer.gettimeout():g} s") from None
     except OSError as e:
-        raise PassingError(f"the in-host stage: {who} is gone ({e.strerror})") from None
+        raise PassingError(f"the in-host stage: {who} is gone or failed ({e.strerror})") from None
     if not mark:
         raise PassingError(f"the in-host stage: {who} left it (exited, or failed and gave up)")
+    if mark == FAILED:
+        raise PassingError(f"the in-host stage: a collective failed on {who} (or a rank it heard from); it fails "
+                           f"on every local rank, and so will every later one of this process group")
+
+
+def _anonymous_segment(directory: str, nbytes: int) -> int:
+    """A file of ``nbytes`` in ``directory`` that has no name (O_TMPFILE; where the file system has
+    none, one unlinked at once): it goes when the last process that maps it or holds it does,
+    whichever way they end, SIGKILL included. Its descriptor is handed to the other ranks."""
+    try:
+        fd = os.open(directory, os.O_RDWR | os.O_TMPFILE | os.O_EXCL, 0o600)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+        fd, path = tempfile.mkstemp(prefix="passing-", dir=directory)
+        os.unlink(path)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # no space shows here, not as a SIGBUS on first touch
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def shared_memory(store: dist.Store, prefix: str, rank: int, size: int, nbytes: int, timeout: float,
                   directory: str = SHM_DIR) -> tuple[mmap.mmap, ServerBarrier] | str:
     """A memory segment of ``nbytes`` and a barrier for the ``size`` ranks of a server, or why
-    there are none (the same answer on every one of them). Local rank 0 makes both in a
-    directory of its own in ``directory`` (this user only) and publishes its path in ``store``; every
-    rank says whether it could map the segment and reach the barrier's socket; then rank 0
-    accepts the others and removes the directory, so nothing outlives the processes."""
+    there are none (the same answer on every one of them). Nothing of it is ever in a file system:
+    local rank 0 makes the segment as a file with no name in ``directory`` and listens on a Unix
+    socket of the abstract namespace, whose random name it publishes in ``store``; every other rank
+    connects and says its rank; once all could, rank 0 accepts them (only processes of its own user)
+    and hands each the segment's descriptor over its socket, and each says whether it could map it.
+    So nothing outlives the processes, however they end."""
     segment: mmap.mmap | None = None
     sockets: list[socket.socket] = []
-    made = ""  # rank 0: the directory it made
+    fd = -1
     error = ""
-    try:
+    try:  # 1. rank 0 makes the segment and the listening socket; the others connect
         if rank == 0:
             try:
-                made = tempfile.mkdtemp(prefix="passing-", dir=directory)  # mode 0700
-            except OSError as e:
-                store.set(prefix + "path", "")
-                raise OSError(f"cannot make a directory in {directory}: {e.strerror}") from e
-            try:
-                fd = os.open(os.path.join(made, "segment"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, nbytes)  # no space shows here, not as a SIGBUS on first touch
-                    segment = mmap.mmap(fd, nbytes)
-                finally:
-                    os.close(fd)
+                fd = _anonymous_segment(directory, nbytes)
+                segment = mmap.mmap(fd, nbytes)
                 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sockets.append(listener)
-                listener.bind(os.path.join(made, "barrier"))
+                name = f"passing-{uuid.uuid4().hex}"
+                listener.bind("\0" + name)
                 listener.listen(size)
             except OSError as e:
                 store.set(prefix + "path", "")
                 raise OSError(f"cannot set up {nbytes} bytes in {directory}: {e.strerror}") from e
-            store.set(prefix + "path", made)
+            store.set(prefix + "path", name)
         else:
-            path = store.get(prefix + "path").decode()
-            if not path:
+            name = store.get(prefix + "path").decode()
+            if not name:
                 raise OSError("local rank 0 could not make them")
-            fd = os.open(os.path.join(path, "segment"), os.O_RDWR)
-            try:
-                segment = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
             peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sockets.append(peer)
             peer.settimeout(timeout)
-            peer.connect(os.path.join(path, "barrier"))
+            peer.connect("\0" + name)
             peer.sendall(bytes([rank]))
     except (OSError, ValueError) as e:
         error = f"{type(e).__name__}: {e}"
-    store.set(f"{prefix}mapped/{rank}", error or "ok")
-    outcomes = [store.get(f"{prefix}mapped/{r}").decode() for r in range(size)]
-    failures = [f"local rank {r}: {o}" for r, o in enumerate(outcomes) if o != "ok"]
-    try:
-        if not failures and rank == 0:  # everyone connected: accept them, in rank order
-            sockets = _accept(sockets.pop(), size, timeout)
+    failures = _agree(store, f"{prefix}connected/", rank, size, error)
+    try:  # 2. rank 0 hands the segment over; the others map it
+        error = ""
+        if not failures:
+            if rank == 0:
+                sockets = _accept(sockets.pop(), size, timeout)
+                for peer in sockets:
+                    socket.send_fds(peer, [b"s"], [fd])
+            else:
+                _, fds, _, _ = socket.recv_fds(sockets[0], 1, 1)
+                if len(fds) != 1:
+                    raise OSError("local rank 0 sent no segment")
+                try:
+                    segment = mmap.mmap(fds[0], nbytes)
+                finally:
+                    os.close(fds[0])
+    except (OSError, ValueError, PassingError) as e:
+        error = f"{type(e).__name__}: {e}"
     finally:
-        if made:
-            shutil.rmtree(made, ignore_errors=True)
+        if fd >= 0:
+            os.close(fd)  # the mapping keeps the segment
+    if not failures:
+        failures = _agree(store, f"{prefix}mapped/", rank, size, error)
     if failures:
         for s in sockets:
             s.close()
         if segment is not None:
             segment.close()
-        return "; ".join(failures)
+        return failures
     assert segment is not None
     return segment, ServerBarrier(rank, sockets)
 
 
+def _agree(store: dist.Store, prefix: str, rank: int, size: int, error: str) -> str:
+    """Every rank's outcome of a step, through the store: "" when all succeeded, else what failed where."""
+    store.set(f"{prefix}{rank}", error or "ok")
+    outcomes = [store.get(f"{prefix}{r}").decode() for r in range(size)]
+    return "; ".join(f"local rank {r}: {o}" for r, o in enumerate(outcomes) if o != "ok")
+
+
 def _accept(listener: socket.socket, size: int, timeout: float) -> list[socket.socket]:
-    """Local rank 0's ends of the barrier: one connection from each other rank, which names itself."""
+    """Local rank 0's ends of the barrier: one connection from each other rank, which names itself,
+    from a process of this user (the abstract namespace has no permissions of its own)."""
     accepted: list[socket.socket] = []  # closed, all of them, if the barrier cannot be made
     by_rank: dict[int, socket.socket] = {}
     try:
@@ -356,6 +457,10 @@ def _accept(listener: socket.socket, size: int, timeout: float) -> list[socket.s
             peer, _ = listener.accept()
             accepted.append(peer)
             peer.settimeout(timeout)
+            _, uid, _ = struct.unpack("3i", peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+            if uid != os.getuid():
+                raise PassingError(f"the in-host stage: a process of user {uid} connected to its barrier")
             said = peer.recv(1)
             if not said or not 1 <= said[0] < size or said[0] in by_rank:
                 raise PassingError(f"the in-host stage: a local rank's barrier connection said {said!r}, "

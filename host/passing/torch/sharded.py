@@ -191,13 +191,9 @@ def _submit(pg: ProcessGroupPassing, run: Any, outputs: list[torch.Tensor], opts
     assert pg._runner is not None
     work = PassingWork(pg._runner)
 
-    def job() -> None:
-        try:
-            run()
-        except BaseException as e:  # handed to whoever waits on the work
-            work.fail(e)
-            return
-        work.future.set_result(outputs)
+    def job() -> list[torch.Tensor]:
+        run()
+        return outputs
 
     pg._runner.submit(work, job, caller_waits=not opts.asyncOp)
     return work
@@ -230,19 +226,10 @@ def network_allgather(pg: ProcessGroupPassing, piece: np.ndarray, out: np.ndarra
 
 
 def rank_grid(pg: ProcessGroupPassing) -> np.ndarray:
-    """grid[server, local rank] = the rank there, learnt once from every rank over the device's
-    backend (the first sharded call of a group with an in-host stage; every rank makes it)."""
-    grid = getattr(pg, "_rank_grid", None)
-    if grid is None:
-        layout = pg.layout
-        mine = torch.tensor([layout.server, layout.local_rank], dtype=torch.int64)
-        every = [torch.empty(2, dtype=torch.int64) for _ in range(pg.size())]
-        pg._get_backend(torch.device("cpu")).allgather([every], [mine], AllgatherOptions()).wait()
-        grid = np.empty((layout.servers, layout.ranks_per_server), dtype=np.int64)
-        for rank, place in enumerate(every):
-            grid[int(place[0]), int(place[1])] = rank
-        pg._rank_grid = grid
-    return grid
+    """grid[server, local rank] = the rank there: what every rank read from the store at set-up
+    (hierarchy.Layout), so no collective, which on the group's thread would race the caller's own
+    on the same gloo group."""
+    return np.array(pg.layout.grid, dtype=np.int64)
 
 
 def reduce_scatter(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.Tensor, avg: bool) -> None:
