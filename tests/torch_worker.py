@@ -370,6 +370,97 @@ def one_server() -> dict:
             "threads": [t.name for t in threading.enumerate() if t.name.startswith("passing")]}
 
 
+def chained_hook(group, bucket):  # noqa: ANN001, ANN201  (DDP's hook signature)
+    """A comm hook whose `then` callback issues a second collective and waits on it: the mean, then
+    summed again and divided (the same mean), as a hook that chains collectives does."""
+    world = dist.get_world_size(group)
+
+    def again(fut):  # noqa: ANN001, ANN202
+        mean = fut.value()[0]
+        dist.all_reduce(mean, group=group, async_op=True).wait()
+        return mean.div_(world)
+
+    return dist.all_reduce(bucket.buffer().div_(world), group=group, async_op=True).get_future().then(again)
+
+
+def comm_hooks(epochs: int) -> dict:
+    """Every DDP comm hook torch ships (post-localSGD is scenario post_local_sgd; bf16_compress_hook, which
+    DDP refuses without CUDA and NCCL whatever the backend, runs where there is a GPU), and one that
+    chains two collectives in `then`: the same training on "passing" (the default group) and on gloo."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power
+
+    from demo.train import digits, train
+
+    def hooks(group: dist.ProcessGroup | None) -> dict:
+        def power_sgd(error_feedback: bool) -> power.PowerSGDState:
+            return power.PowerSGDState(group, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                       min_compression_rate=0.5, use_error_feedback=error_feedback, random_seed=0)
+
+        return {
+            "allreduce": (group, default_hooks.allreduce_hook),
+            "fp16_compress": (group, default_hooks.fp16_compress_hook),
+            "powerSGD": (power_sgd(True), power.powerSGD_hook),
+            "powerSGD_no_error_feedback": (power_sgd(False), power.powerSGD_hook),
+            "batched_powerSGD": (power_sgd(True), power.batched_powerSGD_hook),
+            "batched_powerSGD_no_error_feedback": (power_sgd(False), power.batched_powerSGD_hook),
+            "chained": (group, chained_hook),
+        }
+
+    def outcome(group: dist.ProcessGroup | None, hook: tuple, **kwargs) -> dict:
+        """The training, or the error it ends in (a hook that fails on gloo must fail alike on passing)."""
+        try:
+            return train(data, group, epochs, hook=hook, hidden=64, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+    data, gloo = digits(), dist.new_group(backend="gloo")
+    out = {}
+    for name in hooks(None):
+        reference = outcome(gloo, hooks(gloo)[name])
+        sent = transport_stats().get("packets_sent", 0)
+        start = time.monotonic()
+        mine = outcome(None, hooks(None)[name], check_group=gloo, check_every=10)
+        mine.update(seconds=time.monotonic() - start, streamed=transport_stats().get("packets_sent", 0) > sent)
+        out[name] = {"passing": mine, "gloo": reference}
+    pg = dist.distributed_c10d._get_default_group()
+    return {"hooks": out, "mode": pg.mode}
+
+
+def strided() -> dict:
+    """all_reduce of a 1-D tensor with a step and of a transposed 2-D one, as gloo takes them."""
+    rank, world, gloo = dist.get_rank(), dist.get_world_size(), dist.new_group(backend="gloo")
+    checks = {}
+    for name, make in (("step", lambda t: t[::3]), ("transposed", lambda t: t.view(50, 40).t())):
+        base = torch.arange(2000, dtype=torch.float32) / 7
+        mine, ref = make(base * (rank + 1)), make(base * (rank + 1))
+        expected = make(base * (world * (world + 1) / 2))
+        dist.all_reduce(mine)
+        dist.all_reduce(ref, group=gloo)
+        checks[name] = {"contiguous": mine.is_contiguous(), "error": float((mine - expected).abs().max()),
+                        "gloo_error": float((ref - expected).abs().max()), "scale": float(expected.abs().max())}
+    return {"checks": checks}
+
+
+def first_sharded(rounds: int) -> dict:
+    """reduce_scatter_tensor(async_op=True), then an int64 all_reduce (gloo's) before waiting on it,
+    with the ranks out of step: the first sharded call of each fresh group must not collide with the
+    caller's own gloo collective (issue 35: it hung about one run in two)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ok = True
+    for r in range(rounds):
+        group = dist.new_group(backend="passing")  # a fresh group: its first sharded call
+        time.sleep(0.05 * ((rank + r) % world))
+        out = torch.empty(8)
+        work = dist.reduce_scatter_tensor(out, torch.ones(8 * world) * (rank + 1), group=group, async_op=True)
+        count = torch.tensor([rank], dtype=torch.int64)
+        dist.all_reduce(count, group=group)
+        work.wait()
+        expected = world * (world + 1) / 2
+        ok = ok and int(count) == world * (world - 1) // 2 and bool(torch.allclose(out, torch.full((8,), expected)))
+    return {"ok": ok, "rounds": rounds}
+
+
 SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lambda a: bytes_per_allreduce(int(a[0])),
              "fallback": lambda a: fallback(), "dead_peer": lambda a: dead_peer(int(a[0])),
              "ddp": lambda a: ddp(int(a[0])), "ddp_fault": lambda a: ddp_fault(int(a[0])),
@@ -377,7 +468,8 @@ SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lam
              "post_local_sgd": lambda a: post_local_sgd(int(a[0])),
              "hook": lambda a: hook(int(a[0])), "nonfinite": lambda a: nonfinite(),
              "gradscaler": lambda a: gradscaler(int(a[0])), "embedded": lambda a: embedded_run(),
-             "one_server": lambda a: one_server()}
+             "one_server": lambda a: one_server(), "comm_hooks": lambda a: comm_hooks(int(a[0])),
+             "strided": lambda a: strided(), "first_sharded": lambda a: first_sharded(int(a[0]))}
 
 
 def init_explicitly() -> None:
