@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup test test-all lint demo bench bench-quick bench-core bench-control bench-bmv2 p4 p4-tofino p4-testgen clean
+.PHONY: all setup test test-all test-torch-suite lint demo bench bench-quick bench-core bench-control bench-bmv2 p4 p4-tofino p4-testgen clean
 
 all: test
 
@@ -44,6 +44,11 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m ruff check host controller tests bench bmv2_tests demo cluster p4
 	$(PYTEST)
+
+# PyTorch's own distributed suite on "passing" (2 servers x 2 ranks, nothing configured and
+# PASSING_EMBEDDED=ps) against gloo's outcomes in the same run (tests/test_torch_suite.py; slow, so CI's).
+test-torch-suite: $(STAMP)
+	$(PY) -m pytest -p no:xdist -s tests/test_torch_suite.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check host controller tests bench bmv2_tests demo cluster p4

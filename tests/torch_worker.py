@@ -461,6 +461,52 @@ def first_sharded(rounds: int) -> dict:
     return {"ok": ok, "rounds": rounds}
 
 
+def cuda_streams(steps: int) -> dict:
+    """CUDA tensors through PASSING as NCCL's Work treats them: the input is written on a side stream
+    behind a long kernel and the collective issued without a synchronisation (it must wait for that
+    stream), the result read on another stream after wait() (which must wait for the collective's),
+    and a `then` callback's value; then a few DDP steps on CUDA against the same on gloo."""
+    from demo.train import mlp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    checks = []
+    for size in (1, 4099, 1 << 20):
+        writer, reader = torch.cuda.Stream(), torch.cuda.Stream()
+        x = torch.zeros(size, device=device)
+        with torch.cuda.stream(writer):
+            torch.cuda._sleep(50_000_000)  # the write lands well after the all_reduce is issued
+            x.fill_(rank + 1.0)
+            work = dist.all_reduce(x, async_op=True)
+        with torch.cuda.stream(reader):
+            work.wait()
+            seen = float(x.sum().item()) / size
+        chained = work.get_future().then(lambda f, n=size: f.value()[0].sum().item() / n).wait()
+        checks.append({"size": size, "seen": seen, "chained": chained, "expected": world * (world + 1) / 2})
+    torch.manual_seed(0)
+    model = mlp(64).to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    losses = []
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        data = torch.randn(32, 64, generator=g).to(device)
+        target = torch.randint(0, 10, (32,), generator=g).to(device)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ddp(data), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    everyone = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat, group=dist.new_group(backend="gloo"))
+    spread = max(float((p - everyone[0]).abs().max()) for p in everyone)
+    pg = dist.distributed_c10d._get_default_group()
+    return {"checks": checks, "losses": losses, "spread": spread, "mode": pg.mode,
+            "streamed": transport_stats().get("packets_sent", 0) > 0}
+
+
 SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lambda a: bytes_per_allreduce(int(a[0])),
              "fallback": lambda a: fallback(), "dead_peer": lambda a: dead_peer(int(a[0])),
              "ddp": lambda a: ddp(int(a[0])), "ddp_fault": lambda a: ddp_fault(int(a[0])),
@@ -469,7 +515,8 @@ SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lam
              "hook": lambda a: hook(int(a[0])), "nonfinite": lambda a: nonfinite(),
              "gradscaler": lambda a: gradscaler(int(a[0])), "embedded": lambda a: embedded_run(),
              "one_server": lambda a: one_server(), "comm_hooks": lambda a: comm_hooks(int(a[0])),
-             "strided": lambda a: strided(), "first_sharded": lambda a: first_sharded(int(a[0]))}
+             "strided": lambda a: strided(), "first_sharded": lambda a: first_sharded(int(a[0])),
+             "cuda_streams": lambda a: cuda_streams(int(a[0]))}
 
 
 def init_explicitly() -> None:
