@@ -64,21 +64,23 @@ def receive(sock: zmq.Socket, timeout: float) -> dict[str, Any] | None:
     return json.loads(sock.recv_multipart()[-1])
 
 
-def join_all(endpoint: str, jobs: int, workers: int, secret: str) -> dict[tuple[str, int], str]:
-    """Every worker of every job joins (each group answers once all of its workers have): their tokens."""
+def join_all(endpoint: str, jobs: int, workers: int, secret: str) -> tuple[dict[tuple[str, int], str], dict[str, int]]:
+    """Every worker of every job joins (each group answers once all of its workers have): their tokens, and
+    each job's job id."""
     sock = dealer(endpoint, ClientKeys.load(role="worker"))
     for j in range(jobs):
         for w in range(workers):
             send(sock, {"version": VERSION, "cmd": "join", "job": f"load-{j}", "worker": w, "workers": workers,
                         "host": "127.0.0.1", "udp_port": 20000 + w, "pool": 2, "secret": secret})
-    tokens = {}
+    tokens, job_ids = {}, {}
     while len(tokens) < jobs * workers:
         reply = receive(sock, 60)
         if reply is None or not reply["ok"]:
             raise RuntimeError(f"a join failed: {reply}")
         tokens[(reply["job"], reply["worker"])] = reply["token"]
+        job_ids[reply["job"]] = reply["job_id"]
     sock.close()
-    return tokens
+    return tokens, job_ids
 
 
 def heartbeats(endpoint: str, members: list[tuple[str, int, str]], seconds: float, out: Any) -> None:
@@ -145,7 +147,7 @@ def churn(endpoint: str, rate: float, seconds: float, secret: str, out: Any) -> 
     out.put({"joins": len(latencies), "failures": failures, "latencies": latencies})
 
 
-def verdicts(endpoint: str, job: str, token: str, generation: int, seconds: float, out: Any) -> None:
+def verdicts(endpoint: str, job: str, token: str, job_id: int, generation: int, seconds: float, out: Any) -> None:
     """Worker 0 of a live group keeps reporting its aggregator silent; worker 1 beats (in the
     heartbeat load) but never reports: every answer must be "wait"."""
     keys = ClientKeys.load(role="worker")
@@ -157,7 +159,7 @@ def verdicts(endpoint: str, job: str, token: str, generation: int, seconds: floa
         keys.apply(sock)
         sock.connect(endpoint)
         sock.send_json({"version": VERSION, "cmd": "stuck", "job": job, "worker": 0, "token": token,
-                        "generation": generation, "call": 0})
+                        "job_id": job_id, "generation": generation, "call": 0})
         reply = sock.recv_json() if sock.poll(10_000) else {"state": "no answer"}
         state = reply.get("state", reply.get("error", "?"))
         answers[state] = answers.get(state, 0) + 1
@@ -166,7 +168,7 @@ def verdicts(endpoint: str, job: str, token: str, generation: int, seconds: floa
     out.put(answers)
 
 
-def failover(endpoint: str, job: str, tokens: list[str], generation: int, out: Any) -> None:
+def failover(endpoint: str, job: str, tokens: list[str], job_id: int, generation: int, out: Any) -> None:
     """Both workers of a group whose PS hangs report it; returns the decision and how long it took."""
     keys = ClientKeys.load(role="worker")
     began = time.monotonic()
@@ -179,7 +181,7 @@ def failover(endpoint: str, job: str, tokens: list[str], generation: int, out: A
             keys.apply(sock)
             sock.connect(endpoint)
             sock.send_json({"version": VERSION, "cmd": "stuck", "job": job, "worker": w, "token": tokens[w],
-                            "generation": generation, "call": 5})
+                            "job_id": job_id, "generation": generation, "call": 5})
             reply = sock.recv_json() if sock.poll(20_000) else {"state": "no answer"}
             sock.close()
             if reply.get("state") != "wait":
@@ -214,7 +216,7 @@ def main() -> int:
     endpoint = ready["endpoint"]
     try:
         began = time.monotonic()
-        tokens = join_all(endpoint, args.jobs, args.workers, secret)
+        tokens, job_ids = join_all(endpoint, args.jobs, args.workers, secret)
         setup = time.monotonic() - began
         # the group that fails over: one whose PS is the third, which will hang
         moving: list[str] = []
@@ -229,7 +231,7 @@ def main() -> int:
             replies = [receive(sock, 30) for _ in range(2)]
             if replies[0]["aggregators"][0]["port"] == int(hung["data"].split(":")[1]):
                 moving = [r["token"] for r in sorted(replies, key=lambda r: r["worker"])]
-                generation, moving_name = replies[0]["generation"], name
+                generation, moving_name, moving_id = replies[0]["generation"], name, replies[0]["job_id"]
                 break
             job_id += 1
         sock.close()
@@ -240,8 +242,8 @@ def main() -> int:
         procs = [mp.Process(target=heartbeats, args=(endpoint, members[:half], args.seconds, out)),
                  mp.Process(target=heartbeats, args=(endpoint, members[half:], args.seconds, out)),
                  mp.Process(target=churn, args=(endpoint, args.rate, args.seconds, secret, out)),
-                 mp.Process(target=verdicts, args=(endpoint, "load-0", tokens[("load-0", 0)], 0, args.seconds,
-                                                   out))]
+                 mp.Process(target=verdicts, args=(endpoint, "load-0", tokens[("load-0", 0)], job_ids["load-0"], 0,
+                                                   args.seconds, out))]
         for proc in procs:
             proc.start()
         time.sleep(args.seconds / 3)
@@ -249,7 +251,7 @@ def main() -> int:
         # short): a join that reaches that PS before the controller suspects it waits for its timeout,
         # as it would on a real cluster.
         os.kill(hung_proc.pid, signal.SIGSTOP)
-        mover = mp.Process(target=failover, args=(endpoint, moving_name, moving, generation, out))
+        mover = mp.Process(target=failover, args=(endpoint, moving_name, moving, moving_id, generation, out))
         mover.start()
         results = [out.get(timeout=args.seconds + 60) for _ in range(len(procs) + 1)]
         for proc in [*procs, mover]:

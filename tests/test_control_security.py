@@ -212,14 +212,14 @@ def test_a_worker_cannot_end_see_or_join_another_job(services):
 @pytest.mark.timeout(120)
 def test_forged_heartbeats_and_stuck_reports_change_nothing(services):
     endpoint, job = services["controller"], services["job"]
-    generation = job.answers[0]["generation"]
+    generation, job_id = job.answers[0]["generation"], job.answers[0]["job_id"]
     for cmd in ("stuck", "alive", "report"):
         with pytest.raises(ControllerError, match="token"):
-            request(endpoint, cmd, job="victim", group=0, worker=1, generation=generation, call=0, every=1.0,
-                    stats={}, token="34" * 16)
+            request(endpoint, cmd, job="victim", group=0, worker=1, job_id=job_id, generation=generation, call=0,
+                    every=1.0, stats={}, token="34" * 16)
         with pytest.raises(ControllerError, match="missing field 'token'"):
-            request(endpoint, cmd, job="victim", group=0, worker=1, generation=generation, call=0, every=1.0,
-                    stats={})
+            request(endpoint, cmd, job="victim", group=0, worker=1, job_id=job_id, generation=generation, call=0,
+                    every=1.0, stats={})
     # made-up groups leave no state behind: 2 000 heartbeats, then the controller's memory is what it was
     # (one connection for them all: a CURVE handshake per request would be most of the test's time)
     before = rss_kib(services["ctl_proc"].pid)
@@ -332,7 +332,7 @@ def controller_templates(token: str) -> list[dict]:
         {**base, "cmd": "join", "job": "campaign", "worker": 2, "workers": 3, "host": "127.0.0.1", "udp_port": 9,
          "secret": "ab" * 16},
         {**base, "cmd": "leave", "token": token}, {**base, "cmd": "alive", "token": token, "every": 1.0},
-        {**base, "cmd": "stuck", "token": token, "generation": 0, "call": 3},
+        {**base, "cmd": "stuck", "token": token, "job_id": 1, "generation": 0, "call": 3},
         {**base, "cmd": "report", "token": token, "stats": {"calls": 1, "packets_sent": 3}},
         {"version": 3, "cmd": "status"}, {"version": 3, "cmd": "metrics"}, {"version": 3, "cmd": "stats", "job_id": 1},
     ]

@@ -99,21 +99,27 @@ def collectives(sizes: list[int]) -> dict:
 
 
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-          steps: int) -> list[float]:
-    """``steps`` steps of MSE training on one batch; the loss of each."""
+          steps: int, pause=None) -> list[float]:  # noqa: ANN001
+    """``steps`` steps of MSE training on one batch; the loss of each. ``pause(step, phase)`` is called
+    before each forward ("forward": FSDP's all_gathers) and each backward ("backward": its reduce_scatters)."""
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        if pause is not None:
+            pause(step, "forward")
         loss = torch.nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
+        if pause is not None:
+            pause(step, "backward")
         loss.backward()
         optimizer.step()
         losses.append(float(loss))
     return losses
 
 
-def fsdp(steps: int, lr: float = 0.1) -> dict:
+def fsdp(steps: int, lr: float = 0.1, pause=None) -> dict:  # noqa: ANN001
     """FSDP2 (fully_shard) of a small MLP on the passing default group and on a gloo group: the same
-    model, data and optimizer (SGD at ``lr``, momentum 0.9); their losses step by step."""
+    model, data and optimizer (SGD at ``lr``, momentum 0.9); their losses step by step. ``pause(step,
+    phase)``: called in the passing run before fully_shard (step -1, "startup") and as ``train`` says."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -121,6 +127,8 @@ def fsdp(steps: int, lr: float = 0.1) -> dict:
     gloo = dist.new_group(backend="gloo")
     out: dict = {}
     for name, group in (("passing", dist.distributed_c10d._get_default_group()), ("gloo", gloo)):
+        if pause is not None and name == "passing":
+            pause(-1, "startup")
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
                                     torch.nn.ReLU(), torch.nn.Linear(64, 4))
@@ -133,10 +141,33 @@ def fsdp(steps: int, lr: float = 0.1) -> dict:
         x = torch.randn(64, 32, generator=torch.Generator().manual_seed(100 + rank))  # this rank's batch
         y = (x[:, :4] * 2).sin()
         sent = packets_sent()
-        losses = train(model, optimizer, x, y, steps)
+        losses = train(model, optimizer, x, y, steps, pause if name == "passing" else None)
         out[name] = {"losses": losses, "streamed": packets_sent() > sent}
-    out["mode"] = dist.distributed_c10d._get_default_group().mode
+    pg = dist.distributed_c10d._get_default_group()
+    out["mode"], out["moves"] = pg.mode, pg.stream.moves if pg.stream else 0
+    out["on_gloo"] = getattr(pg.network, "gloo", None) is not None
     return out
+
+
+def strike_point(phase: str, step: int):  # noqa: ANN201
+    """A ``pause`` for ``fsdp``: at (step, phase) rank 0 touches PASSING_TEST_MARKER and waits (30 s at
+    most) for the test to strike the aggregator and touch the marker's ".done"; every other rank goes on
+    into the next collective, where it waits for rank 0."""
+    import os
+    import time
+    from pathlib import Path
+
+    marker = Path(os.environ["PASSING_TEST_MARKER"])
+
+    def pause(at_step: int, at_phase: str) -> None:
+        if dist.get_rank() == 0 and (at_step, at_phase) == (step, phase):
+            marker.touch()
+            done = marker.with_suffix(".done")
+            deadline = time.monotonic() + 30
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    return pause
 
 
 def hsdp(steps: int, lr: float = 0.1) -> dict:
@@ -197,10 +228,16 @@ def on_gloo(sizes: list[int]) -> dict:
 
 SCENARIOS = {"collectives": lambda a: collectives([int(s) for s in a]),
              "fsdp": lambda a: fsdp(int(a[0]), *map(float, a[1:])),  # steps [learning rate]
+             # steps, learning rate, phase (startup, forward, backward), step
+             "fsdp_fault": lambda a: fsdp(int(a[0]), float(a[1]), strike_point(a[2], int(a[3]))),
              "hsdp": lambda a: hsdp(int(a[0]), *map(float, a[1:])), "on_gloo": lambda a: on_gloo([int(s) for s in a])}
 
 
 def main() -> None:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # cluster.local.collect asks before it kills
     scenario, args = sys.argv[1], sys.argv[2:]
     dist.init_process_group("passing")
     try:

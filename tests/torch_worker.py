@@ -179,10 +179,12 @@ def ddp(epochs: int) -> dict:
             "gloo": train(data, gloo, epochs, check_group=gloo, check_every=10)}
 
 
-def ddp_fault(epochs: int) -> dict:
+def ddp_fault(epochs: int, when: str = "training") -> dict:
     """DDP training while the test kills an aggregator under it (tests/test_torch_failover.py): the
     parameters are compared across ranks every 10 steps. The same training on gloo, which the test
-    compares it with, is scenario ddp_gloo."""
+    compares it with, is scenario ddp_gloo. ``when``: "training" (rank 0 says so past its fifth step, and
+    goes on) or "startup" (rank 0 says so before DistributedDataParallel(...), whose parameter check is an
+    all_gather through the aggregator, and waits until the test has struck: PASSING_TEST_MARKER.done)."""
     from demo.train import digits, train
 
     data, gloo = digits(), dist.new_group(backend="gloo")
@@ -191,9 +193,14 @@ def ddp_fault(epochs: int) -> dict:
     marker = Path(os.environ["PASSING_TEST_MARKER"])
 
     def mid_training(step: int) -> None:  # the test kills the aggregator once rank 0 is past step 5
-        if step == 5 and dist.get_rank() == 0:
+        if step == 5 and dist.get_rank() == 0 and when == "training":
             marker.touch()
 
+    if when == "startup" and dist.get_rank() == 0:
+        marker.touch()
+        deadline = time.monotonic() + 30
+        while not marker.with_suffix(".done").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
     passing_run = train(data, None, epochs, check_group=gloo, check_every=10, after_step=mid_training)
     passing_run.update(started=start, ended=time.time(), seconds=time.time() - start)
     return {"passing": passing_run, "moves": pg.stream.moves, "on_gloo": pg.network.gloo is not None,
@@ -509,7 +516,7 @@ def cuda_streams(steps: int) -> dict:
 
 SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lambda a: bytes_per_allreduce(int(a[0])),
              "fallback": lambda a: fallback(), "dead_peer": lambda a: dead_peer(int(a[0])),
-             "ddp": lambda a: ddp(int(a[0])), "ddp_fault": lambda a: ddp_fault(int(a[0])),
+             "ddp": lambda a: ddp(int(a[0])), "ddp_fault": lambda a: ddp_fault(int(a[0]), *a[1:]),
              "ddp_gloo": lambda a: ddp_gloo(int(a[0])),
              "post_local_sgd": lambda a: post_local_sgd(int(a[0])),
              "hook": lambda a: hook(int(a[0])), "nonfinite": lambda a: nonfinite(),

@@ -32,6 +32,15 @@ log = logging.getLogger("passing_controller")
 
 DEAD_AFTER_BEATS = 3  # a worker whose heartbeats stopped this many intervals ago is presumed dead
 DECISIONS_KEPT_SECONDS = 600.0  # a move's decision is answered to late reporters this long
+# A stuck report counts this long: a worker still stuck asks again every 0.5 s (the hosts' SILENCE_EVERY),
+# so an older report is of a silence that ended (its call completed; the worker went on) and must neither
+# stand for the worker now nor pull `redo` back to a call the others are past.
+REPORT_FRESH_SECONDS = 3.0
+
+
+def allocation_key(job_id: int, generation: int) -> int:
+    """One allocation of a group, as the failover state keys it: its job id and generation together."""
+    return job_id << 16 | generation
 
 
 class Failover:
@@ -85,11 +94,15 @@ class Failover:
         decision; those who report while it is being carried out get it when it is done."""
         s = self.state
         generation = schema.integer(req, "generation", 0, 0xFFFF)
+        job_id = schema.integer(req, "job_id", 0, 0xFFFF)
         call = schema.integer(req, "call", 0, 1 << 62)
         wanted = schema.choice(req, "aggregator", AGGREGATOR_CHOICES, "any")
         name = schema.text(req, "job", schema.NAME, what="a job name")
         group = schema.integer(req, "group", 0, MAX_GROUP, default=0)
-        key = (name, group, generation)
+        # The allocation, job id and generation: a group that moved has a new job id whose generation may
+        # be the old one's (each job id counts its own), and a stuck report of the new allocation must not
+        # get the decision kept for the old one.
+        key = (name, group, allocation_key(job_id, generation))
         now = time.monotonic()
         for k, (when, _) in list(s.decided.items()):
             if now - when > DECISIONS_KEPT_SECONDS:
@@ -106,12 +119,16 @@ class Failover:
                 return None
             return self._decision_for(s.decided[key][1], worker)
         r, worker = self.membership.member(req)
-        if r.generation != generation:
-            raise RequestError(f"job {name!r} group {group} has no allocation of generation {generation}")
+        if (r.job_id, r.generation) != (job_id, generation):
+            raise RequestError(f"job {name!r} group {group} has no allocation of job id {job_id} generation "
+                               f"{generation}")
         reports = s.stuck.setdefault(key, {})
-        reports[worker] = call
+        reports[worker] = (call, now)
+        for w, (_, when) in list(reports.items()):
+            if now - when > REPORT_FRESH_SECONDS:
+                del reports[w]
         missing = [w for w in range(len(r.workers)) if w not in reports]
-        redo = min(reports.values())
+        redo = min(c for c, _ in reports.values())
         decide: Callable[[], dict[str, Any]]
         if missing:
             left = s.leaving.get(r.job_id, set())

@@ -201,7 +201,7 @@ class Placement:
         if not any(key[:2] == (r.job_name, r.group) for key in s.moving):
             for w in range(len(r.workers)):
                 s.last_seen.pop((r.job_name, r.group, w), None)
-        s.stuck.pop((r.job_name, r.group, r.generation), None)
+        s.stuck.pop((r.job_name, r.group, r.job_id << 16 | r.generation), None)  # failover.allocation_key
 
     def teardown(self, r: Record, reachable: bool = True) -> None:
         """Free a group's allocation (pool thread): its entries or its PS job where the aggregator

@@ -56,7 +56,8 @@ class State:
         # failover (docs/control.md): heartbeats, the reports of silent groups, and what was decided
         self.started = self.stalled_until = time.monotonic()  # heartbeats count from the later of these
         self.last_seen: dict[tuple[str, int, int], tuple[float, float]] = {}  # worker -> (when, interval)
-        self.stuck: dict[tuple[str, int, int], dict[int, int]] = {}  # (job, group, generation) -> worker -> call
+        # (job, group, job id << 16 | generation) -> worker -> (call, when it last said so)
+        self.stuck: dict[tuple[str, int, int], dict[int, tuple[int, float]]] = {}
         self.decided: dict[tuple[str, int, int], tuple[float, dict]] = {}  # same key -> (when, decision)
         self.moving: dict[tuple[str, int, int], list[tuple[bytes, int]]] = {}  # same key -> who waits for it
         self.moving_tokens: dict[tuple[str, int, int], list[str]] = {}  # same key -> its workers' token digests

@@ -240,11 +240,19 @@ typedef struct {
     uint32_t early_cap;
     uint32_t *early_count;
     int32_t completion_sum;      /* out: lane 0 of the completion round's RESULT (the workers, in step) */
+    /* failover, as pn_stream_call's: once nothing has moved (no new packet of a piece, no
+     * completion) for `silence` seconds (0: never), and every `silence_every` seconds after
+     * that, on_silence(silence_ctx) says whether to keep waiting (0) or give the call up
+     * (nonzero: PN_ESILENT) */
+    double silence, silence_every;
+    int (*on_silence)(void *ctx);
+    void *silence_ctx;
 } pn_gather_call;
 
 /* One all_gather: sends this worker's packets a window at a time, takes the others' into
  * `staged`, answers NACKs, sends its own after a silence, and ends at the completion round's
- * RESULT. PN_ETIMEOUT when nothing moved for `timeout` seconds. */
+ * RESULT. PN_ETIMEOUT when nothing moved for `timeout` seconds; PN_ESILENT when on_silence
+ * gave it up. */
 PN_API int pn_gather_run(pn_gather_call *c, pn_stream_report *r);
 
 /* max |x| of n float32 as its bit pattern, in one pass (passing/quantize.py's

@@ -729,7 +729,8 @@ int pn_gather_run(pn_gather_call *c, pn_stream_report *r) {
         c->window == 0 || !c->counts || !c->staged || !c->have || !c->completion || !c->srtt || !c->rttvar ||
         !c->last_loss || !c->rng || !(c->timeout > 0) || !(c->rto_min > 0) || !(c->max_rto >= c->rto_min) ||
         c->drop < 0 || c->drop >= 1 || !c->early_count || (c->early_cap && (!c->early || !c->early_source)) ||
-        *c->early_count > c->early_cap || (c->counts[c->worker] && !c->packets))
+        *c->early_count > c->early_cap || (c->counts[c->worker] && !c->packets) || !(c->silence >= 0) ||
+        (c->silence > 0 && (!c->on_silence || !(c->silence_every > 0))))
         return PN_EINVAL;
     gather_state g = {.c = c, .r = r, .packet_size = pn_packet_size(c->lanes)};
     g.udp.fd = -1;
@@ -769,6 +770,7 @@ int pn_gather_run(pn_gather_call *c, pn_stream_report *r) {
     pn_datagram *got = malloc(capacity * sizeof *got);
     int rc = got ? PN_OK : PN_ENOMEM;
     double now = now_s(), last_activity = now, last_progress = now;
+    double silence_check = now + c->silence;
     uint32_t probes = 0;
     int completion_sent = 0, done = 0;
     gather_send_ahead(&g);
@@ -778,7 +780,9 @@ int pn_gather_run(pn_gather_call *c, pn_stream_report *r) {
         double pto = wait * (double)(1u << (probes < MAX_PROBE_DOUBLINGS ? probes : MAX_PROBE_DOUBLINGS));
         double most = wait > c->max_rto ? wait : c->max_rto;
         if (pto > most) pto = most;
-        int n = wait_and_receive(&g.udp, last_activity + pto - now_s(), got, capacity, r);
+        double due = last_activity + pto;
+        if (c->silence > 0 && silence_check < due) due = silence_check;
+        int n = wait_and_receive(&g.udp, due - now_s(), got, capacity, r);
         if (n < 0) {
             rc = PN_ESYS;
             break;
@@ -807,6 +811,17 @@ int pn_gather_run(pn_gather_call *c, pn_stream_report *r) {
             r->error_psn = (uint32_t)c->start;
             rc = PN_ETIMEOUT;
             break;
+        }
+        if (c->silence > 0) {  /* failover: nothing moved this long, ask whether to give the call up */
+            if (now - last_progress < c->silence) {
+                silence_check = last_progress + c->silence;
+            } else if (now >= silence_check) {
+                if (c->on_silence(c->silence_ctx)) {
+                    rc = PN_ESILENT;
+                    break;
+                }
+                silence_check = now_s() + c->silence_every;
+            }
         }
         if (now >= last_activity + pto) {
             if (completion_sent) {  /* its RESULT is lost, or a peer still lacks something */

@@ -128,13 +128,13 @@ class Failover:
                 pass  # the controller is down or busy: it counts a worker dead only after 3 missed beats
             self._stop.wait(self.heartbeat)
 
-    def report(self, generation: int, call: int) -> dict[str, Any]:
-        """This worker's aggregator went silent in ``call`` of allocation ``generation``. The answer's
-        ``state``: "wait" (peers have not reported yet), "move" (a join answer for the new
+    def report(self, job_id: int, generation: int, call: int) -> dict[str, Any]:
+        """This worker's aggregator went silent in ``call`` of allocation (``job_id``, ``generation``). The
+        answer's ``state``: "wait" (peers have not reported yet), "move" (a join answer for the new
         allocation, and ``redo``: the call every worker starts again from) or "failed"."""
         return request(self.controller, "stuck", timeout=REPORT_TIMEOUT, keys=self.keys, job=self.job,
-                       group=self.group, worker=self.worker, token=self.token, generation=generation, call=call,
-                       aggregator=self.aggregator)
+                       group=self.group, worker=self.worker, token=self.token, job_id=job_id, generation=generation,
+                       call=call, aggregator=self.aggregator)
 
     def close(self) -> None:
         self._stop.set()

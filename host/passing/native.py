@@ -81,7 +81,8 @@ class GatherCall(ctypes.Structure):
         ("srtt", _dp), ("rttvar", _dp), ("last_loss", _dp),
         ("gso", ctypes.c_int32), ("drop", ctypes.c_double), ("rng", _u64p),
         ("early", _p), ("early_source", _i64p), ("early_cap", ctypes.c_uint32), ("early_count", _u32p),
-        ("completion_sum", ctypes.c_int32),
+        ("completion_sum", ctypes.c_int32), ("silence", ctypes.c_double), ("silence_every", ctypes.c_double),
+        ("on_silence", SILENCE_CALLBACK), ("silence_ctx", _p),
     ]
 
 

@@ -64,20 +64,42 @@ class PassingOverflow(PassingError, OverflowError):
     """A sum left the int32 range (reported by the aggregator's OVERFLOW flag)."""
 
 
+@dataclass
+class Replay:
+    """A network call as every worker can do it again, after a move or over another transport: its
+    kind, a copy of this worker's input (an in-place output may be half written) and what else it
+    takes. ``kind`` "reduce": an allreduce of ``input`` with ``op``; "scatter": a reduce_scatter of
+    ``input`` (the workers' blocks one after the other) with ``op``, worker w's block of the result
+    to worker w; "gather": an all_gather of the piece ``input`` (bytes) among pieces of ``sizes``
+    bytes, in worker order. The same record replays on any transport (the torch backend: gloo)."""
+
+    kind: str
+    input: np.ndarray
+    op: str = "sum"
+    sizes: list[int] | None = None
+
+    def copy(self) -> Replay:
+        return Replay(self.kind, self.input.copy(), self.op, None if self.sizes is None else list(self.sizes))
+
+    def scratch(self, workers: int) -> np.ndarray:
+        """An output for a call done again only for the peers' sake (its result is not wanted)."""
+        if self.kind == "gather":
+            assert self.sizes is not None
+            return np.empty(sum(self.sizes), np.uint8)
+        return np.empty(self.input.size // (workers if self.kind == "scatter" else 1), self.input.dtype)
+
+
 class GroupFailed(AggregatorUnreachable):
     """The controller could not move the group after its aggregator went silent: no aggregator
     is left (``dead`` empty), or peers stopped (``dead`` names them). The group is unusable.
 
     To carry on over another transport (the torch backend falls back to gloo), every worker
-    first redoes the calls in ``redo_inputs`` (its own inputs of the calls it completed that a
-    peer did not: the group agrees on them, docs/control.md) and then the interrupted call
-    with ``current_input`` (a copy taken at its start: an in-place output may be half
-    written)."""
+    first redoes the calls in ``redo`` (those it completed that a peer did not: the group agrees
+    on them, docs/control.md) and then the interrupted call, ``current``, from its start."""
 
-    def __init__(self, message: str, dead: list[int], redo_inputs: list[np.ndarray],
-                 current_input: np.ndarray | None) -> None:
+    def __init__(self, message: str, dead: list[int], redo: list[Replay], current: Replay | None) -> None:
         super().__init__(message)
-        self.dead, self.redo_inputs, self.current_input = dead, redo_inputs, current_input
+        self.dead, self.redo, self.current = dead, redo, current
 
 
 class FailoverLine(Protocol):
@@ -85,7 +107,7 @@ class FailoverLine(Protocol):
 
     after: float  # seconds without any RESULT before the group asks to move
 
-    def report(self, generation: int, call: int) -> dict[str, Any]: ...
+    def report(self, job_id: int, generation: int, call: int) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 
@@ -214,7 +236,7 @@ class Group:
         self.failover = failover
         self.calls = 0  # network calls completed: the index the group agrees on when it moves
         self._attempt = 0  # the call now on the wire (below self.calls while redoing one)
-        self._kept: dict[int, np.ndarray] = {}
+        self._kept: dict[int, Replay] = {}
         self._decision: dict[str, Any] | None = None
         self.moves = 0
         # all_gather (docs/protocol.md, Kinds): the position of the next call's first GATHER packet (the
@@ -284,22 +306,12 @@ class Group:
         if out is not None and (out.dtype != x.dtype or out.size != x.size or not out.flags.c_contiguous
                                 or not out.flags.writeable):
             raise ValueError(f"out must be a writeable C-contiguous {x.dtype} array of {x.size} elements")
-        if self._failed:
-            raise PassingError(
-                f"job {self.job} worker {self.worker}: group unusable after an earlier error: {self._failed}"
-            )
+        self._check_usable()
         flat = np.ascontiguousarray(x).reshape(-1)
         result = np.empty(x.shape, x.dtype) if out is None else out
         if flat.size == 0:
             return result
-        try:
-            if self.failover is None:
-                self._allreduce(flat, result.reshape(-1), op)
-            else:
-                self._allreduce_with_failover(flat, result.reshape(-1), op)
-        except (AggregatorUnreachable, OSError) as e:
-            self._failed = str(e)
-            raise
+        self._call(Replay("reduce", flat, op), result.reshape(-1))
         return result
 
     # ---- sharded data parallelism (docs/protocol.md, Kinds) ------------------------------------
@@ -320,26 +332,11 @@ class Group:
         if out is not None and (out.dtype != x.dtype or out.size != chunk or not out.flags.c_contiguous
                                 or not out.flags.writeable):
             raise ValueError(f"out must be a writeable C-contiguous {x.dtype} array of {chunk} elements")
-        if self._failed:
-            raise PassingError(
-                f"job {self.job} worker {self.worker}: group unusable after an earlier error: {self._failed}"
-            )
+        self._check_usable()
         result = np.empty(chunk, x.dtype) if out is None else out
         if chunk == 0:
             return result
-        per = -(-chunk // self.lanes)  # packets of each worker's block
-        padded = np.zeros((self.workers, per * self.lanes), x.dtype)
-        padded[:, :chunk] = x.reshape(self.workers, chunk)
-        flat = padded.reshape(-1)
-        try:
-            if self.failover is None:
-                self._allreduce(flat, flat, op, owner_packets=per)
-            else:
-                self._allreduce_with_failover(flat, flat, op, owner_packets=per)
-        except (AggregatorUnreachable, OSError) as e:
-            self._failed = str(e)
-            raise
-        result.reshape(-1)[:] = padded[self.worker, :chunk]
+        self._call(Replay("scatter", np.ascontiguousarray(x).reshape(-1), op), result.reshape(-1))
         return result
 
     def allgather(self, array: np.ndarray) -> np.ndarray:
@@ -364,38 +361,71 @@ class Group:
             raise ValueError(f"piece must be {sizes[self.worker]} bytes (a 1-d uint8 array)")
         if out.dtype != np.uint8 or out.size != sum(sizes) or not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError(f"out must be a writeable C-contiguous uint8 array of {sum(sizes)} bytes")
-        if self._failed:
-            raise PassingError(
-                f"job {self.job} worker {self.worker}: group unusable after an earlier error: {self._failed}"
-            )
+        self._check_usable()
         offsets = np.r_[0, np.cumsum(sizes)]
         out.reshape(-1)[offsets[self.worker] : offsets[self.worker + 1]] = piece
         if self.workers == 1 or max(sizes) == 0:
             return out  # nobody sends anything
+        self._call(Replay("gather", piece, sizes=sizes), out.reshape(-1))
+        return out
+
+    def _check_usable(self) -> None:
+        if self._failed:
+            raise PassingError(
+                f"job {self.job} worker {self.worker}: group unusable after an earlier error: {self._failed}"
+            )
+
+    def _call(self, call: Replay, out: np.ndarray) -> None:
+        """One network call, through moves where the group has a failover line; an error that leaves
+        the streams out of step makes the group unusable."""
         try:
-            self._gather(piece, sizes, out.reshape(-1), offsets)
+            if self.failover is None:
+                self._run(call, out)
+            else:
+                self._run_with_failover(call, out)
         except (AggregatorUnreachable, OSError) as e:
             self._failed = str(e)
             raise
-        return out
 
-    def _allreduce_with_failover(self, flat: np.ndarray, out: np.ndarray, op: str,
-                                 owner_packets: int | None = None) -> None:
-        """One call that survives moves: on a move every worker redoes, on the new allocation, the
-        calls from the one the controller names (docs/control.md), then this one from its start."""
-        call = self.calls
-        kept = self._kept[call] = flat.copy()  # outlives an in-place output, and this call
-        self._kept.pop(call - 2, None)
-        source = kept if np.shares_memory(flat, out) else flat
+    def _run(self, call: Replay, out: np.ndarray, source: np.ndarray | None = None) -> None:
+        """Put ``call`` on the wire once, reading ``source`` (default: its input), writing ``out``."""
+        source = call.input if source is None else source
+        if call.kind == "gather":
+            assert call.sizes is not None
+            self._gather(source, call.sizes, out, np.r_[0, np.cumsum(call.sizes)])
+        elif call.kind == "scatter":  # each worker's block padded to whole packets, OWNER_ONLY rounds
+            chunk = source.size // self.workers
+            per = -(-chunk // self.lanes)  # packets of each worker's block
+            padded = np.zeros((self.workers, per * self.lanes), source.dtype)
+            padded[:, :chunk] = source.reshape(self.workers, chunk)
+            flat = padded.reshape(-1)
+            self._allreduce(flat, flat, call.op, owner_packets=per)
+            out[:] = padded[self.worker, :chunk]
+        else:
+            self._allreduce(source, out, call.op)
+
+    def _run_with_failover(self, call: Replay, out: np.ndarray) -> None:
+        """One call that survives moves, whatever its kind: on a move every worker redoes, on the new
+        allocation, the calls from the one the controller names (docs/control.md), then this one from
+        its start. Each call's replay record (its kind, a copy of its input) is kept for that."""
+        index = self.calls
+        kept = self._kept[index] = call.copy()  # outlives an in-place output, and this call
+        self._kept.pop(index - 2, None)
+        source = kept.input if np.shares_memory(call.input, out) else call.input
         redo: list[int] = []
+        meet = False
         while True:
             try:
+                if meet:  # moved: every worker is on the new allocation before any call is redone
+                    self._attempt = redo[0] if redo else index
+                    self._meet()
+                    meet = False
                 for k in redo:  # calls this worker completed but a peer did not: its share again
                     self._attempt = k
-                    self._allreduce(self._kept[k], np.empty_like(self._kept[k]), "sum")
+                    self._run(self._kept[k], self._kept[k].scratch(self.workers))
                 redo = []
-                self._attempt = call
-                self._allreduce(source, out, op, owner_packets)
+                self._attempt = index
+                self._run(kept, out, source)
                 break
             except _Silenced:
                 decision, self._decision = self._decision, None
@@ -405,20 +435,32 @@ class Group:
                     raise GroupFailed(
                         f"job {self.job} worker {self.worker}: {decision.get('error', 'the group could not move')}",
                         [int(w) for w in decision.get("dead", [])],
-                        [self._kept[k] for k in range(first, call)], kept) from None
-                if not call - 1 <= first <= call or any(k not in self._kept for k in range(first, call)):
+                        [self._kept[k] for k in range(first, index)], kept) from None
+                if not index - 1 <= first <= index or any(k not in self._kept for k in range(first, index)):
                     raise PassingError(f"job {self.job} worker {self.worker}: the controller asks to redo call "
-                                       f"{first}, but this worker is at call {call}") from None
+                                       f"{first}, but this worker is at call {index}") from None
                 self._move_to(decision)
-                redo = list(range(first, call))
-        self.calls = call + 1
+                redo = list(range(first, index))
+                meet = True
+        self.calls = index + 1
+
+    def _meet(self) -> None:
+        """A one-packet round on a new allocation before any call is redone on it: its RESULT says that
+        every worker has moved. Without it, a worker that moved first could send GATHERs that the
+        aggregator relays to a peer still waiting for its decision on the old allocation, which drops them
+        (another job id); only a NACK would recover them, and with ``failover_after`` at or below the
+        probe's wait the group would find itself silent and move again, for ever. A DATA round loses
+        nothing (the aggregator keeps it until every worker has sent), and a GATHER sent after it reaches
+        a peer that is in the new allocation's stream, which keeps it for its all_gather."""
+        one = np.zeros(1, np.int32)
+        self._allreduce(one, one, "sum")
 
     def _on_silence(self) -> bool:
         """The stream heard nothing for failover.after s: ask the controller. True gives the call up
         (the decision is in self._decision); a controller that does not answer means keep waiting."""
         assert self.failover is not None
         try:
-            decision = self.failover.report(self.generation, self._attempt)
+            decision = self.failover.report(self.job, self.generation, self._attempt)
         except PassingError:
             return False  # the controller is down: the data path goes on until `timeout`
         if decision.get("state") == "wait":
@@ -440,6 +482,8 @@ class Group:
         self.aggregators = [Aggregator(a["host"], int(a["port"]), int(a["pool"])) for a in answer["aggregators"]]
         self._agg_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
         self._next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
+        self._gather_position = 0  # positions, like psns, count from 0 on each allocation
+        self._early = []  # GATHERs of the old allocation: nobody sends them again
         self.moves += 1
 
     def _allreduce(self, flat: np.ndarray, out: np.ndarray, op: str, owner_packets: int | None = None) -> None:
@@ -864,6 +908,7 @@ class Group:
         resent_at = np.full(mine, -np.inf)  # when each was last sent again for a NACK
         now = time.monotonic()
         last_activity = last_progress = now
+        silence_check = now + (self.failover.after if self.failover is not None else 0.0)
         probes = 0
 
         prefixes = np.zeros(self.workers, dtype=np.int64)  # per origin: how many of its packets, from its first,
@@ -914,7 +959,8 @@ class Group:
             send_ahead(now)
         while not self.native:
             pto = self._probe_waits(np.array([probes]), now)[0]
-            self.socket.wait_readable(max(0.0, min(last_activity + pto - time.monotonic(), 0.05)))
+            due = min(last_activity + pto, silence_check) if self.failover is not None else last_activity + pto
+            self.socket.wait_readable(max(0.0, min(due - time.monotonic(), 0.05)))
             view, lengths, sources = self.socket.recv_packets()
             if self.drop and len(view):
                 keep = self._drop_rng.random(len(view)) >= self.drop
@@ -965,6 +1011,13 @@ class Group:
                     f"job {self.job} worker {self.worker}: all_gather made no progress through {host}:{port} in "
                     f"{self.timeout:g} s ({lacking} packets lacking): the aggregator is unreachable or a peer "
                     "stopped")
+            if self.failover is not None:  # failover: nothing moved this long, ask the controller
+                if now - last_progress < self.failover.after:
+                    silence_check = last_progress + self.failover.after
+                elif now >= silence_check:
+                    if self._on_silence():
+                        raise _Silenced()
+                    silence_check = time.monotonic() + SILENCE_EVERY
             if now >= last_activity + self._probe_waits(np.array([probes]), now)[0]:
                 if completion_sent:  # its RESULT is lost, or a peer still lacks something
                     completion["hdr"]["flags"] |= wire.FLAG_RETRANSMIT
@@ -1002,6 +1055,9 @@ class Group:
             early_source=keep["early_source"].ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), early_cap=room,
             early_count=keep["early_count"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)),
         )
+        if self.failover is not None:  # ctypes keeps no reference: `keep` holds the callback until the call returns
+            keep["on_silence"] = native.SILENCE_CALLBACK(lambda _ctx: int(self._on_silence()))
+            call.silence, call.silence_every, call.on_silence = self.failover.after, SILENCE_EVERY, keep["on_silence"]
         report = native.StreamReport(overflow=ctypes.cast(None, ctypes.POINTER(ctypes.c_uint8)))
         rc = native.lib().pn_gather_run(ctypes.byref(call), ctypes.byref(report))
         self.socket.gso = bool(call.gso)
@@ -1018,6 +1074,8 @@ class Group:
             raise AggregatorUnreachable(
                 f"job {self.job} worker {self.worker}: all_gather made no progress through {host}:{port} in "
                 f"{self.timeout:g} s: the aggregator is unreachable or a peer stopped")
+        if rc == native.PN_ESILENT:
+            raise _Silenced()
         if rc == native.PN_ESYS:
             raise OSError(report.error_errno, f"{report.error_call.decode()}: {os.strerror(report.error_errno)}")
         native.check(rc, "native all_gather")

@@ -33,12 +33,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import PrefixStore, ProcessGroup, ReduceOp
 
 from .. import control, wire
 from ..keys import ClientKeys
-from ..stream import Group, GroupFailed, PassingError
+from ..stream import Group, GroupFailed, PassingError, Replay
 from ..transport import BatchSocket
 from . import embedded, sharded
 from .hierarchy import Layout, NetworkStage, PeerStage, sum_through
@@ -115,11 +116,12 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta, addr
 
 class FailoverStage:
     """The network stage of one process group: its PASSING Group, and gloo among the same
-    workers once the controller has no aggregator left for it (docs/control.md "Failover").
+    workers once the controller has no aggregator left for it (docs/control.md "Failover"),
+    for every collective that goes through the aggregator.
 
     All the group's workers get the same decision for the same call, so they switch together;
-    each first redoes, over gloo, the calls the group agreed to redo (its share of them), then
-    the interrupted one from its start."""
+    each first redoes, over gloo, the calls the group agreed to redo (its share of them, from
+    their replay records), then the interrupted one from its start."""
 
     def __init__(self, stream: Group, store: dist.Store, prefix: str, timeout: timedelta) -> None:
         self.stream, self.store, self.prefix, self.timeout = stream, store, prefix, timeout
@@ -130,26 +132,60 @@ class FailoverStage:
             try:
                 return self.stream.allreduce(array, op, out=out)
             except GroupFailed as e:
-                if e.dead:  # a peer is gone: no transport can finish the call
-                    raise
-                log.warning("passing: %s; this process group carries on over gloo", e)
-                self.gloo = gloo_group(PrefixStore(self.prefix, self.store), self.stream.worker,
-                                       self.stream.workers, self.timeout, self.stream.socket.address[0])
-                for kept in e.redo_inputs:  # calls a peer did not complete: this worker's share again
-                    self._sum(torch.from_numpy(kept.copy()))
-                if e.current_input is not None:
-                    array = e.current_input
+                array = self._to_gloo(e, array)
         result = out if out is not None else np.empty_like(array)
         if result is not array:
             result[...] = array
-        self._sum(torch.from_numpy(result))
-        if op == "avg":
-            result /= np.float32(self.stream.workers)
-        return result
+        return self._on_gloo(Replay("reduce", result, op))
 
-    def _sum(self, tensor: torch.Tensor) -> None:
+    def reduce_scatter(self, array: np.ndarray) -> np.ndarray:
+        """This worker's block of the sum of ``array`` (the workers' blocks one after the other)."""
+        if self.gloo is None:
+            try:
+                return self.stream.reduce_scatter(array, "sum")
+            except GroupFailed as e:
+                array = self._to_gloo(e, array)
+        return self._on_gloo(Replay("scatter", array))
+
+    def allgather(self, piece: np.ndarray, out: np.ndarray) -> None:
+        """Every worker's ``piece`` (bytes, the same size at every worker) into ``out``, in worker order."""
+        if self.gloo is None:
+            try:
+                self.stream.allgather_bytes(piece, [piece.size] * self.stream.workers, out)
+                return
+            except GroupFailed as e:
+                piece = self._to_gloo(e, piece)
+        out[...] = self._on_gloo(Replay("gather", piece, sizes=[piece.size] * self.stream.workers))
+
+    def _to_gloo(self, failed: GroupFailed, current: np.ndarray) -> np.ndarray:
+        """No aggregator left: make the gloo group, redo over it the calls a peer did not complete (this
+        worker's share), and return the interrupted call's input as it was at its start."""
+        if failed.dead:  # a peer is gone: no transport can finish the call
+            raise failed
+        log.warning("passing: %s; this process group carries on over gloo", failed)
+        self.gloo = gloo_group(PrefixStore(self.prefix, self.store), self.stream.worker,
+                               self.stream.workers, self.timeout, self.stream.socket.address[0])
+        for call in failed.redo:
+            self._on_gloo(call.copy())
+        return failed.current.input if failed.current is not None else current
+
+    def _on_gloo(self, call: Replay) -> np.ndarray:
+        """``call`` over gloo, its input overwritten where the collective works in place; its result."""
         assert self.gloo is not None
-        self.gloo.allreduce([tensor], dist.AllreduceOptions()).wait()
+        tensor = torch.from_numpy(call.input)
+        if call.kind == "gather":
+            out = torch.empty(sum(call.sizes or []), dtype=torch.uint8)
+            self.gloo._allgather_base(out, tensor, AllgatherOptions()).wait()
+            return out.numpy()
+        if call.kind == "scatter":
+            out = torch.empty(tensor.numel() // self.stream.workers, dtype=tensor.dtype)
+            self.gloo._reduce_scatter_base(out, tensor, dist.ReduceScatterOptions()).wait()
+        else:
+            self.gloo.allreduce([tensor], dist.AllreduceOptions()).wait()
+            out = tensor
+        if call.op == "avg":
+            out /= self.stream.workers
+        return out.numpy()
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:  # the two-stage allreduce's network stage
         return sum_through(self, tensor)

@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
 from torch.distributed import ReduceOp
 
 from .options import SHARDED_COLLECTIVES
@@ -203,26 +201,15 @@ def _submit(pg: ProcessGroupPassing, run: Any, outputs: list[torch.Tensor], opts
 
 
 def network_reduce_scatter(pg: ProcessGroupPassing, array: np.ndarray) -> np.ndarray:
-    """The network stage's reduce_scatter: the group's stream, or gloo among the same workers once the
-    group carries on over gloo (its all_reduce failed over: FailoverStage), as every worker decides
-    alike at the same call, on this same thread."""
-    gloo = getattr(pg.network, "gloo", None)
-    if gloo is None:
-        assert pg.stream is not None
-        return pg.stream.reduce_scatter(array, "sum")
-    out = torch.empty(array.size // pg.stream.workers, dtype=torch.float32)
-    gloo._reduce_scatter_base(out, torch.from_numpy(array), dist.ReduceScatterOptions()).wait()
-    return out.numpy()
+    """The network stage's reduce_scatter: the group's stream, moved with its aggregator, or gloo among
+    the same workers once no aggregator is left (FailoverStage), as every worker decides alike at the
+    same call."""
+    return pg.network.reduce_scatter(array)
 
 
 def network_allgather(pg: ProcessGroupPassing, piece: np.ndarray, out: np.ndarray) -> None:
     """The network stage's all_gather of equal pieces of bytes, as ``network_reduce_scatter``."""
-    gloo = getattr(pg.network, "gloo", None)
-    if gloo is None:
-        assert pg.stream is not None
-        pg.stream.allgather_bytes(piece, [piece.size] * pg.stream.workers, out)
-        return
-    gloo._allgather_base(torch.from_numpy(out), torch.from_numpy(piece), AllgatherOptions()).wait()
+    pg.network.allgather(piece, out)
 
 
 def rank_grid(pg: ProcessGroupPassing) -> np.ndarray:
