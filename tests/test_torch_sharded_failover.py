@@ -65,6 +65,9 @@ def run_through_a_strike(argv: list[str], ps: int, tmp_path: Path, how: str) -> 
 @pytest.mark.parametrize("phase,step", [("startup", -1), ("forward", 3), ("backward", 3)])
 def test_fsdp2_with_its_ps_struck_moves_and_trains_as_on_gloo(tmp_path, phase, step, how):
     reports = run_through_a_strike([*SHARDED_WORKER, "fsdp_fault", STEPS, LR, phase, str(step)], 2, tmp_path, how)
+    seconds = max(r["passing"]["seconds"] for r in reports), max(r["gloo"]["seconds"] for r in reports)
+    print(f"FSDP2, PS 0 {how} at {phase}: {seconds[0]:.1f} s for {STEPS} steps (gloo, fault-free: {seconds[1]:.1f} s); "
+          f"moves {[r['moves'] for r in reports]}")
     check_fsdp_reports(reports)
     assert any(r["moves"] >= 1 for r in reports), "PS 0 served neither group: the test proves nothing"
     assert not any(r["on_gloo"] for r in reports)
@@ -74,6 +77,7 @@ def test_fsdp2_with_its_ps_struck_moves_and_trains_as_on_gloo(tmp_path, phase, s
 def test_fsdp2_with_the_last_ps_killed_carries_on_over_gloo(tmp_path):
     reports = run_through_a_strike([*SHARDED_WORKER, "fsdp_fault", STEPS, LR, "backward", "3"], 1, tmp_path,
                                    "SIGKILL")
+    print(f"FSDP2, the last PS killed: {max(r['passing']['seconds'] for r in reports):.1f} s for {STEPS} steps")
     for r in reports:
         p, g = r["passing"], r["gloo"]
         assert r["on_gloo"], "the group did not carry on over gloo"

@@ -187,11 +187,11 @@ def test_a_callback_may_issue_and_wait_on_a_collective_and_holds_up_nothing_else
 
     def block(fut):
         blocked.set()
-        gate.wait(10)
+        gate.wait(120)
         return fut.value()
 
     held = issue("held").get_future().then(block)
-    assert blocked.wait(10)
+    assert blocked.wait(60)
     after = issue("after")
     assert after.get_future().wait() == ["after"] and not held.done()
     gate.set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -140,9 +141,9 @@ def fsdp(steps: int, lr: float = 0.1, pause=None) -> dict:  # noqa: ANN001
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         x = torch.randn(64, 32, generator=torch.Generator().manual_seed(100 + rank))  # this rank's batch
         y = (x[:, :4] * 2).sin()
-        sent = packets_sent()
+        sent, start = packets_sent(), time.monotonic()
         losses = train(model, optimizer, x, y, steps, pause if name == "passing" else None)
-        out[name] = {"losses": losses, "streamed": packets_sent() > sent}
+        out[name] = {"losses": losses, "streamed": packets_sent() > sent, "seconds": time.monotonic() - start}
     pg = dist.distributed_c10d._get_default_group()
     out["mode"], out["moves"] = pg.mode, pg.stream.moves if pg.stream else 0
     out["on_gloo"] = getattr(pg.network, "gloo", None) is not None

@@ -345,12 +345,14 @@ class SoftwareAggregator:
             raise RuntimeError("pump() drives the numpy data path; the native one runs in serve()")
         taken = 0
         for _ in range(max_batches):
-            view, lengths, sources = self.socket.recv_packets()
-            if len(lengths) == 0:
-                break
-            taken += len(lengths)
-            self.batches += 1
+            # under the lock from the receive on, as the C data path does: a stats() read meanwhile never
+            # finds a datagram the transport counted that the engine has not (a non-blocking receive)
             with self._lock:
+                view, lengths, sources = self.socket.recv_packets()
+                if len(lengths) == 0:
+                    break
+                taken += len(lengths)
+                self.batches += 1
                 if self.ingress.active:
                     keep = self.ingress.apply(len(lengths))
                     view, lengths, sources = view[keep], lengths[keep], sources[keep]
