@@ -275,3 +275,33 @@ def test_nothing_of_the_segment_is_ever_in_a_file_system(victim, how, tmp_path):
             p.kill()
             p.wait(10)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(120)
+def test_an_error_on_one_local_rank_fails_the_ring_on_every_rank_too():
+    """Where the ranks share no memory (the gloo ring over loopback): local rank 1's network stage raises
+    in the second call; it aborts the ring's gloo group, so the others' current call raises at once
+    rather than at gloo's timeout (or, worse, pairs its steps with rank 1's next call), and every later
+    call raises on every rank."""
+    from passing.torch.in_host import RingInHost
+
+    def body(rank: int, store: dist.Store) -> list[Any]:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("ring/", store), rank, 3, timedelta(seconds=60))
+        stage = RingInHost(group)
+        network = FailsOnce(2) if rank == 1 else Servers(1)
+        outcomes: list[Any] = []
+        for call in range(3):
+            start = time.monotonic()
+            try:
+                outcomes.append(stage.allreduce(torch.full((30,), float(rank + 1 + 10 * call)), network).clone())
+            except PassingError as e:
+                outcomes.append((str(e), time.monotonic() - start))
+        return outcomes
+
+    results = on_threads(3, body, timeout=90)
+    for rank, outcomes in enumerate(results):
+        assert not isinstance(outcomes, BaseException), f"rank {rank}: {outcomes!r}"
+        assert torch.equal(outcomes[0], torch.full((30,), 6.0)), (rank, outcomes[0])
+        message, seconds = outcomes[1]
+        assert ("psn 7" if rank == 1 else "failed") in message and seconds < 30, (rank, outcomes[1])
+        assert "failed earlier" in outcomes[2][0], (rank, outcomes[2])
