@@ -43,9 +43,24 @@ def inputs(calls: int, workers: int, size: int) -> list[list[np.ndarray]]:
     return [[rng.integers(-100, 100, size).astype(np.float32) for _ in range(calls)] for _ in range(workers)]
 
 
+def allreduce_call(in_place: bool):  # noqa: ANN201
+    """run_group's call k: an allreduce of worker w's data[w][k], to a new array or in place."""
+
+    def call(g: Group, k: int, x: np.ndarray) -> np.ndarray:
+        if not in_place:
+            return g.allreduce(x)
+        y = x.copy()
+        g.allreduce(y, out=y)
+        return y
+
+    return call
+
+
 def run_group(endpoint: str, job: str, data: list[list[np.ndarray]], on_call=None, engine: str = "auto",
-              in_place: bool = False) -> list:
-    """Every worker joins with failover and runs its calls; returns (results or the error, moves)."""
+              in_place: bool = False, call=None) -> list:  # noqa: ANN001
+    """Every worker joins with failover and runs its calls (``call(group, k, x)``, default: an allreduce);
+    returns (results or the error, moves)."""
+    call = call or allreduce_call(in_place)
     workers = len(data)
     ports = free_udp_ports(workers)
 
@@ -59,12 +74,7 @@ def run_group(endpoint: str, job: str, data: list[list[np.ndarray]], on_call=Non
                 if on_call is not None:
                     on_call(w, k, g)
                 try:
-                    if in_place:
-                        y = x.copy()
-                        g.allreduce(y, out=y)
-                        results.append(y)
-                    else:
-                        results.append(g.allreduce(x))
+                    results.append(call(g, k, x))
                 except GroupFailed as e:
                     results.append(e)
                     break
@@ -334,34 +344,18 @@ def test_stuck_reports_are_checked(two_ps, tmp_path):
 KINDS = ("allreduce", "reduce_scatter", "allgather")
 
 
+def mixed_call(g: Group, k: int, x: np.ndarray) -> np.ndarray:
+    """Every kind of call in turn: call k is KINDS[k % 3] of worker w's data[w][k]."""
+    kind = KINDS[k % 3]
+    if kind == "allreduce":
+        return g.allreduce(x)
+    if kind == "reduce_scatter":
+        return g.reduce_scatter(x)
+    return g.allgather(x)
+
+
 def run_mixed(endpoint: str, job: str, data: list[list[np.ndarray]], on_call=None, engine: str = "auto") -> list:
-    """``run_group`` with every kind of call in turn: call k is KINDS[k % 3] of worker w's data[w][k]."""
-    workers = len(data)
-    ports = free_udp_ports(workers)
-
-    def work(w: int) -> tuple:
-        answer = join(endpoint, job, w, workers, host="127.0.0.1", udp_port=ports[w], timeout=30)
-        line = Failover(endpoint, job, 0, w, answer["token"], after=AFTER, heartbeat=0.2)
-        results: list = []
-        with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=60, engine=engine,
-                               failover=line) as g:
-            for k, x in enumerate(data[w]):
-                if on_call is not None:
-                    on_call(w, k, g)
-                try:
-                    kind = KINDS[k % 3]
-                    if kind == "allreduce":
-                        results.append(g.allreduce(x))
-                    elif kind == "reduce_scatter":
-                        results.append(g.reduce_scatter(x))
-                    else:
-                        results.append(g.allgather(x))
-                except GroupFailed as e:
-                    results.append(e)
-                    break
-            return answer, results, g.moves
-
-    return run_threads(work, workers, timeout=120)
+    return run_group(endpoint, job, data, on_call, engine, call=mixed_call)
 
 
 def assert_mixed_exact(data: list[list[np.ndarray]], outcomes: list) -> None:
