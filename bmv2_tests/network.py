@@ -192,14 +192,24 @@ class Bmv2Network:
                     h.setARP(other.ip, other.mac)
         self._wait_for_grpc()
 
-    def _wait_for_grpc(self, timeout: float = 20) -> None:
+    def _wait_for_grpc(self, timeout: float = 60) -> None:
+        """Until the switch listens (a loaded machine, the rest of CI's suite beside it, has taken over
+        20 s to start it); a switch that exited, or never listens, is an error that says what it wrote
+        (the log directory goes with the network)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        process = self.switch.process
+        while time.monotonic() < deadline and (process is None or process.poll() is None):
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", self.grpc_port)) == 0:
                     return
             time.sleep(0.1)
-        raise RuntimeError(f"simple_switch_grpc did not listen on {self.grpc_port}; log in {self.log_dir}")
+        state = "running" if process is None or process.poll() is None else f"exited with {process.returncode}"
+        try:
+            said = Path(self.log_dir, f"{self.switch.name}.out").read_text()[-2000:]
+        except OSError as e:
+            said = f"(no output: {e})"
+        raise RuntimeError(f"simple_switch_grpc did not listen on {self.grpc_port} within {timeout:g} s "
+                           f"({state}); it wrote: {said}")
 
     @property
     def p4runtime_address(self) -> str:
