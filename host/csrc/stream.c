@@ -118,6 +118,22 @@ static int wait_and_receive(pn_udp *udp, double wait, pn_datagram *got, uint32_t
     return n;
 }
 
+/* Failover, the same rule for the reduce and the all_gather loops (docs/control.md): once nothing
+ * has been heard for `silence` seconds since `last_heard`, ask on_silence(ctx), then every
+ * `silence_every` seconds while it says wait. *check is when to ask next. Returns nonzero when
+ * on_silence gave the call up. */
+static int silence_gives_up(double silence, double silence_every, int (*on_silence)(void *), void *ctx, double now,
+                            double last_heard, double *check) {
+    if (now - last_heard < silence) {
+        *check = last_heard + silence;
+        return 0;
+    }
+    if (now < *check) return 0;
+    if (on_silence(ctx)) return 1;
+    *check = now_s() + silence_every;
+    return 0;
+}
+
 /* splitmix64: the test impairment's generator; its state lives with the caller. */
 static double uniform(uint64_t *state) {
     uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
@@ -572,14 +588,10 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
         rc = check_timers(&st, now, &next_deadline);
         if (rc != PN_OK) break;
         if (c->silence > 0) {
-            if (now - last_answer < c->silence) {
-                silence_check = last_answer + c->silence;
-            } else if (now >= silence_check) {
-                if (c->on_silence(c->silence_ctx)) {
-                    rc = PN_ESILENT;
-                    break;
-                }
-                silence_check = now_s() + c->silence_every;
+            if (silence_gives_up(c->silence, c->silence_every, c->on_silence, c->silence_ctx, now, last_answer,
+                                 &silence_check)) {
+                rc = PN_ESILENT;
+                break;
             }
             if (silence_check < next_deadline) next_deadline = silence_check;
         }
@@ -816,16 +828,10 @@ int pn_gather_run(pn_gather_call *c, pn_stream_report *r) {
             rc = PN_ETIMEOUT;
             break;
         }
-        if (c->silence > 0) {  /* failover: nothing moved this long, ask whether to give the call up */
-            if (now - last_progress < c->silence) {
-                silence_check = last_progress + c->silence;
-            } else if (now >= silence_check) {
-                if (c->on_silence(c->silence_ctx)) {
-                    rc = PN_ESILENT;
-                    break;
-                }
-                silence_check = now_s() + c->silence_every;
-            }
+        if (c->silence > 0 && silence_gives_up(c->silence, c->silence_every, c->on_silence, c->silence_ctx, now,
+                                               last_progress, &silence_check)) {
+            rc = PN_ESILENT;
+            break;
         }
         if (now >= last_activity + pto) {
             if (completion_sent) {  /* its RESULT is lost, or a peer still lacks something */

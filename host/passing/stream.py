@@ -455,6 +455,20 @@ class Group:
         one = np.zeros(1, np.int32)
         self._allreduce(one, one, "sum")
 
+    def _ask_when_silent(self, now: float, last_heard: float, check: float) -> float:
+        """Failover, the same rule for the reduce and the all_gather loops (host/csrc/stream.c's
+        silence_gives_up): once nothing has been heard for failover.after s since ``last_heard``, ask the
+        controller at ``check``, then every SILENCE_EVERY s while it says wait; raises _Silenced when it
+        decided. Returns when to ask next."""
+        assert self.failover is not None
+        if now - last_heard < self.failover.after:
+            return last_heard + self.failover.after
+        if now < check:
+            return check
+        if self._on_silence():
+            raise _Silenced()
+        return time.monotonic() + SILENCE_EVERY
+
     def _on_silence(self) -> bool:
         """The stream heard nothing for failover.after s: ask the controller. True gives the call up
         (the decision is in self._decision); a controller that does not answer means keep waiting."""
@@ -835,13 +849,8 @@ class Group:
                     probes[sh_i] += 1
             if probe_rows:
                 resend(np.array(probe_rows), False, now)
-            if self.failover is not None and remaining:  # failover: silent this long, ask the controller
-                if now - last_answer < self.failover.after:
-                    silence_check = last_answer + self.failover.after
-                elif now >= silence_check:
-                    if self._on_silence():
-                        raise _Silenced()
-                    silence_check = time.monotonic() + SILENCE_EVERY
+            if self.failover is not None and remaining:
+                silence_check = self._ask_when_silent(now, last_answer, silence_check)
             if inflight.size:  # wake for the earliest RACK deadline or probe
                 live = np.unique(sh)
                 pto = self._probe_waits(probes, now)
@@ -1011,13 +1020,8 @@ class Group:
                     f"job {self.job} worker {self.worker}: all_gather made no progress through {host}:{port} in "
                     f"{self.timeout:g} s ({lacking} packets lacking): the aggregator is unreachable or a peer "
                     "stopped")
-            if self.failover is not None:  # failover: nothing moved this long, ask the controller
-                if now - last_progress < self.failover.after:
-                    silence_check = last_progress + self.failover.after
-                elif now >= silence_check:
-                    if self._on_silence():
-                        raise _Silenced()
-                    silence_check = time.monotonic() + SILENCE_EVERY
+            if self.failover is not None:
+                silence_check = self._ask_when_silent(now, last_progress, silence_check)
             if now >= last_activity + self._probe_waits(np.array([probes]), now)[0]:
                 if completion_sent:  # its RESULT is lost, or a peer still lacks something
                     completion["hdr"]["flags"] |= wire.FLAG_RETRANSMIT
