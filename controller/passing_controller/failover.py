@@ -24,7 +24,7 @@ from .placement import AGGREGATOR_RETRY_SECONDS, Placement
 from .ps_control import PsControl
 from .schema import RequestError
 from .serve import InPool, Reply
-from .state import PendingGroup, State
+from .state import PendingGroup, State, allocation_key
 from .store import Record, StoreError
 from .switch import SWITCH_RETRY_SECONDS, SwitchLink
 
@@ -36,11 +36,6 @@ DECISIONS_KEPT_SECONDS = 600.0  # a move's decision is answered to late reporter
 # so an older report is of a silence that ended (its call completed; the worker went on) and must neither
 # stand for the worker now nor pull `redo` back to a call the others are past.
 REPORT_FRESH_SECONDS = 3.0
-
-
-def allocation_key(job_id: int, generation: int) -> int:
-    """One allocation of a group, as the failover state keys it: its job id and generation together."""
-    return job_id << 16 | generation
 
 
 class Failover:

@@ -19,7 +19,7 @@ from .p4runtime import SwitchError
 from .ps_control import PsControl
 from .readout import Readout
 from .schema import RequestError
-from .state import PS_SLOTS, PendingGroup, State
+from .state import PS_SLOTS, PendingGroup, State, allocation_key
 from .store import Record
 from .switch import GROUP_CONTROLS, SWITCH_RETRY_SECONDS, SwitchLink, allocation
 from .topology import PsEndpoint, Topology, ps_pool
@@ -201,7 +201,7 @@ class Placement:
         if not any(key[:2] == (r.job_name, r.group) for key in s.moving):
             for w in range(len(r.workers)):
                 s.last_seen.pop((r.job_name, r.group, w), None)
-        s.stuck.pop((r.job_name, r.group, r.job_id << 16 | r.generation), None)  # failover.allocation_key
+        s.stuck.pop((r.job_name, r.group, allocation_key(r.job_id, r.generation)), None)
 
     def teardown(self, r: Record, reachable: bool = True) -> None:
         """Free a group's allocation (pool thread): its entries or its PS job where the aggregator

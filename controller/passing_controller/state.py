@@ -21,6 +21,12 @@ from .store import Record, Store
 PS_SLOTS = 4096  # the controller's view of a software aggregator's slots
 
 
+def allocation_key(job_id: int, generation: int) -> int:
+    """One allocation of a group, as the failover state keys it (``State.stuck`` and the rest): its job
+    id and generation together (a group that moved has a new job id whose generation may be the old one's)."""
+    return job_id << 16 | generation
+
+
 @dataclass
 class PendingGroup:
     workers: int
@@ -56,7 +62,7 @@ class State:
         # failover (docs/control.md): heartbeats, the reports of silent groups, and what was decided
         self.started = self.stalled_until = time.monotonic()  # heartbeats count from the later of these
         self.last_seen: dict[tuple[str, int, int], tuple[float, float]] = {}  # worker -> (when, interval)
-        # (job, group, job id << 16 | generation) -> worker -> (call, when it last said so)
+        # (job, group, allocation_key) -> worker -> (call, when it last said so)
         self.stuck: dict[tuple[str, int, int], dict[int, tuple[int, float]]] = {}
         self.decided: dict[tuple[str, int, int], tuple[float, dict]] = {}  # same key -> (when, decision)
         self.moving: dict[tuple[str, int, int], list[tuple[bytes, int]]] = {}  # same key -> who waits for it
