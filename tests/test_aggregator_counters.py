@@ -16,20 +16,11 @@ from passing import native, wire
 from passing.aggregation import COUNTERS, JobSpec
 from passing.aggregator import SoftwareAggregator
 from passing.transport import pack_address
+from tests.test_datapath import bound_sockets
 
 ENGINES = ["numpy", pytest.param("native", marks=pytest.mark.skipif(not native.available(),
                                                                      reason="the native library is not built"))]
 LANES = 4
-
-
-def worker_sockets(count: int) -> list[socket.socket]:
-    out = []
-    for _ in range(count):
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.bind(("127.0.0.1", 0))
-        s.settimeout(5)
-        out.append(s)
-    return out
 
 
 def origin(s: socket.socket) -> int:
@@ -76,7 +67,7 @@ def packet(kind: int, job: int, worker: int, psn: int, generation: int = 0, owne
 def test_a_relayed_gather_is_received_by_its_job(engine):
     """One GATHER of worker 2 of 3: relayed +1, results_sent +2 and received +1, in the job's counters
     as in the totals (before issue 40 the job's received stayed 0)."""
-    socks = worker_sockets(3)
+    socks = bound_sockets(3)
     agg = aggregator(engine, [JobSpec(5, 0, 8, [origin(s) for s in socks], generation=0, lanes=LANES)])
     thread = serve(agg)
     try:
@@ -99,7 +90,7 @@ def test_one_batch_emits_each_workers_packets_in_completion_order(engine):
     """Two OWNER_ONLY rounds complete in one receive batch, psn 0 owned by worker 1, psn 1 by worker 0:
     worker 1 gets psn 0's RESULT, then psn 1's ACK (the numpy server sent ACKs first: one send per
     packet size, smallest first)."""
-    socks = worker_sockets(2)
+    socks = bound_sockets(2)
     agg = aggregator(engine, [JobSpec(1, 0, 8, [origin(s) for s in socks], generation=0, lanes=LANES)])
     own = wire.FLAG_OWNER_ONLY
     # All queued before the aggregator reads: its first recvmmsg takes the four as one batch.
@@ -166,8 +157,8 @@ def test_per_job_counters_add_up_to_the_totals(engine, seed):
     """For every counter, the totals are the sum of the jobs' plus what names no admitted job
     (``rejected`` and ``received`` of unknown jobs, ``malformed``): the next counter cannot drift."""
     rng = np.random.default_rng(seed)
-    jobs = {3: worker_sockets(3), 4: worker_sockets(2)}
-    stranger = worker_sockets(1)[0]
+    jobs = {3: bound_sockets(3), 4: bound_sockets(2)}
+    stranger = bound_sockets(1)[0]
     specs = [JobSpec(j, 8 * i, 8, [origin(s) for s in socks], generation=0, lanes=LANES)
              for i, (j, socks) in enumerate(jobs.items())]
     agg = aggregator(engine, specs)

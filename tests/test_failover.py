@@ -425,7 +425,7 @@ def test_every_kind_of_call_with_no_aggregator_left_fails_with_its_replay_record
         for w, (_, results, _) in enumerate(outcomes):
             error = results[-1]
             assert isinstance(error, GroupFailed) and error.dead == [], error
-            assert error.current is not None and error.current.kind in ("allgather", "gather", "scatter", "reduce")
+            assert error.current is not None
             interrupted = len(results) - 1
             assert error.current.kind == {0: "reduce", 1: "scatter", 2: "gather"}[interrupted % 3]
             expected = data[w][interrupted].reshape(-1)

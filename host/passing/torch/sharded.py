@@ -198,18 +198,9 @@ def _submit(pg: ProcessGroupPassing, run: Any, outputs: list[torch.Tensor], opts
 
 
 # ---- the two stages ---------------------------------------------------------------------------
-
-
-def network_reduce_scatter(pg: ProcessGroupPassing, array: np.ndarray) -> np.ndarray:
-    """The network stage's reduce_scatter: the group's stream, moved with its aggregator, or gloo among
-    the same workers once no aggregator is left (FailoverStage), as every worker decides alike at the
-    same call."""
-    return pg.network.reduce_scatter(array)
-
-
-def network_allgather(pg: ProcessGroupPassing, piece: np.ndarray, out: np.ndarray) -> None:
-    """The network stage's all_gather of equal pieces of bytes, as ``network_reduce_scatter``."""
-    pg.network.allgather(piece, out)
+# The network stage is ``pg.network`` (backend.FailoverStage): the group's stream, moved with its
+# aggregator, or gloo among the same workers once no aggregator is left, as every worker decides alike
+# at the same call.
 
 
 def rank_grid(pg: ProcessGroupPassing) -> np.ndarray:
@@ -226,7 +217,7 @@ def reduce_scatter(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.T
     wide = wide if wide.dtype == torch.float32 else wide.float()
     in_host = pg.in_host.get("cpu") if pg.in_host else None
     if in_host is None:  # one rank per server: the network group is the process group, worker = rank
-        summed = network_reduce_scatter(pg, wide.numpy())
+        summed = pg.network.reduce_scatter(wide.numpy())
     else:
         grid = rank_grid(pg)
         chunks = wide.view(pg.size(), chunk)
@@ -235,7 +226,7 @@ def reduce_scatter(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.T
         order = torch.from_numpy(grid.T.reshape(-1).copy())
         mine = torch.empty(servers * chunk, dtype=torch.float32)
         in_host.reduce_scatter(chunks.index_select(0, order).view(n, servers * chunk), mine)
-        summed = network_reduce_scatter(pg, mine.numpy())  # network worker = server: its block is this rank's
+        summed = pg.network.reduce_scatter(mine.numpy())  # network worker = server: its block is this rank's
     result = torch.from_numpy(summed)
     if avg:
         result /= pg.size()
@@ -249,12 +240,12 @@ def all_gather(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.Tenso
     out = output.view(-1).view(torch.uint8)
     in_host = pg.in_host.get("cpu") if pg.in_host else None
     if in_host is None:
-        network_allgather(pg, piece.numpy(), out.numpy())
+        pg.network.allgather(piece.numpy(), out.numpy())
         return
     grid = rank_grid(pg)
     servers, n = grid.shape
     network = torch.empty(servers * size, dtype=torch.uint8)  # the pieces of the ranks of this local index
-    network_allgather(pg, piece.numpy(), network.numpy())
+    pg.network.allgather(piece.numpy(), network.numpy())
     gathered = torch.empty(n * servers * size, dtype=torch.uint8)  # local rank j's network block at j
     in_host.all_gather(network, gathered.view(n, servers * size))
     # block (j, s) is the piece of rank grid[s, j]
