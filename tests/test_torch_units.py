@@ -168,30 +168,45 @@ def test_a_callback_may_issue_and_wait_on_a_collective_and_holds_up_nothing_else
     runner = InOrder("pg-callbacks")
     threads: dict[str, str] = {}
 
-    def issue(name: str) -> PassingWork:
+    def issue(name: str, release: threading.Event | None = None) -> PassingWork:
+        """A collective; with ``release``, one that runs once the test has set it (so that its callback is
+        attached before it completes, and runs where the backend puts it, not inline in this thread)."""
         work = PassingWork(runner)
-        runner.submit(work, lambda: threads.setdefault(name, threading.current_thread().name) and [name])
+
+        def job() -> list[str]:
+            if release is not None:
+                assert release.wait(60)
+            threads.setdefault(name, threading.current_thread().name)
+            return [name]
+
+        runner.submit(work, job)
         return work
 
     def chained(fut):  # a callback that issues a collective and waits on it, as compute_qs does
         threads["callback"] = threading.current_thread().name
         return fut.value() + issue("inner").get_future().wait()
 
-    outer = issue("outer").get_future().then(chained)
+    go = threading.Event()
+    outer = issue("outer", go).get_future().then(chained)
+    go.set()
     assert outer.wait() == ["outer", "inner"]
     assert threads["outer"] == threads["inner"] == "pg-callbacks"
-    assert threads["callback"] != "pg-callbacks"
+    assert threads["callback"] not in ("pg-callbacks", threading.current_thread().name)
 
     # A callback that blocks: the next collective runs and completes meanwhile, on another thread.
     gate, blocked = threading.Event(), threading.Event()
 
     def block(fut):
+        threads["block"] = threading.current_thread().name
         blocked.set()
         gate.wait(120)
         return fut.value()
 
-    held = issue("held").get_future().then(block)
+    go = threading.Event()
+    held = issue("held", go).get_future().then(block)
+    go.set()
     assert blocked.wait(60)
+    assert threads["block"] not in ("pg-callbacks", threading.current_thread().name)
     after = issue("after")
     assert after.get_future().wait() == ["after"] and not held.done()
     gate.set()
