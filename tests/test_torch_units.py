@@ -38,6 +38,7 @@ def test_host_defaults_to_the_route_toward_the_controller():
     ({"PASSING_EMBEDDED": "switch"}, "embedded must be one of off, ps"),
     ({"PASSING_EMBEDDED": "ps", "PASSING_CONTROLLER": "tcp://127.0.0.1:9090"}, "set one or the other"),
     ({"PASSING_SHARED_MEMORY": "shm"}, "shared_memory must be 'off' or an absolute directory"),
+    ({"PASSING_DEVICE_BACKEND": "mpi"}, "device_backend must be one of auto, nccl, gloo"),
 ])
 def test_bad_values_are_refused_with_the_reason(env, message):
     with pytest.raises(OptionError, match=message):

@@ -472,7 +472,8 @@ def cuda_streams(steps: int) -> dict:
     """CUDA tensors through PASSING as NCCL's Work treats them: the input is written on a side stream
     behind a long kernel and the collective issued without a synchronisation (it must wait for that
     stream), the result read on another stream after wait() (which must wait for the collective's),
-    and a `then` callback's value; then a few DDP steps on CUDA against the same on gloo."""
+    and a `then` callback's value; then DDP steps on CUDA against the same steps on every rank's data
+    at once, on the CPU, without communication."""
     from demo.train import mlp
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -493,24 +494,35 @@ def cuda_streams(steps: int) -> dict:
         checks.append({"size": size, "seen": seen, "chained": chained, "expected": world * (world + 1) / 2})
     torch.manual_seed(0)
     model = mlp(64).to(device)
+    reference = mlp(64)  # the same start: every rank's batches summed on the CPU, no communication
+    reference.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    batches = []  # every rank's batch, the same each step (so the loss must fall)
+    for r in range(world):
+        g = torch.Generator().manual_seed(r)
+        batches.append((torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)))
     losses = []
-    g = torch.Generator().manual_seed(rank)
     for _ in range(steps):
-        data = torch.randn(32, 64, generator=g).to(device)
-        target = torch.randint(0, 10, (32,), generator=g).to(device)
+        data, target = batches[rank]
         optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(ddp(data), target)
+        loss = torch.nn.functional.cross_entropy(ddp(data.to(device)), target.to(device))
         loss.backward()
         optimizer.step()
         losses.append(float(loss))
+        reference_optimizer.zero_grad()  # DDP's average of the ranks' mean losses = the mean over all
+        torch.nn.functional.cross_entropy(reference(torch.cat([b[0] for b in batches])),
+                                          torch.cat([b[1] for b in batches])).backward()
+        reference_optimizer.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    expected = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+    off_reference = float((flat - expected).abs().max())
     everyone = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(everyone, flat, group=dist.new_group(backend="gloo"))
     spread = max(float((p - everyone[0]).abs().max()) for p in everyone)
     pg = dist.distributed_c10d._get_default_group()
-    return {"checks": checks, "losses": losses, "spread": spread, "mode": pg.mode,
+    return {"checks": checks, "losses": losses, "spread": spread, "off_reference": off_reference, "mode": pg.mode,
             "streamed": transport_stats().get("packets_sent", 0) > 0}
 
 

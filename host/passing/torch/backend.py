@@ -43,7 +43,7 @@ from ..stream import Group, GroupFailed, PassingError, Replay
 from ..transport import BatchSocket
 from . import embedded, sharded
 from .hierarchy import Layout, NetworkStage, PeerStage, sum_through
-from .in_host import CollectiveInHost, InHostStage, cpu_in_host
+from .in_host import CollectiveInHost, InHostStage, ThroughHostMemory, cpu_in_host
 from .options import SCHEMES, OptionError, Options, route_source
 from .work import DeviceTurn, InOrder, PassingWork, on_device
 
@@ -112,6 +112,21 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta, addr
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def device_group(options: Options, store: dist.Store, rank: int, size: int,
+                 gloo: C10dBackend | None) -> C10dBackend | None:
+    """The group that carries CUDA tensors among these ranks (options.device_backend): NCCL's, or
+    ``gloo`` (gloo takes CUDA tensors for all_reduce, broadcast and all_gather). None without CUDA,
+    or for gloo where no gloo group is given (the caller goes through host memory)."""
+    if not torch.cuda.is_available():
+        return None
+    nccl = options.device_backend == "nccl" or (options.device_backend == "auto" and dist.is_nccl_available())
+    if nccl:
+        if not dist.is_nccl_available():
+            raise OptionError("device_backend='nccl' (PASSING_DEVICE_BACKEND): this torch has no NCCL")
+        return dist.ProcessGroupNCCL(store, rank, size)
+    return gloo
 
 
 class FailoverStage:
@@ -200,9 +215,10 @@ class ProcessGroupPassing(ProcessGroup):
         self._fallbacks_logged: set[str] = set()
         gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         self._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
-        if torch.cuda.is_available() and dist.is_nccl_available():
-            nccl = dist.ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size)
-            self._register_backend(torch.device("cuda"), ProcessGroup.BackendType.NCCL, nccl)
+        cuda = device_group(options, PrefixStore("nccl/", store), rank, size, gloo)
+        if cuda is not None:
+            kind = ProcessGroup.BackendType.GLOO if cuda is gloo else ProcessGroup.BackendType.NCCL
+            self._register_backend(torch.device("cuda"), kind, cuda)
         self._set_default_backend(ProcessGroup.BackendType.GLOO)
 
         self.layout = Layout.exchange(store, rank, size, str(options.server))
@@ -312,8 +328,9 @@ class ProcessGroupPassing(ProcessGroup):
         prefix = f"passing/peers/{j}/"
         groups: dict[str, C10dBackend] = {
             "cpu": gloo_group(PrefixStore(prefix + "gloo/", store), self.layout.server, s, timeout, self.options.host)}
-        if torch.cuda.is_available() and dist.is_nccl_available():
-            groups["cuda"] = dist.ProcessGroupNCCL(PrefixStore(prefix + "nccl/", store), self.layout.server, s)
+        cuda = device_group(self.options, PrefixStore(prefix + "nccl/", store), self.layout.server, s, groups["cpu"])
+        if cuda is not None:
+            groups["cuda"] = cuda
         return groups
 
     def _start_embedded(self, store: dist.Store, rank: int) -> None:
@@ -349,8 +366,12 @@ class ProcessGroupPassing(ProcessGroup):
             j, n, lambda: gloo_group(PrefixStore(prefix + "gloo/", store), j, n, timeout, "127.0.0.1"), store,
             prefix + "shm/", timeout.total_seconds(), directory=str(self.options.shared_memory),
             engine=str(self.options.engine))}
-        if torch.cuda.is_available() and dist.is_nccl_available():
-            self.in_host["cuda"] = CollectiveInHost(dist.ProcessGroupNCCL(PrefixStore(prefix + "nccl/", store), j, n))
+        cpu = self.in_host["cpu"]
+        cuda = device_group(self.options, PrefixStore(prefix + "nccl/", store), j, n, None)
+        if cuda is not None:
+            self.in_host["cuda"] = CollectiveInHost(cuda)
+        elif torch.cuda.is_available():
+            self.in_host["cuda"] = ThroughHostMemory(cpu)
 
     def _job_name(self, store: dist.Store, name: str) -> tuple[str, str]:
         """The same job name and secret on every rank of this process group, and new ones per run.

@@ -267,6 +267,17 @@ class CollectiveInHost:
         return padded[:flat.numel()]
 
 
+class ThroughHostMemory:
+    """The in-host stage for CUDA tensors where NCCL does not carry them (device_backend gloo): the
+    CPU stage on a host copy, the sum copied back to the tensor's device."""
+
+    def __init__(self, cpu: InHostStage) -> None:
+        self.cpu = cpu
+
+    def allreduce(self, flat: torch.Tensor, network: NetworkStage) -> torch.Tensor:
+        return self.cpu.allreduce(flat.cpu(), network).to(flat.device)
+
+
 def _rows(flat: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``flat`` as n equal rows: itself where its size divides, else a zero-padded copy."""
     size = flat.numel()

@@ -35,6 +35,7 @@ SHARDED_COLLECTIVES = ("reduce_scatter", "all_gather")  # what keep_on_gloo may 
 # With no controller configured: "off", the network stage is a collective among the peers (no
 # aggregator, so as fast as gloo); "ps", rank 0 runs an embedded controller and software aggregator.
 EMBEDDED = ("off", "ps")
+DEVICE_BACKENDS = ("auto", "nccl", "gloo")  # what carries CUDA tensors where PASSING does not
 
 
 class OptionError(ValueError):
@@ -67,11 +68,14 @@ class Options:
     # device's backend, comma-separated: reduce_scatter, all_gather (default: none)
     shared_memory: str | None = None  # PASSING_SHARED_MEMORY: where the ranks of a server share the in-host stage's
     # segment (a tmpfs directory; default /dev/shm), or "off": a ring over loopback TCP instead
+    device_backend: str | None = None  # PASSING_DEVICE_BACKEND: what carries CUDA tensors' collectives that PASSING
+    # does not stream, and their in-host and peer stages: nccl, gloo (ranks that share a GPU, which NCCL refuses;
+    # the in-host stage then goes through host memory), or auto (default: NCCL where torch has it, else gloo)
 
     DEFAULTS = {"controller": None, "embedded": "off", "scheme": "passing", "scale": "auto", "on_overflow": "raise",
                 "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 1.0, "host": None, "server": None,
                 "job": None, "engine": "auto", "failover_after": None, "report_interval": 10.0, "mtu": None,
-                "keep_on_gloo": (), "shared_memory": "/dev/shm"}
+                "keep_on_gloo": (), "shared_memory": "/dev/shm", "device_backend": "auto"}
 
     def resolve(self, environ: dict[str, str] | None = None) -> Options:
         """A copy with every field filled in, checked."""
@@ -137,6 +141,9 @@ class Options:
         unknown = set(self.keep_on_gloo) - set(SHARDED_COLLECTIVES)
         if unknown:
             raise OptionError(f"keep_on_gloo takes {', '.join(SHARDED_COLLECTIVES)}; got {', '.join(sorted(unknown))}")
+        if self.device_backend not in DEVICE_BACKENDS:
+            raise OptionError(f"device_backend must be one of {', '.join(DEVICE_BACKENDS)}; "
+                              f"got {self.device_backend!r}")
         if self.shared_memory != "off" and not os.path.isabs(str(self.shared_memory)):
             raise OptionError(f"shared_memory must be 'off' or an absolute directory; got {self.shared_memory!r}")
         if not self.report_interval >= 0:
