@@ -12,8 +12,9 @@ times, alternating PASSING's calls with gloo's in the same processes:
   float32), and, in the emulated cluster, the bytes each server's link carried up and down per call
   (the byte counters of the two tbfs of its link, read by the server's local rank 0 between barriers);
 * a step: the forward all_gather, then the backward all_gather and the reduce_scatter issued
-  together (``async_op=True``) and both waited for. PASSING runs a group's collectives in issue
-  order on one thread (docs/torch.md), so it cannot overlap them; gloo's two threads per group can.
+  together (``async_op=True``) and both waited for: both PASSING (its all_gathers have a lane of
+  their own, passing.torch.sharded.GatherLane) and gloo (two threads per group) overlap them.
+  PASSING's UDP payload per step and server (its ranks' transport counters) against the physics.
 
 Loopback (the default): s servers x n ranks on one machine, PASSING through a software aggregator
 behind a PS-only controller (cluster.local). ``--emulated`` (root): the emulated cluster of
@@ -102,7 +103,11 @@ def worker(params: int, iterations: int) -> None:
 
     # a step: forward all_gather; backward all_gather and reduce_scatter issued together
     steps: dict[str, list[float]] = {name: [] for name, _ in groups}
+    pg = dist.distributed_c10d._get_default_group()
+    payload: dict[str, int] = {}  # PASSING's UDP payload over the timed steps
     for i in range(iterations + 1):  # the first of each: warm-up
+        if i == 1:
+            payload = pg.transport_stats()
         for name, group in groups:
             dist.barrier(group=gloo)
             start = time.perf_counter()
@@ -112,10 +117,13 @@ def worker(params: int, iterations: int) -> None:
                 work.wait()
             if i:
                 steps[name].append(time.perf_counter() - start)
-    pg = dist.distributed_c10d._get_default_group()
-    report = {"mode": pg.mode, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "alone": alone,
+    after = pg.transport_stats()
+    step_payload = {"up": (after.get("bytes_sent", 0) - payload.get("bytes_sent", 0)) / iterations,
+                    "down": (after.get("bytes_received", 0) - payload.get("bytes_received", 0)) / iterations}
+    report = {"mode": pg.mode, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+              "server": int(os.environ.get("GROUP_RANK", "0")), "alone": alone,
               "step_median_s": {k: statistics.median(v) for k, v in steps.items()}, "steps_s": steps,
-              "transport": pg.transport_stats()}
+              "step_payload": step_payload, "transport": after}
     dist.destroy_process_group()
     print(json.dumps(report), flush=True)
 
@@ -125,8 +133,10 @@ def physics(servers: int, size: int) -> dict[str, dict[str, float]]:
     stage first). gloo's, for comparison in docs/benchmarks.md: a ring of W ranks, those of a server adjacent,
     moves (W-1)/W S each way per all_gather and twice that per reduce_scatter (an all_reduce in gloo)."""
     n = servers
-    return {"all_gather": {"up": size / n, "down": size * (n - 1) / n},
-            "reduce_scatter": {"up": size, "down": size / n}}
+    gather = {"up": size / n, "down": size * (n - 1) / n}
+    scatter = {"up": size, "down": size / n}
+    return {"all_gather": gather, "reduce_scatter": scatter,  # a step: two all_gathers and a reduce_scatter
+            "step": {k: 2 * gather[k] + scatter[k] for k in ("up", "down")}}
 
 
 def summarize(outcomes: list[dict[str, Any]], servers: int, ranks: int, params: int) -> dict[str, Any]:
@@ -146,7 +156,16 @@ def summarize(outcomes: list[dict[str, Any]], servers: int, ranks: int, params: 
                 entry["down_over_physics"] = entry["link_down_per_server"] / want["down"]
         alone[key] = entry
     step = {name: statistics.median(r["step_median_s"][name] for r in outcomes) for name in ("passing", "gloo")}
-    return {"servers": servers, "ranks": ranks, "params": params, "tensor_bytes": size, "mode": outcomes[0]["mode"],
+    per_server: dict[int, dict[str, float]] = {}  # PASSING's payload per step, summed over each server's ranks
+    for r in outcomes:
+        mine = per_server.setdefault(r["server"], {"up": 0.0, "down": 0.0})
+        for k in ("up", "down"):
+            mine[k] += r["step_payload"][k]
+    want = physics(servers, size)["step"]
+    payload = {k: statistics.median(p[k] for p in per_server.values()) for k in ("up", "down")}
+    return {"step_payload_per_server": payload,
+            "step_payload_over_physics": {k: payload[k] / want[k] for k in ("up", "down")},
+            "servers": servers, "ranks": ranks, "params": params, "tensor_bytes": size, "mode": outcomes[0]["mode"],
             "alone": alone, "step_s": step, "gloo_over_passing": step["gloo"] / step["passing"],
             "retransmissions": sum(r["transport"].get("retransmissions", 0) for r in outcomes)}
 
@@ -155,7 +174,9 @@ def line(r: dict[str, Any]) -> str:
     a = r["alone"]
     text = (f"{r['servers']}x{r['ranks']}, {r['params']} float32 ({r['mode']}): step PASSING "
             f"{r['step_s']['passing'] * 1e3:.1f} ms, gloo {r['step_s']['gloo'] * 1e3:.1f} ms, gloo / PASSING = "
-            f"{r['gloo_over_passing']:.2f}; {r['retransmissions']} resent; alone (ms): ")
+            f"{r['gloo_over_passing']:.2f}; {r['retransmissions']} resent; step payload per server / physics "
+            f"up {r['step_payload_over_physics']['up']:.3f}, down {r['step_payload_over_physics']['down']:.3f}; "
+            f"alone (ms): ")
     text += ", ".join(f"{k} {v['median_s'] * 1e3:.1f}" for k, v in a.items())
     if "link_up_per_server" in a["passing_all_gather"]:
         text += "; per server up/down, x S: " + ", ".join(

@@ -220,10 +220,12 @@ def on_gloo(sizes: list[int]) -> dict:
     from passing.torch.backend import gloo_group
 
     pg = dist.distributed_c10d._get_default_group()
-    stream = pg.stream
     group = pg.layout.local_rank if pg.in_host else 0
-    pg.network.gloo = gloo_group(PrefixStore(f"test/on_gloo/{group}/", dist.distributed_c10d._get_default_store()),
-                                 stream.worker, stream.workers, timedelta(seconds=60), stream.socket.address[0])
+    store = dist.distributed_c10d._get_default_store()
+    for lane, stage in (("main", pg.network), ("gather", pg.gather_lane.network)):  # both lanes' stages
+        stream = stage.stream
+        stage.gloo = gloo_group(PrefixStore(f"test/on_gloo/{lane}/{group}/", store), stream.worker, stream.workers,
+                                timedelta(seconds=60), stream.socket.address[0])
     return collectives(sizes)
 
 

@@ -313,13 +313,15 @@ def gradscaler(steps: int) -> dict:
 
 def reported_calls(pg, wait: float = 10.0) -> float | None:
     """On rank 0, whose embedded controller holds the metrics: the fewest calls any worker of any
-    group has reported (PASSING_REPORT_INTERVAL); None on the other ranks (a worker's key may not
-    ask for metrics)."""
+    all_reduce group (not a gather lane's) has reported (PASSING_REPORT_INTERVAL); None on the other
+    ranks (a worker's key may not ask for metrics)."""
+    from passing.torch.sharded import GATHER_GROUP
+
     if pg.embedded is None:
         return None
     deadline = time.monotonic() + wait
     while True:
-        groups = [g for g in pg.embedded.controller.metrics()["groups"] if g["running"]]
+        groups = [g for g in pg.embedded.controller.metrics()["groups"] if g["running"] and g["group"] < GATHER_GROUP]
         calls = min((h.get("calls", 0.0) for g in groups for h in g["hosts"].values()), default=0.0)
         if (groups and all(len(g["hosts"]) == g["workers"] for g in groups) and calls) \
                 or time.monotonic() > deadline:

@@ -43,8 +43,9 @@ from ..stream import Group, GroupFailed, PassingError, Replay
 from ..transport import BatchSocket
 from . import embedded, sharded
 from .hierarchy import Layout, NetworkStage, PeerStage, sum_through
-from .in_host import CollectiveInHost, InHostStage, ThroughHostMemory, cpu_in_host
+from .in_host import CollectiveInHost, CpuInHostStage, InHostStage, ThroughHostMemory, cpu_in_host
 from .options import SCHEMES, OptionError, Options, route_source
+from .sharded import GATHER_GROUP, GatherLane
 from .work import DeviceTurn, InOrder, PassingWork, on_device
 
 log = logging.getLogger("passing.torch")
@@ -228,7 +229,8 @@ class ProcessGroupPassing(ProcessGroup):
         self.peers: dict[str, C10dBackend] = {}  # device type -> this local rank's group across servers (ring)
         self.network: NetworkStage | None = None  # how a chunk is summed over the servers
         self.stream: Group | None = None
-        self._runner: InOrder | None = None  # this group's collectives, in issue order
+        self.gather_lane: GatherLane | None = None  # the all_gathers' own way through the network, beside stream's
+        self._runner: InOrder | None = None  # this group's collectives (but gather_lane's), in issue order
         self._streams: dict[int, torch.cuda.Stream] = {}  # CUDA device index -> the group's stream there
         self._membership: Membership | None = None
         self.embedded_mode = False  # PASSING_EMBEDDED=ps, no controller: rank 0's embedded one serves the group
@@ -276,10 +278,27 @@ class ProcessGroupPassing(ProcessGroup):
         self._membership = Membership(str(self.options.controller), job, group, worker, str(answer["token"]),
                                       self.keys, self.stream, float(self.options.report_interval),
                                       embedded=self.embedded_mode)
-        weakref.finalize(self, _close, self._membership, self.embedded)  # also at interpreter exit
+        self.gather_lane = self._open_gather_lane(store, timeout, name, job, secret, group, worker, workers)
+        weakref.finalize(self, _close, self._membership, self.embedded, self.gather_lane)  # also at interpreter exit
         self._start_runner(name)
         log.info("passing: rank %d: job %s group %d worker %d of %d on %s (%s)", rank, job, group, worker, workers,
                  self.mode, self.reason)
+
+    def _open_gather_lane(self, store: dist.Store, timeout: timedelta, name: str, job: str, secret: str, group: int,
+                          worker: int, workers: int) -> GatherLane:
+        """The all_gathers' own group of the job (group GATHER_GROUP + group), thread and in-host stage
+        (passing.torch.sharded.GatherLane)."""
+        gather_group = GATHER_GROUP + group
+        stream, answer = self._join(job, secret, gather_group, worker, workers)
+        assert self.keys is not None
+        membership = Membership(str(self.options.controller), job, gather_group, worker, str(answer["token"]),
+                                self.keys, stream, float(self.options.report_interval), embedded=self.embedded_mode)
+        in_host = (self._cpu_in_host(store, timeout, f"passing/local/{self.layout.server}/gather/")
+                   if self.in_host else None)
+        runner = InOrder(f"passing-pg{name}-gather")
+        weakref.finalize(self, runner.shutdown)
+        return GatherLane(FailoverStage(stream, store, f"passing/fallback/{name}/{gather_group}/", timeout),
+                          runner, in_host, membership)
 
     def _start_runner(self, name: str) -> None:
         self._runner = InOrder(f"passing-pg{name}")
@@ -362,16 +381,20 @@ class ProcessGroupPassing(ProcessGroup):
         there is none) for CPU tensors, NCCL for CUDA ones."""
         n, j = self.layout.ranks_per_server, self.layout.local_rank
         prefix = f"passing/local/{self.layout.server}/"
-        self.in_host = {"cpu": cpu_in_host(
-            j, n, lambda: gloo_group(PrefixStore(prefix + "gloo/", store), j, n, timeout, "127.0.0.1"), store,
-            prefix + "shm/", timeout.total_seconds(), directory=str(self.options.shared_memory),
-            engine=str(self.options.engine))}
-        cpu = self.in_host["cpu"]
+        cpu = self._cpu_in_host(store, timeout, prefix)
+        self.in_host = {"cpu": cpu}
         cuda = device_group(self.options, PrefixStore(prefix + "nccl/", store), j, n, None)
         if cuda is not None:
             self.in_host["cuda"] = CollectiveInHost(cuda)
         elif torch.cuda.is_available():
             self.in_host["cuda"] = ThroughHostMemory(cpu)
+
+    def _cpu_in_host(self, store: dist.Store, timeout: timedelta, prefix: str) -> CpuInHostStage:
+        n, j = self.layout.ranks_per_server, self.layout.local_rank
+        return cpu_in_host(
+            j, n, lambda: gloo_group(PrefixStore(prefix + "gloo/", store), j, n, timeout, "127.0.0.1"), store,
+            prefix + "shm/", timeout.total_seconds(), directory=str(self.options.shared_memory),
+            engine=str(self.options.engine))
 
     def _job_name(self, store: dist.Store, name: str) -> tuple[str, str]:
         """The same job name and secret on every rank of this process group, and new ones per run.
@@ -497,14 +520,22 @@ class ProcessGroupPassing(ProcessGroup):
     # ---- reporting and shutdown ---------------------------------------------------------
 
     def transport_stats(self) -> dict[str, int]:
-        """This rank's packets and bytes to and from the aggregator(s) so far."""
-        return self.stream.stats.as_dict() if self.stream else {}
+        """This rank's packets and bytes to and from the aggregator(s) so far (both lanes)."""
+        if self.stream is None:
+            return {}
+        total = self.stream.stats.as_dict()
+        if self.gather_lane is not None:
+            for key, value in self.gather_lane.network.stream.stats.as_dict().items():
+                total[key] = total.get(key, 0) + value
+        return total
 
     def shutdown(self) -> None:
         if self._runner is not None:
             self._runner.shutdown()
+        if self.gather_lane is not None:
+            self.gather_lane.runner.shutdown()
         if self._membership is not None:
-            _close(self._membership, self.embedded)
+            _close(self._membership, self.embedded, self.gather_lane)
         super().shutdown()
 
     def _get_backend_name(self) -> str:
@@ -593,8 +624,11 @@ for _name, _single in (("all_gather_single_coalesced", "_allgather_base"),
 sharded.install(ProcessGroupPassing)  # reduce_scatter and all_gather through PASSING where it can take them
 
 
-def _close(membership: Membership, embedded_services: embedded.Embedded | None) -> None:
-    """Leave the group; rank 0 then stops its embedded controller once the others have left too."""
+def _close(membership: Membership, embedded_services: embedded.Embedded | None,
+           gather_lane: GatherLane | None = None) -> None:
+    """Leave the groups; rank 0 then stops its embedded controller once the others have left too."""
+    if gather_lane is not None:
+        gather_lane.membership.close()
     membership.close()
     if embedded_services is not None:
         embedded_services.close()

@@ -13,13 +13,21 @@ GATHER packets the aggregator relays (docs/protocol.md, Kinds; passing.stream.Gr
 SUM and AVG of float32 (float16 and bfloat16 as their float32 values) take the reduce path, every
 dtype the gather path, bit for bit; anything else, CUDA tensors, a collective the options keep on
 gloo (``keep_on_gloo``), and every group without a network stage (one server, scheme ring) go to
-the device's backend as before. The collectives run in issue order on the group's one thread, with
-the all_reduces.
+the device's backend as before.
+
+The all_gathers have a lane of their own (GatherLane): a second PASSING group of the job (group
+GATHER_GROUP + j: its own slots, sequence space, socket, loss recovery and failover), their own
+thread and in-host stage. So an all_gather issued while a reduce_scatter or an all_reduce is on the
+wire (FSDP's backward) proceeds at the same time, as gloo's two threads let it: the reduce_scatter
+loads the uplinks (every server sends the whole tensor, gets its block), the all_gather the
+downlinks. Each lane runs its calls in issue order, which is the same on every rank.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,15 +35,29 @@ import torch
 from torch.distributed import ReduceOp
 
 from .options import SHARDED_COLLECTIVES
-from .work import PassingWork
+from .work import InOrder, PassingWork
 
 if TYPE_CHECKING:
-    from .backend import ProcessGroupPassing
+    from .backend import FailoverStage, Membership, ProcessGroupPassing
+    from .in_host import CpuInHostStage
 
 log = logging.getLogger("passing.torch")
 
 REDUCE_SCATTER, ALL_GATHER = SHARDED_COLLECTIVES  # the names keep_on_gloo takes
 REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GATHER_GROUP = 512  # the gather lane of group j is the job's group GATHER_GROUP + j (the controller takes 0-1023)
+
+
+@dataclass
+class GatherLane:
+    """The all_gathers' own way: their network stage (a second group of the job), the thread that runs
+    them in issue order, the in-host stage among the server's ranks (None: one rank per server) and the
+    second group's membership at the controller."""
+
+    network: FailoverStage
+    runner: InOrder
+    in_host: CpuInHostStage | None
+    membership: Membership
 
 
 def install(cls: type[ProcessGroupPassing]) -> None:
@@ -146,7 +168,7 @@ def _all_gather_single(pg: ProcessGroupPassing, output: torch.Tensor, input: tor
     if output.numel() != input.numel() * pg.size():
         raise ValueError(f"all_gather: output of {output.numel()} elements for an input of {input.numel()} "
                          f"in a group of {pg.size()}")
-    return _submit(pg, lambda: all_gather(pg, output, input), [output], opts)
+    return _submit(pg, lambda: all_gather(pg, output, input), [output], opts, gather=True)
 
 
 def _all_gather_list(pg: ProcessGroupPassing, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -164,7 +186,7 @@ def _all_gather_list(pg: ProcessGroupPassing, output_lists: list[list[torch.Tens
         for t, piece in zip(outputs, flat.split(input.numel())):
             t.copy_(piece.view(t.shape))
 
-    return _submit(pg, run, outputs, opts)
+    return _submit(pg, run, outputs, opts, gather=True)
 
 
 def _all_gather_coalesced(pg: ProcessGroupPassing, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -177,23 +199,30 @@ def _all_gather_coalesced(pg: ProcessGroupPassing, outputs: list[torch.Tensor], 
         for o, i in zip(outputs, inputs):
             all_gather(pg, o, i)
 
-    return _submit(pg, run, outputs, opts)
+    return _submit(pg, run, outputs, opts, gather=True)
 
 
 def _avg(opts: Any) -> bool:
     return opts.reduceOp.op == ReduceOp.AVG
 
 
-def _submit(pg: ProcessGroupPassing, run: Any, outputs: list[torch.Tensor], opts: Any) -> PassingWork:
-    """Run in issue order (passing.torch.work); the work's value is ``outputs``."""
-    assert pg._runner is not None
-    work = PassingWork(pg._runner)
+def _submit(pg: ProcessGroupPassing, run: Any, outputs: list[torch.Tensor], opts: Any,
+            gather: bool = False) -> PassingWork:
+    """Run in issue order (passing.torch.work) on the group's thread, or on the gather lane's
+    (``gather``, where the group has one); the work's value is ``outputs``."""
+    lane = pg.gather_lane if gather else None
+    runner, membership = (lane.runner, lane.membership) if lane is not None else (pg._runner, pg._membership)
+    assert runner is not None
+    work = PassingWork(runner)
 
     def job() -> list[torch.Tensor]:
+        start = time.monotonic()
         run()
+        if membership is not None:
+            membership.record_call(time.monotonic() - start)
         return outputs
 
-    pg._runner.submit(work, job, caller_waits=not opts.asyncOp)
+    runner.submit(work, job, caller_waits=not opts.asyncOp)
     return work
 
 
@@ -238,14 +267,16 @@ def all_gather(pg: ProcessGroupPassing, output: torch.Tensor, input: torch.Tenso
     piece = input.detach().reshape(-1).view(torch.uint8)
     size = piece.numel()
     out = output.view(-1).view(torch.uint8)
-    in_host = pg.in_host.get("cpu") if pg.in_host else None
+    lane = pg.gather_lane
+    stage = lane.network if lane is not None else pg.network
+    in_host = lane.in_host if lane is not None else (pg.in_host.get("cpu") if pg.in_host else None)
     if in_host is None:
-        pg.network.allgather(piece.numpy(), out.numpy())
+        stage.allgather(piece.numpy(), out.numpy())
         return
     grid = rank_grid(pg)
     servers, n = grid.shape
     network = torch.empty(servers * size, dtype=torch.uint8)  # the pieces of the ranks of this local index
-    pg.network.allgather(piece.numpy(), network.numpy())
+    stage.allgather(piece.numpy(), network.numpy())
     gathered = torch.empty(n * servers * size, dtype=torch.uint8)  # local rank j's network block at j
     in_host.all_gather(network, gathered.view(n, servers * size))
     # block (j, s) is the piece of rank grid[s, j]
