@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,11 @@ def link_bytes() -> tuple[int, int] | None:
     """(bytes up, bytes down) so far on this server's link, or None outside the emulated cluster."""
     up, down = os.environ.get(UPLINK_ENV), os.environ.get(DOWNLINK_ENV)
     return (tbf_sent(up), tbf_sent(down)) if up and down else None
+
+
+def stamp_end(work: Any, kind: str, done: dict[str, float]) -> None:
+    work.wait()
+    done[kind] = time.perf_counter()
 
 
 def worker(params: int, iterations: int) -> None:
@@ -103,6 +109,7 @@ def worker(params: int, iterations: int) -> None:
 
     # a step: forward all_gather; backward all_gather and reduce_scatter issued together
     steps: dict[str, list[float]] = {name: [] for name, _ in groups}
+    backward_s = {name: {"all_gather": [], "reduce_scatter": []} for name, _ in groups}
     pg = dist.distributed_c10d._get_default_group()
     payload: dict[str, int] = {}  # PASSING's UDP payload over the timed steps
     for i in range(iterations + 1):  # the first of each: warm-up
@@ -112,18 +119,29 @@ def worker(params: int, iterations: int) -> None:
             dist.barrier(group=gloo)
             start = time.perf_counter()
             collective("all_gather", group)
+            backward, done = time.perf_counter(), {}
             works = [collective("all_gather", group, async_op=True), collective("reduce_scatter", group, async_op=True)]
-            for work in works:
-                work.wait()
+            waiters = [threading.Thread(target=stamp_end, args=(work, kind, done))  # when each one ends
+                       for kind, work in zip(("all_gather", "reduce_scatter"), works)]
+            for waiter in waiters:
+                waiter.start()
+            for waiter in waiters:
+                waiter.join()
             if i:
-                steps[name].append(time.perf_counter() - start)
+                end = time.perf_counter()
+                steps[name].append(end - start)
+                for kind in ("all_gather", "reduce_scatter"):  # from the backward's start to each one's end
+                    backward_s[name][kind].append(done.get(kind, end) - backward)
     after = pg.transport_stats()
     step_payload = {"up": (after.get("bytes_sent", 0) - payload.get("bytes_sent", 0)) / iterations,
                     "down": (after.get("bytes_received", 0) - payload.get("bytes_received", 0)) / iterations}
     report = {"mode": pg.mode, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
               "server": int(os.environ.get("GROUP_RANK", "0")), "alone": alone,
               "step_median_s": {k: statistics.median(v) for k, v in steps.items()}, "steps_s": steps,
-              "step_payload": step_payload, "transport": after}
+              "step_payload": step_payload, "transport": after,
+              "resent": {"reduce lane": pg.stream.stats.as_dict() if pg.stream else {},
+                         "gather lane": pg.gather_lane.network.stream.stats.as_dict() if pg.gather_lane else {}},
+              "backward_median_s": {n: {k: statistics.median(v) for k, v in b.items()} for n, b in backward_s.items()}}
     dist.destroy_process_group()
     print(json.dumps(report), flush=True)
 
@@ -163,11 +181,14 @@ def summarize(outcomes: list[dict[str, Any]], servers: int, ranks: int, params: 
             mine[k] += r["step_payload"][k]
     want = physics(servers, size)["step"]
     payload = {k: statistics.median(p[k] for p in per_server.values()) for k in ("up", "down")}
-    return {"step_payload_per_server": payload,
+    backward = {n: {k: statistics.median(r["backward_median_s"][n][k] for r in outcomes)
+                    for k in ("all_gather", "reduce_scatter")} for n in ("passing", "gloo")}
+    return {"step_payload_per_server": payload, "backward_s": backward,
             "step_payload_over_physics": {k: payload[k] / want[k] for k in ("up", "down")},
             "servers": servers, "ranks": ranks, "params": params, "tensor_bytes": size, "mode": outcomes[0]["mode"],
             "alone": alone, "step_s": step, "gloo_over_passing": step["gloo"] / step["passing"],
-            "retransmissions": sum(r["transport"].get("retransmissions", 0) for r in outcomes)}
+            "retransmissions": sum(r["transport"].get("retransmissions", 0) for r in outcomes),
+            "per_rank": [{k: r[k] for k in ("server", "local_rank", "steps_s", "resent")} for r in outcomes]}
 
 
 def line(r: dict[str, Any]) -> str:
@@ -175,8 +196,11 @@ def line(r: dict[str, Any]) -> str:
     text = (f"{r['servers']}x{r['ranks']}, {r['params']} float32 ({r['mode']}): step PASSING "
             f"{r['step_s']['passing'] * 1e3:.1f} ms, gloo {r['step_s']['gloo'] * 1e3:.1f} ms, gloo / PASSING = "
             f"{r['gloo_over_passing']:.2f}; {r['retransmissions']} resent; step payload per server / physics "
-            f"up {r['step_payload_over_physics']['up']:.3f}, down {r['step_payload_over_physics']['down']:.3f}; "
-            f"alone (ms): ")
+            f"up {r['step_payload_over_physics']['up']:.3f}, "
+            f"down {r['step_payload_over_physics']['down']:.3f}; "
+            "backward: all_gather / reduce_scatter done after " + ", ".join(
+                f"{n} {r['backward_s'][n]['all_gather'] * 1e3:.1f} / "
+                f"{r['backward_s'][n]['reduce_scatter'] * 1e3:.1f} ms" for n in ("passing", "gloo")) + "; alone (ms): ")
     text += ", ".join(f"{k} {v['median_s'] * 1e3:.1f}" for k, v in a.items())
     if "link_up_per_server" in a["passing_all_gather"]:
         text += "; per server up/down, x S: " + ", ".join(
@@ -228,19 +252,20 @@ def run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
     rate = 10_000 / args.factor  # the paper's 10 Gbit/s link
     params = args.params or round(emulated.MODELS["resnet50"][0] / args.factor)
+    pool = args.pool or emulated.pool_for(rate)
     results = []
     with tempfile.TemporaryDirectory(prefix="passing-fsdp-") as tmp:
         cluster = emulated.Cluster(max(s for s, _ in configs), rate, Path(tmp), args.nice)
         try:
             for servers, ranks in configs:
                 env = {"PASSING_CONTROLLER": cluster.controllers["switch"], "PASSING_TIMEOUT": "120",
-                       "PASSING_POOL": str(emulated.pool_for(rate)), "GLOO_SOCKET_IFNAME": "eth0"}
+                       "PASSING_POOL": str(pool), "GLOO_SOCKET_IFNAME": "eth0"}
                 in_server = lambda s: lambda a, **kw: cluster.popen(cluster.servers[s], a, **kw)  # noqa: E731
                 procs = launch_ranks(worker_argv(args, params), servers, ranks, env, popen_for_server=in_server,
                                      env_for_server=lambda s: tbf_env(cluster.net, cluster.servers[s]),
                                      master_host=cluster.net.hosts[cluster.servers[0]].ip)
                 r = summarize(check(collect(procs, 1800)), servers, ranks, params)
-                r.update({"factor": args.factor, "rate_mbit": rate, "pool": emulated.pool_for(rate),
+                r.update({"factor": args.factor, "rate_mbit": rate, "pool": pool,
                           "aggregator": emulated.SWITCH_LABEL, "loadavg": open("/proc/loadavg").read().split()[:3]})
                 print(line(r), flush=True)
                 results.append(r)
@@ -258,6 +283,7 @@ def main() -> None:
     parser.add_argument("--emulated", action="store_true", help="servers in network namespaces behind tbf links (root)")
     parser.add_argument("--factor", type=float, default=100.0, help="emulated: divides the 10 Gbit/s link rate")
     parser.add_argument("--configs", nargs="+", default=["4x2", "8x1"], help="emulated: servers x ranks")
+    parser.add_argument("--pool", type=int, help="emulated: slots per group (default: bench/emulated.py's pool_for)")
     parser.add_argument("--nice", type=int, default=-10, help="emulated: nice level of ranks and aggregators")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -71,14 +71,14 @@ class LocalServices:
     def __post_init__(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="passing-services-")
         self.procs: list[subprocess.Popen] = []
+        self.endpoints: list[dict[str, str]] = []  # PS i's data and control endpoints (procs[i])
         try:
-            endpoints = []
             for _ in range(self.ps):
                 proc, ready = start_aggregator(self.aggregator_args, popen=self.popen)
                 self.procs.append(proc)
-                endpoints.append({"data": ready["data"], "control": ready["control"]})
+                self.endpoints.append({"data": ready["data"], "control": ready["control"]})
             self.controller = f"tcp://127.0.0.1:{free_tcp_port()}"
-            proc, self.ready = start_controller({"ps": endpoints}, Path(self._tmp.name), self.controller,
+            proc, self.ready = start_controller({"ps": self.endpoints}, Path(self._tmp.name), self.controller,
                                                 popen=self.popen)
             self.procs.append(proc)
         except BaseException:

@@ -3,15 +3,21 @@ processes against a software aggregator behind a PS-only controller, compared wi
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
 
 from cluster import netns  # noqa: E402
-from cluster.local import collect, launch_ranks, start_controller  # noqa: E402
+from cluster.local import LocalServices, collect, launch_ranks, start_controller  # noqa: E402
+from passing.torch.sharded import GATHER_GROUP  # noqa: E402
+from tests.cluster import service_popen  # noqa: E402
+from tests.keys import ask  # noqa: E402
 from tests.test_torch_backend import services  # noqa: E402, F401  (the fixture)
 from tests.zygote import torch_ranks, torch_ranks_in  # noqa: E402
 
@@ -40,6 +46,62 @@ def test_sharded_collectives_equal_gloo(services, servers, ranks):  # noqa: F811
                 assert c["exact"], f"not bit for bit: {c}"
             else:  # the quantisation of a float sum, well within this for these sizes
                 assert c["error"] <= 1e-5 * max(1.0, c["scale"]), c
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers,ranks", [(2, 1), (2, 2)])
+def test_an_all_gather_completes_while_the_reduce_scatter_before_it_is_stalled(tmp_path, servers, ranks):
+    """The lanes overlap: with the PS of the reduce lanes stopped (SIGSTOP; no failover), an all_gather
+    issued after a reduce_scatter completes, right, with the reduce_scatter still pending; once the PS
+    goes on, the reduce_scatter completes right too. With one lane per group the all_gather would wait
+    behind the reduce_scatter and the ranks would never report it gathered."""
+    marker = tmp_path / "overlap"
+    # four PS: the controller spreads groups over them by job id, so each of the (at most) four groups
+    # (the reduce and gather lanes of each local index) has a PS of its own
+    with LocalServices(ps=4, popen=service_popen) as four:
+        procs = launch_ranks([*WORKER, "overlap", "3000"], servers, ranks,
+                             {"PASSING_CONTROLLER": four.controller, "PASSING_TIMEOUT": "60",
+                              "PASSING_FAILOVER_AFTER": "0", "PASSING_TEST_MARKER": str(marker)},
+                             popen_for_server=torch_ranks)
+        stopped = []
+        try:
+            wait_for(marker.with_suffix(".joined"), procs)
+            jobs = ask(four.controller, "status")["jobs"]
+            reduce_ps = {j["aggregator"] for j in jobs if j["group"] < GATHER_GROUP}
+            gather_ps = {j["aggregator"] for j in jobs if j["group"] >= GATHER_GROUP}
+            assert len(jobs) == 2 * ranks and not reduce_ps & gather_ps, f"lanes share a PS: {jobs}"
+            data = [p["data"] for p in four.endpoints]
+            for address in reduce_ps:
+                stopped.append(four.procs[data.index(address)])
+                os.kill(stopped[-1].pid, signal.SIGSTOP)
+            marker.with_suffix(".stopped").touch()
+            wait_for(marker.with_suffix(".gathered"), procs)
+            for proc in stopped:
+                os.kill(proc.pid, signal.SIGCONT)
+            stopped = []
+            outcomes = collect(procs, 120)
+        finally:
+            for proc in stopped:
+                os.kill(proc.pid, signal.SIGCONT)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    for rank, (rc, report, stderr) in enumerate(outcomes):
+        assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
+        assert report["mode"] == "ps" and report["gathered_right"], report
+        assert report["scatter_pending_when_gathered"], report  # it could not have finished: its PS was stopped
+        assert report["reduced_error"] <= 1e-3, report
+
+
+def wait_for(path, procs, seconds: float = 120) -> None:
+    """Until ``path`` exists; fails at once, with their errors, if a rank ends first."""
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            ended = [(r, rc, err) for r, (rc, _, err) in enumerate(collect(procs, 5)) if rc]
+            pytest.fail(f"the ranks did not reach {path.name}:\n" + "\n".join(
+                f"rank {r} ({rc}): {err[-4000:]}" for r, rc, err in ended))
+        time.sleep(0.02)
 
 
 @pytest.mark.timeout(300)

@@ -145,8 +145,8 @@ def fsdp(steps: int, lr: float = 0.1, pause=None) -> dict:  # noqa: ANN001
         losses = train(model, optimizer, x, y, steps, pause if name == "passing" else None)
         out[name] = {"losses": losses, "streamed": packets_sent() > sent, "seconds": time.monotonic() - start}
     pg = dist.distributed_c10d._get_default_group()
-    out["mode"], out["moves"] = pg.mode, pg.stream.moves if pg.stream else 0
-    out["on_gloo"] = getattr(pg.network, "gloo", None) is not None
+    out["mode"], out["moves"] = pg.mode, sum(lane.stream.moves for lane in pg.lanes())  # both lanes
+    out["on_gloo"] = any(lane.gloo is not None for lane in pg.lanes())
     return out
 
 
@@ -229,11 +229,49 @@ def on_gloo(sizes: list[int]) -> dict:
     return collectives(sizes)
 
 
+def overlap(size: int) -> dict:
+    """A reduce_scatter issued, then an all_gather, while the test holds the reduce lane's PS stopped
+    (SIGSTOP): the all_gather must complete with the reduce_scatter still pending (the lanes overlap);
+    then the test lets the PS go on and the reduce_scatter completes. Rank 0 tells the test where it is
+    through PASSING_TEST_MARKER: ``.joined`` (wait for ``.stopped``), then ``.gathered``."""
+    import os
+    from pathlib import Path
+
+    marker = Path(os.environ["PASSING_TEST_MARKER"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    dist.barrier(group=gloo)  # every rank has joined both lanes
+    if rank == 0:
+        marker.with_suffix(".joined").touch()
+    deadline = time.monotonic() + 60
+    while not marker.with_suffix(".stopped").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    grads = torch.arange(world * size, dtype=torch.float32) + rank
+    reduced = torch.empty(size)
+    piece = torch.full((size,), float(rank), dtype=torch.float64)
+    gathered = torch.empty(world * size, dtype=torch.float64)
+    scatter = dist.reduce_scatter_tensor(reduced, grads, async_op=True)
+    gather = dist.all_gather_into_tensor(gathered, piece, async_op=True)
+    gather.wait()
+    scatter_pending = not scatter.is_completed()
+    gathered_right = bool(torch.equal(gathered, torch.arange(world, dtype=torch.float64).repeat_interleave(size)))
+    dist.barrier(group=gloo)  # gloo's: the reduce lane is stuck
+    if rank == 0:
+        marker.with_suffix(".gathered").touch()
+    scatter.wait()
+    want = (torch.arange(world * size, dtype=torch.float32).view(world, size)[rank] * world
+            + sum(range(world)))
+    return {"scatter_pending_when_gathered": scatter_pending, "gathered_right": gathered_right,
+            "reduced_error": float((reduced - want).abs().max()),
+            "mode": dist.distributed_c10d._get_default_group().mode}
+
+
 SCENARIOS = {"collectives": lambda a: collectives([int(s) for s in a]),
              "fsdp": lambda a: fsdp(int(a[0]), *map(float, a[1:])),  # steps [learning rate]
              # steps, learning rate, phase (startup, forward, backward), step
              "fsdp_fault": lambda a: fsdp(int(a[0]), float(a[1]), strike_point(a[2], int(a[3]))),
-             "hsdp": lambda a: hsdp(int(a[0]), *map(float, a[1:])), "on_gloo": lambda a: on_gloo([int(s) for s in a])}
+             "hsdp": lambda a: hsdp(int(a[0]), *map(float, a[1:])), "on_gloo": lambda a: on_gloo([int(s) for s in a]),
+             "overlap": lambda a: overlap(int(a[0]))}
 
 
 def main() -> None:

@@ -203,8 +203,8 @@ def ddp_fault(epochs: int, when: str = "training") -> dict:
             time.sleep(0.01)
     passing_run = train(data, None, epochs, check_group=gloo, check_every=10, after_step=mid_training)
     passing_run.update(started=start, ended=time.time(), seconds=time.time() - start)
-    return {"passing": passing_run, "moves": pg.stream.moves, "on_gloo": pg.network.gloo is not None,
-            "mode": pg.mode}
+    return {"passing": passing_run, "moves": sum(lane.stream.moves for lane in pg.lanes()),
+            "on_gloo": any(lane.gloo is not None for lane in pg.lanes()), "mode": pg.mode}
 
 
 def ddp_gloo(epochs: int) -> dict:

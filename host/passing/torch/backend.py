@@ -45,7 +45,7 @@ from . import embedded, sharded
 from .hierarchy import Layout, NetworkStage, PeerStage, sum_through
 from .in_host import CollectiveInHost, CpuInHostStage, InHostStage, ThroughHostMemory, cpu_in_host
 from .options import SCHEMES, OptionError, Options, route_source
-from .sharded import GATHER_GROUP, GatherLane
+from .sharded import GATHER_GROUP, GatherLane, gather_pool
 from .work import DeviceTurn, InOrder, PassingWork, on_device
 
 log = logging.getLogger("passing.torch")
@@ -278,18 +278,19 @@ class ProcessGroupPassing(ProcessGroup):
         self._membership = Membership(str(self.options.controller), job, group, worker, str(answer["token"]),
                                       self.keys, self.stream, float(self.options.report_interval),
                                       embedded=self.embedded_mode)
-        self.gather_lane = self._open_gather_lane(store, timeout, name, job, secret, group, worker, workers)
+        self.gather_lane = self._open_gather_lane(store, timeout, name, job, secret, group, worker, workers,
+                                                  gather_pool(int(answer["pool"]), workers))
         weakref.finalize(self, _close, self._membership, self.embedded, self.gather_lane)  # also at interpreter exit
         self._start_runner(name)
         log.info("passing: rank %d: job %s group %d worker %d of %d on %s (%s)", rank, job, group, worker, workers,
                  self.mode, self.reason)
 
     def _open_gather_lane(self, store: dist.Store, timeout: timedelta, name: str, job: str, secret: str, group: int,
-                          worker: int, workers: int) -> GatherLane:
-        """The all_gathers' own group of the job (group GATHER_GROUP + group), thread and in-host stage
-        (passing.torch.sharded.GatherLane)."""
+                          worker: int, workers: int, pool: int) -> GatherLane:
+        """The all_gathers' own group of the job (group GATHER_GROUP + group, ``pool`` slots), thread and
+        in-host stage (passing.torch.sharded.GatherLane)."""
         gather_group = GATHER_GROUP + group
-        stream, answer = self._join(job, secret, gather_group, worker, workers)
+        stream, answer = self._join(job, secret, gather_group, worker, workers, pool)
         assert self.keys is not None
         membership = Membership(str(self.options.controller), job, gather_group, worker, str(answer["token"]),
                                 self.keys, stream, float(self.options.report_interval), embedded=self.embedded_mode)
@@ -405,13 +406,15 @@ class ProcessGroupPassing(ProcessGroup):
         job = json.loads(store.get(f"passing/job/{name}"))
         return str(job["name"]), str(job["secret"])
 
-    def _join(self, job: str, secret: str, group: int, worker: int, workers: int) -> tuple[Group, dict[str, Any]]:
+    def _join(self, job: str, secret: str, group: int, worker: int, workers: int,
+              pool: int | None = None) -> tuple[Group, dict[str, Any]]:
         o = self.options
         sock = BatchSocket((str(o.host), 0))
         line: control.Failover | None = None
         try:
             answer = control.join(str(o.controller), job, worker, workers, host=str(o.host),
-                                  udp_port=sock.address[1], secret=secret, group=group, pool=o.pool,
+                                  udp_port=sock.address[1], secret=secret, group=group,
+                                  pool=o.pool if pool is None else pool,
                                   aggregator=str(self.scheme.aggregator), timeout=float(o.join_timeout),
                                   keys=self.keys)
             if int(answer["lanes"]) != wire.DEFAULT_LANES:  # same port, sized for the aggregator's packets
@@ -518,6 +521,11 @@ class ProcessGroupPassing(ProcessGroup):
         return ""
 
     # ---- reporting and shutdown ---------------------------------------------------------
+
+    def lanes(self) -> list[FailoverStage]:
+        """The network stages through an aggregator: the group's, and its gather lane's ([] without)."""
+        stages = [self.network] if isinstance(self.network, FailoverStage) else []
+        return stages + ([self.gather_lane.network] if self.gather_lane is not None else [])
 
     def transport_stats(self) -> dict[str, int]:
         """This rank's packets and bytes to and from the aggregator(s) so far (both lanes)."""

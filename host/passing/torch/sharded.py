@@ -48,6 +48,16 @@ REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GATHER_GROUP = 512  # the gather lane of group j is the job's group GATHER_GROUP + j (the controller takes 0-1023)
 
 
+def gather_pool(pool: int, workers: int) -> int:
+    """The gather lane's window for a reduce lane's ``pool``: pool / workers, at least 8 (at most pool).
+    The aggregator relays each GATHER to the workers - 1 others, so a server's downlink queue holds the
+    others' gather windows: (workers - 1) / workers of a pool toward each server, a little less than the
+    reduce lane's pool of RESULTs and ACKs, which therefore wait behind about as much again rather than
+    (workers - 1) times as much. With the full pool on both lanes the reduce_scatter under an all_gather
+    went at the pace of its window rather than of its uplink (docs/benchmarks.md has the figures)."""
+    return min(pool, max(8, -(-pool // max(1, workers))))
+
+
 @dataclass
 class GatherLane:
     """The all_gathers' own way: their network stage (a second group of the job), the thread that runs
