@@ -58,7 +58,7 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) demo/run.py
 
-# The emulated-cluster comparison of design §7's schemes (root: network namespaces;
+# The emulated-cluster comparison of the schemes of docs/torch.md ("Schemes") (root: network namespaces;
 # docs/benchmarks.md). bench-quick: under 10 minutes; bench: every configuration.
 bench: $(STAMP)
 	$(INSTALL) -e 'host[bench]'

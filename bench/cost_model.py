@@ -1,4 +1,4 @@
-"""Cost model of one allreduce per scheme (design §7), for the emulated-cluster benchmark.
+"""Cost model of one allreduce per scheme (docs/torch.md, "Schemes"), for the emulated-cluster benchmark.
 
 The seed paper's equations count the bytes the bottleneck link carries; here they are
 extended with what the wire really carries and with the self-clocked window:

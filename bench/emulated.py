@@ -1,4 +1,4 @@
-"""Emulated-cluster benchmark (issue 5): design §7's schemes on rate-limited links, vs the cost model.
+"""Emulated-cluster benchmark (issue 5): the schemes of docs/torch.md on rate-limited links, vs the cost model.
 
     sudo .venv/bin/python bench/emulated.py --quick     # 2x2 and 4x2, 10G-equivalent, ResNet50 (~2 min)
     sudo .venv/bin/python bench/emulated.py             # 2x2 2x4 4x2 4x4, both bandwidths, ResNet50 + VGG19

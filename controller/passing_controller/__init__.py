@@ -1,7 +1,5 @@
-"""PASSING controller (placeholder package: the P4Runtime service arrives with the BMv2 issue).
-
-It shares no code with the host agent: the two talk through the documented wire
-format (docs/protocol.md) and control messages.
-"""
+"""PASSING controller: programs the switch over P4Runtime, allocates slots to jobs, places
+groups on the switch or a software aggregator and moves them on failure (docs/control.md;
+the module map is in docs/architecture.md)."""
 
 __version__ = "0.1.0"

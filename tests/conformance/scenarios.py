@@ -1,4 +1,4 @@
-"""The aggregation scenario table (design §4), as data.
+"""The aggregation scenario table (docs/protocol.md, "The aggregation state machine"), as data.
 
 Every target that implements the state machine (the pure engine, the software
 aggregator over UDP, BMv2, the Tofino review) runs this same table through

@@ -2,7 +2,7 @@
 
 Rank j of every server sums chunk j of the server's in-host reduction (passing.torch.in_host)
 with rank j of every other server, through group (job, j) of an aggregator or through a
-collective among those peers (design §1, §5).
+collective among those peers (docs/torch.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The in-host stage of the two-stage allreduce: the n ranks of one server sum their tensors
 chunk by chunk, each chunk is summed over the servers by one rank (the network stage), and
-every rank gets all the sums back (design §5, "Hierarchy").
+every rank gets all the sums back (docs/torch.md).
 
 On the CPU the ranks of a server share one memory segment: a rank copies in the chunks the
 other ranks own, each owner adds them to its own, and every rank copies the sums out, where

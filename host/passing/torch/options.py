@@ -16,7 +16,7 @@ from ..native import ENGINES
 
 @dataclass(frozen=True)
 class Scheme:
-    """One of design §7's configurations: in-host stage or not, and which aggregator."""
+    """One of the schemes of docs/torch.md ("Schemes"): in-host stage or not, and which aggregator."""
 
     in_host: bool  # reduce-scatter / all-gather among the ranks of a server around the network stage
     aggregator: str | None  # "any": the switch if it can serve, else a PS; "ps": a PS; None: plain gloo
