@@ -41,7 +41,7 @@ import numpy as np
 
 from passing import wire
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports, start_aggregator
+from passing.launch import free_udp_ports, start_aggregator
 from passing.transport import BatchSocket, pack_address
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: cluster/
@@ -430,18 +430,6 @@ def torch_worker(elements: int, iterations: int) -> None:
     dist.destroy_process_group()
 
 
-def _mtu(network: Any, mtu: int) -> None:
-    """Every veth of an emulated network, and its bridge, to ``mtu``."""
-    from cluster.netns import _sh
-
-    for host in network.hosts.values():
-        _sh("ip", "link", "set", "eth0", "mtu", str(mtu), ns=host.namespace)
-    for line in _sh("ip", "-o", "link", "show", ns=network.switch.namespace).stdout.splitlines():
-        name = line.split(":")[1].strip().split("@")[0]
-        if name != "lo":
-            _sh("ip", "link", "set", name, "mtu", str(mtu), ns=network.switch.namespace)
-
-
 def torch_allreduce(servers: int, ranks: int, elements: int, iterations: int, mtu: int | None = None,
                     embedded: str = "off") -> dict[str, Any]:
     """s servers x n ranks of torch_worker, no controller, PASSING_EMBEDDED=``embedded``; with ``mtu``,
@@ -456,7 +444,7 @@ def torch_allreduce(servers: int, ranks: int, elements: int, iterations: int, mt
     else:
         names = [f"server{s}" for s in range(servers)]
         with netns.EmulatedNetwork(names) as net:
-            _mtu(net, mtu)
+            net.set_mtu(mtu)
             procs = launch_ranks(argv, servers, ranks, clean,
                                  popen_for_server=lambda s: lambda a, **kw: net.popen(names[s], a, **kw),
                                  env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": "eth0"},

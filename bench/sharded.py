@@ -29,7 +29,7 @@ import numpy as np
 
 from passing import Group, wire
 from passing.aggregator import SoftwareAggregator, job_from_json
-from passing.cli import free_udp_ports
+from passing.launch import free_udp_ports
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sharded.json"
 

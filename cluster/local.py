@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from passing.cli import start_aggregator
+from passing.launch import start_aggregator
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]

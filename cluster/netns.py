@@ -129,6 +129,15 @@ class EmulatedNetwork:
                 limit(ns, dev, rate)
         self.hosts[name] = host
 
+    def set_mtu(self, mtu: int) -> None:
+        """Every host's veth, and every port of the switch's bridge, to ``mtu``."""
+        for host in self.hosts.values():
+            _sh("ip", "link", "set", "eth0", "mtu", str(mtu), ns=host.namespace)
+        for line in _sh("ip", "-o", "link", "show", ns=self.switch.namespace).stdout.splitlines():
+            name = line.split(":")[1].strip().split("@")[0]
+            if name != "lo":
+                _sh("ip", "link", "set", name, "mtu", str(mtu), ns=self.switch.namespace)
+
     def set_rate(self, rate_mbit: float, burst_bytes: int | None = None, queue_bytes: int | None = None) -> None:
         """Every rate-limited link to ``rate_mbit``, optionally with the tbf's bucket and queue sizes."""
         for ns, dev in self.limited:

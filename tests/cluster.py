@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from cluster import local
-from passing import cli
+from passing import launch
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports, worker_inputs
+from passing.cli import worker_inputs
+from passing.launch import free_udp_ports
 from tests.zygote import CLI_PRELOAD, ForkedProcess, shared
 
 
@@ -30,8 +31,8 @@ def service_popen(argv: list[str], **kwargs: Any) -> ForkedProcess:
 
 
 def start_aggregator(extra: list[str] | None = None, host: str = "127.0.0.1") -> tuple[ForkedProcess, dict]:
-    """``passing.cli.start_aggregator``, forked."""
-    return cli.start_aggregator(extra, host, popen=service_popen)
+    """``passing.launch.start_aggregator``, forked."""
+    return launch.start_aggregator(extra, host, popen=service_popen)
 
 
 def start_controller(topology: dict[str, Any], workdir: Path, listen: str, extra: Sequence[str] = ()

@@ -18,9 +18,9 @@ import zmq
 from cluster.local import BIN, free_tcp_port
 from passing import Group
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports
 from passing.control import PROTOCOL_VERSION, ControllerError, join, leave, request
 from passing.keys import ClientKeys, KeysError
+from passing.launch import free_udp_ports
 from tests.cluster import run_threads, start_aggregator, start_controller
 from tests.keys import ask
 

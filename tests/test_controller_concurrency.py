@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from passing import Group
-from passing.cli import free_udp_ports
 from passing.control import Failover, join
+from passing.launch import free_udp_ports
 from passing_controller.service import CHECK_TIMEOUT
 from passing_controller.topology import Topology
 from tests.cluster import run_threads, start_aggregator

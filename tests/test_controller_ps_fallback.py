@@ -15,8 +15,8 @@ import pytest
 
 from passing import Group
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports
 from passing.control import ControllerError, join, leave
+from passing.launch import free_udp_ports
 from passing_controller.cli import controller_main
 from passing_controller.topology import Topology, TopologyError
 from tests.cluster import run_threads, start_aggregator

@@ -18,8 +18,8 @@ import pytest
 
 from cluster.local import BIN, free_tcp_port
 from passing import Group
-from passing.cli import free_udp_ports
 from passing.control import join, leave, report
+from passing.launch import free_udp_ports
 from tests.cluster import run_threads, start_aggregator, start_controller
 
 pyte = pytest.importorskip("pyte", reason="pyte is not installed (pip install -e 'controller[test]')")

@@ -23,7 +23,7 @@ import pytest
 from passing import Group, native, wire
 from passing.aggregation import JobSpec
 from passing.aggregator import CONTROL_VERSION, SoftwareAggregator
-from passing.cli import free_udp_ports
+from passing.launch import free_udp_ports
 from passing.transport import SOL_UDP, UDP_GRO, UDP_SEGMENT, BatchSocket, SendError, pack_address
 
 ENGINES = ["numpy", pytest.param("native", marks=pytest.mark.skipif(not native.available(),

@@ -9,7 +9,7 @@ import pytest
 
 from passing import Group
 from passing.aggregator import SoftwareAggregator, job_from_json
-from passing.cli import free_udp_ports
+from passing.launch import free_udp_ports
 from tests.cluster import run_threads
 
 

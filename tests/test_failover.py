@@ -18,8 +18,8 @@ import pytest
 
 from passing import Group, wire
 from passing.aggregator import SoftwareAggregator
-from passing.cli import free_udp_ports
 from passing.control import Failover, join, request
+from passing.launch import free_udp_ports
 from passing.stream import GroupFailed
 from passing_controller.topology import Topology
 from tests.cluster import run_threads, start_aggregator

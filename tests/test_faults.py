@@ -14,7 +14,7 @@ import pytest
 
 from passing import Group, wire
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports
+from passing.launch import free_udp_ports
 from tests.cluster import run_threads, start_aggregator
 
 LANES = wire.DEFAULT_LANES

@@ -16,7 +16,7 @@ import numpy as np
 
 from passing import wire
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports
+from passing.launch import free_udp_ports
 from passing.stream import Group
 from passing.transport import BatchSocket, parse_endpoint
 from tests.cluster import run_threads, start_aggregator

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from passing.aggregator import SoftwareAggregator
-from passing.cli import free_udp_ports
 from passing.control import ControllerError, join
+from passing.launch import free_udp_ports
 from passing_controller.topology import Topology
 from tests.cluster import run_threads
 from tests.keys import controller as make_controller

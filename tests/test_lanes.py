@@ -14,8 +14,8 @@ import pytest
 
 from passing import Group, wire
 from passing.aggregator import ControlClient, SoftwareAggregator, job_from_json
-from passing.cli import free_udp_ports
 from passing.control import join
+from passing.launch import free_udp_ports
 from passing.transport import BatchSocket, pack_address
 from passing_controller.topology import PS_WINDOW_BYTES, Topology, TopologyError, lanes_for, ps_pool
 from tests.cluster import run_threads

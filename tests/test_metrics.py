@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.local import BIN, free_tcp_port
 from passing import Group
-from passing.cli import free_udp_ports
 from passing.control import join, leave, report
+from passing.launch import free_udp_ports
 from tests.cluster import run_threads, start_aggregator, start_controller
 
 LANES = 64

@@ -12,7 +12,7 @@ import pytest
 from passing import Group, wire
 from passing.aggregation import AggregationEngine, JobSpec
 from passing.aggregator import worker_origin
-from passing.cli import free_udp_ports
+from passing.launch import free_udp_ports
 from passing.transport import BatchSocket
 from tests.cluster import run_threads
 

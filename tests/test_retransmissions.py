@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from passing.aggregator import ControlClient
-from passing.cli import free_udp_ports
+from passing.launch import free_udp_ports
 from tests.cluster import start_aggregator
 from tests.zygote import CLI_PRELOAD, shared
 

@@ -1,4 +1,5 @@
-"""The scenario table of the aggregation state machine (docs/protocol.md) against the pure engines and the real UDP aggregator, numpy and native."""
+"""The scenario table of the aggregation state machine (docs/protocol.md) against the pure engines
+and the real UDP aggregator, numpy and native."""
 
 from __future__ import annotations
 

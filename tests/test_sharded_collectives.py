@@ -11,7 +11,7 @@ import pytest
 
 from passing import Group, wire
 from passing.aggregator import Impairment, SoftwareAggregator, job_from_json
-from passing.cli import free_udp_ports
+from passing.launch import free_udp_ports
 from tests.cluster import run_threads
 
 

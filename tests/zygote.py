@@ -11,7 +11,7 @@ The zygote reaps its children and reports their exit status. ``Zygote.popen`` ha
 ``subprocess.Popen``'s call signature and returns an object with the part of its interface
 the tests use (``communicate``, ``poll``, ``wait``, ``returncode``, ``pid``, ``stdout``,
 ``send_signal``, ``kill``, ``terminate``), so it drops into
-``cluster.local.launch_ranks(popen_for_server=...)`` and ``passing.cli.start_aggregator(popen=...)``.
+``cluster.local.launch_ranks(popen_for_server=...)`` and ``passing.launch.start_aggregator(popen=...)``.
 
 ``Zygote.popen(..., netns=NAME)`` puts the child in network namespace NAME (as ``ip netns exec``
 would; root only): the ranks of an emulated cluster (cluster/netns.py) are forked too.

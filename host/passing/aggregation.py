@@ -1,4 +1,4 @@
-"""The aggregation state machine (docs/protocol.md, "The aggregation state machine"), one target-independent implementation.
+"""The aggregation state machine (docs/protocol.md), one target-independent implementation.
 
 Besides DATA rounds it relays the stateless kinds (docs/protocol.md, Kinds): a GATHER goes
 unchanged to every other worker of its job, a NACK to its owner; and an OWNER_ONLY round's
