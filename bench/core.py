@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from passing import wire
-from passing.aggregator import ControlClient
+from passing.aggregator.control_channel import ControlClient
 from passing.launch import free_udp_ports, start_aggregator
 from passing.transport import BatchSocket, pack_address
 

@@ -64,7 +64,7 @@ import cost_model  # noqa: E402
 
 from cluster import netns  # noqa: E402
 from cluster.local import ensure_keys, launch_ranks, start_controller  # noqa: E402
-from passing.aggregator import ControlClient  # noqa: E402
+from passing.aggregator.control_channel import ControlClient  # noqa: E402
 
 RESULTS = BENCH / "results"
 WORKER = BENCH / "emulated_worker.py"

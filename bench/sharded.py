@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from passing import Group, wire
-from passing.aggregator import SoftwareAggregator, job_from_json
+from passing.aggregator.control_channel import job_from_json
+from passing.aggregator.server import SoftwareAggregator
 from passing.launch import free_udp_ports
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sharded.json"

@@ -16,7 +16,7 @@ import numpy as np
 
 from cluster import local
 from passing import launch
-from passing.aggregator import ControlClient
+from passing.aggregator.control_channel import ControlClient
 from passing.cli import worker_inputs
 from passing.launch import free_udp_ports
 from tests.zygote import CLI_PRELOAD, ForkedProcess, shared

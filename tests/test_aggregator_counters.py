@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from passing import native, wire
-from passing.aggregation import COUNTERS, JobSpec
-from passing.aggregator import SoftwareAggregator
+from passing.aggregator.engine import COUNTERS, JobSpec
+from passing.aggregator.server import SoftwareAggregator
 from passing.transport import pack_address
 from tests.test_datapath import bound_sockets
 

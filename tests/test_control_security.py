@@ -17,7 +17,7 @@ import zmq
 
 from cluster.local import BIN, free_tcp_port
 from passing import Group
-from passing.aggregator import ControlClient
+from passing.aggregator.control_channel import ControlClient
 from passing.control import PROTOCOL_VERSION, ControllerError, join, leave, request
 from passing.keys import ClientKeys, KeysError
 from passing.launch import free_udp_ports

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from passing import Group
-from passing.aggregator import ControlClient
+from passing.aggregator.control_channel import ControlClient
 from passing.control import ControllerError, join, leave
 from passing.launch import free_udp_ports
 from passing_controller.cli import controller_main

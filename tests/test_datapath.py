@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from passing import Group, native, wire
-from passing.aggregation import JobSpec
-from passing.aggregator import CONTROL_VERSION, SoftwareAggregator
+from passing.aggregator.control_channel import CONTROL_VERSION
+from passing.aggregator.engine import JobSpec
+from passing.aggregator.server import SoftwareAggregator
 from passing.launch import free_udp_ports
 from passing.transport import SOL_UDP, UDP_GRO, UDP_SEGMENT, BatchSocket, SendError, pack_address
 

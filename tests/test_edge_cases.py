@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from passing import Group
-from passing.aggregator import SoftwareAggregator, job_from_json
+from passing.aggregator.control_channel import job_from_json
+from passing.aggregator.server import SoftwareAggregator
 from passing.launch import free_udp_ports
 from tests.cluster import run_threads
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from passing import wire
-from passing.aggregation import AggregationEngine, ConfigError, JobSpec
+from passing.aggregator.engine import AggregationEngine, ConfigError, JobSpec
 
 LANES = 4
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from passing import Group, wire
-from passing.aggregator import SoftwareAggregator
+from passing.aggregator.server import SoftwareAggregator
 from passing.control import Failover, join, request
 from passing.launch import free_udp_ports
 from passing.stream import GroupFailed

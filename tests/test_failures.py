@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from passing import Group, wire
-from passing.aggregation import ConfigError
-from passing.aggregator import ControlClient
+from passing.aggregator.control_channel import ControlClient
+from passing.aggregator.engine import ConfigError
 from passing.launch import free_udp_ports
 from passing.stream import AggregatorUnreachable, PassingError
 from tests.cluster import LocalCluster, start_aggregator

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from passing import Group, wire
-from passing.aggregator import ControlClient
+from passing.aggregator.control_channel import ControlClient
 from passing.launch import free_udp_ports
 from tests.cluster import run_threads, start_aggregator
 

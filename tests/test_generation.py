@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from passing import wire
-from passing.aggregator import ControlClient
+from passing.aggregator.control_channel import ControlClient
 from passing.launch import free_udp_ports
 from passing.stream import Group
 from passing.transport import BatchSocket, parse_endpoint

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from passing.aggregator import SoftwareAggregator
+from passing.aggregator.server import SoftwareAggregator
 from passing.control import ControllerError, join
 from passing.launch import free_udp_ports
 from passing_controller.topology import Topology

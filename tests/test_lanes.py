@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from passing import Group, wire
-from passing.aggregator import ControlClient, SoftwareAggregator, job_from_json
+from passing.aggregator.control_channel import ControlClient, job_from_json
+from passing.aggregator.server import SoftwareAggregator
 from passing.control import join
 from passing.launch import free_udp_ports
 from passing.transport import BatchSocket, pack_address

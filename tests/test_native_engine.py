@@ -24,15 +24,10 @@ import numpy as np
 import pytest
 
 from passing import native, wire
-from passing.aggregation import (
-    COUNTERS,
-    AggregationEngine,
-    ConfigError,
-    JobSpec,
-    NativeAggregationEngine,
-    make_engine,
-)
-from passing.aggregator import ControlClient, Impairment, SoftwareAggregator, job_from_json
+from passing.aggregator.control_channel import ControlClient, job_from_json
+from passing.aggregator.engine import COUNTERS, AggregationEngine, ConfigError, JobSpec
+from passing.aggregator.native_engine import NativeAggregationEngine, make_engine
+from passing.aggregator.server import Impairment, SoftwareAggregator
 from passing.transport import TransportStats
 from tests.cluster import start_aggregator
 
@@ -682,8 +677,9 @@ def test_cli_native_engine_unavailable_is_a_clear_error(tmp_path):
                         "--listen", "127.0.0.1:0", "--control", "none"], capture_output=True, text=True, timeout=30,
                        env=env)
     assert r.returncode == 2 and "cannot be loaded" in r.stderr
-    r = subprocess.run([sys.executable, "-c", "from passing.aggregation import make_engine; import warnings; "
-                        "warnings.simplefilter('error'); make_engine(4, 4)"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", "from passing.aggregator.native_engine import make_engine; "
+                        "import warnings; warnings.simplefilter('error'); make_engine(4, 4)"],
+                       capture_output=True, text=True,
                        timeout=30, env=env)
     assert r.returncode != 0 and "numpy engines" in r.stderr  # auto falls back, with a warning
 

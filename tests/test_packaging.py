@@ -28,7 +28,7 @@ def test_the_embedded_path_imports_no_switch_control():
         import sys
         pytest_torch = __import__("importlib").util.find_spec("torch")
         from passing_controller import cli, service, topology  # the PS-only controller, and its CLI
-        from passing.aggregator import SoftwareAggregator
+        from passing.aggregator.server import SoftwareAggregator
         from passing.keys import Ephemeral
         from passing_controller.keys import ServerKeys
         from passing_controller.service import Controller

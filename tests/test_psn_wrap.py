@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from passing import Group, wire
-from passing.aggregation import AggregationEngine, JobSpec
-from passing.aggregator import worker_origin
+from passing.aggregator.control_channel import worker_origin
+from passing.aggregator.engine import AggregationEngine, JobSpec
 from passing.launch import free_udp_ports
 from passing.transport import BatchSocket
 from tests.cluster import run_threads

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from passing.aggregator import ControlClient
+from passing.aggregator.control_channel import ControlClient
 from passing.launch import free_udp_ports
 from tests.cluster import start_aggregator
 from tests.zygote import CLI_PRELOAD, shared

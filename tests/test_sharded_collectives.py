@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from passing import Group, wire
-from passing.aggregator import Impairment, SoftwareAggregator, job_from_json
+from passing.aggregator.control_channel import job_from_json
+from passing.aggregator.server import Impairment, SoftwareAggregator
 from passing.launch import free_udp_ports
 from tests.cluster import run_threads
 

@@ -1,5 +1,5 @@
 /* The aggregation state machine (docs/protocol.md), packet by packet in arrival order.
- * passing/aggregation.py's AggregationEngine is the specification: the same admission,
+ * passing/aggregator/engine.py's AggregationEngine is the specification: the same admission,
  * the same slot/set state, the same counters and byte-identical RESULTs, in the same order:
  * the arrival order of the packets that caused them (a completion's replicas in worker order).
  * GATHER and NACK packets are relayed without state; an OWNER_ONLY round answers its

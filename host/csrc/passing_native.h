@@ -2,7 +2,7 @@
  * aggregator's engine, as plain C functions over caller-owned buffers.
  *
  * passing/native.py loads this library with ctypes (docs/architecture.md says why); the
- * numpy implementations in passing/stream.py and passing/aggregation.py are the
+ * numpy implementations in passing/stream.py and passing/aggregator/engine.py are the
  * executable specification this code is tested against, byte for byte. No function
  * keeps global state: everything lives in the objects the caller creates and frees.
  * The wire format is defined once for C, in wire.c and the lane accessors below
@@ -80,9 +80,9 @@ static inline void pn_lane_set(uint8_t *packet, uint32_t i, int32_t v) {
 #define PN_ETIMEOUT (-8)    /* no RESULT within the timeout */
 #define PN_ESILENT (-9)     /* the stream's on_silence callback gave the call up (failover) */
 
-/* ---- the aggregation engine (mirrors passing/aggregation.py) ----------------------- */
+/* ---- the aggregation engine (mirrors passing/aggregator/engine.py) ----------------------- */
 
-/* Counters, in the order of passing.aggregation.COUNTERS. */
+/* Counters, in the order of passing.aggregator.engine.COUNTERS. */
 enum {
     PN_C_RECEIVED, PN_C_MALFORMED, PN_C_REJECTED, PN_C_AGGREGATED, PN_C_COMPLETED,
     PN_C_DUPLICATE, PN_C_DUPLICATE_ANSWERED, PN_C_STALE, PN_C_OVERFLOW, PN_C_RESULTS_SENT, PN_C_RELAYED,
@@ -96,7 +96,7 @@ typedef struct pn_engine pn_engine;
  * engine's lock. */
 PN_API pn_engine *pn_engine_new(uint32_t slots, uint32_t lanes, uint32_t max_jobs);
 PN_API void pn_engine_free(pn_engine *e);
-/* Admit a job: the caller (passing/aggregation.py's checks) has validated ranges, but the
+/* Admit a job: the caller (passing/aggregator/engine.py's checks) has validated ranges, but the
  * engine re-checks everything and returns a PN_E* code rather than trusting it.
  * sources[w] is worker w's admitted origin (packed ip << 16 | port, or any id >= 0); lanes
  * (1 .. the engine's) the int32 values of the job's packets, which use that many accumulators

@@ -4,7 +4,7 @@
  * so an idle or trickling service costs next to no CPU. On readiness it drains the socket
  * with recvmmsg (GRO-coalesced buffers split into datagrams), applies the test
  * impairment, runs the engine and sends the RESULTs, sorted by destination so that each
- * worker's run leaves as one GSO message. passing/aggregator.py's SoftwareAggregator
+ * worker's run leaves as one GSO message. passing/aggregator/server.py's SoftwareAggregator
  * (engine numpy) is the specification of the service; this is its fast path.
  */
 #define _GNU_SOURCE
@@ -310,7 +310,7 @@ static void serve_batch(pn_server *s, uint32_t received) {
         done += consumed;
     }
     /* counted once the engine has: whoever reads these stats, then the engine's counters
-     * (passing/aggregator.py), finds every datagram counted here under its outcome there */
+     * (passing/aggregator/server.py), finds every datagram counted here under its outcome there */
     pthread_mutex_lock(&s->lock);
     s->stats.batches++;
     s->stats.packets_received += received;

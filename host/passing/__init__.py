@@ -1,6 +1,6 @@
 """PASSING host agent: wire format, aggregation engine, software aggregator, streaming."""
 
-from .aggregation import AggregationEngine, ConfigError, JobSpec
+from .aggregator.engine import AggregationEngine, ConfigError, JobSpec
 from .stream import Aggregator, AggregatorUnreachable, Group, PassingError, PassingOverflow
 
 __all__ = [

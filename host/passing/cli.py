@@ -20,16 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from . import control, metrics, native, quantize, wire
-from .aggregation import ConfigError
-from .aggregator import (
-    DEFAULT_MAX_LANES,
-    DEFAULT_SLOTS,
-    ControlClient,
-    Impairment,
-    SoftwareAggregator,
-    job_from_json,
-    load_config,
-)
+from .aggregator.control_channel import ControlClient, job_from_json, load_config
+from .aggregator.engine import ConfigError
+from .aggregator.server import DEFAULT_MAX_LANES, DEFAULT_SLOTS, Impairment, SoftwareAggregator
 from .keys import ClientKeys, ServerKeys
 from .launch import free_udp_ports
 from .stream import Group, PassingError

@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .aggregation import COUNTERS
+from .aggregator.engine import COUNTERS
 
 # What each counter of the state machine (docs/protocol.md) counts.
 UNITS = {name: "rounds" if name == "completed" else "packets" for name in COUNTERS}

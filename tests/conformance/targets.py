@@ -8,8 +8,9 @@ import time
 import numpy as np
 
 from passing import wire
-from passing.aggregation import JobSpec, make_engine
-from passing.aggregator import ControlClient
+from passing.aggregator.control_channel import ControlClient
+from passing.aggregator.engine import JobSpec
+from passing.aggregator.native_engine import make_engine
 from passing.transport import pack_address
 from tests.cluster import start_aggregator
 

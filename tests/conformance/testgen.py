@@ -12,7 +12,7 @@ For each vector, ``expect`` works out what the protocol makes of it:
    malformed PASSING datagram, a relayed kind (GATHER, NACK) or a DATA packet for the state machine;
 2. for DATA, the **abstraction function** maps the admission entry onto the reference's ``JobSpec``
    (``job_view``) and the registers of the packet's slot/set onto the reference's slot (``slot_view``); the
-   input goes through the reference engine (``passing.aggregation.AggregationEngine``, the executable
+   input goes through the reference engine (``passing.aggregator.engine.AggregationEngine``, the executable
    specification); its verdict becomes what the first pass must hand the traffic manager: the round's RESULT
    on its way to the recirculation port, with lanes 2k + 1 summed (the second pass fills lanes 2k), or a drop;
 3. a recirculated packet (port 68) is the second pass of a round (``second_pass``).
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from passing import wire
-from passing.aggregation import AggregationEngine, JobSpec
+from passing.aggregator.engine import AggregationEngine, JobSpec
 
 SLOTS = 1024  # PASSING_SLOTS
 MAX_JOBS = 1024  # PASSING_MAX_JOBS

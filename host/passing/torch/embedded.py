@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..aggregator import SoftwareAggregator
+from ..aggregator.server import SoftwareAggregator
 from ..keys import ClientKeys, Ephemeral
 from .options import OptionError
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import ipaddress
-import json
 import logging
 import os
 import signal
@@ -31,27 +29,26 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
 
-from . import native, rpc, wire
-from .aggregation import ConfigError, Emission, JobSpec, NativeAggregationEngine, make_engine
-from .keys import ClientKeys, ServerKeys, serve_curve
-from .transport import BatchSocket, SendError, TransportStats, pack_address, parse_endpoint, unpack_address
+from .. import native, rpc, wire
+from ..keys import ServerKeys, serve_curve
+from ..transport import BatchSocket, SendError, TransportStats, parse_endpoint
+from .control_channel import CONTROL_VERSION, MAX_DATAGRAM, job_from_json, job_to_json
+from .engine import ConfigError, Emission, JobSpec
+from .native_engine import NativeAggregationEngine, make_engine
 
 log = logging.getLogger("passing.aggregator")
 
-CONTROL_VERSION = 3  # 3: CURVE, the controller's key only; 2: a job object carries its generation
 DEFAULT_SLOTS = 4096
 SEND_TIMEOUT = 1.0  # s a full send buffer may hold up a batch of RESULTs (server.c: SEND_TIMEOUT_MS)
 # The largest packet a software aggregator takes by default: 1024 lanes (4 112-byte packets) was the
 # fastest 8 MiB allreduce on loopback here (docs/benchmarks.md); memory: slots x 2 x lanes x 4 bytes,
 # touched only where jobs use it.
 DEFAULT_MAX_LANES = 1024
-MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4
 
 
 @dataclass
@@ -143,63 +140,6 @@ class NativeDataPath:
                 return  # freeing it under the running thread would be worse than a leak
         self._free()
         self.handle = None
-
-
-def worker_origin(text: str) -> int:
-    """A worker's 'ip:port' as the packed origin the aggregator admits and sends RESULTs to: a
-    unicast address and a port a datagram can come from and go to (not port 0, not 0.0.0.0,
-    a broadcast or a multicast address), else ConfigError."""
-    host, port = parse_endpoint(text, wire.UDP_PORT)
-    packed = pack_address(host, port)
-    ip = ipaddress.IPv4Address(packed >> 16)
-    if not 0 < port < 1 << 16:
-        raise ConfigError(f"worker {text!r}: UDP port {port} outside 1..65535 (no datagram comes from port 0)")
-    if ip.is_unspecified or ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
-        raise ConfigError(f"worker {text!r}: {ip} is not a host's address")
-    return packed
-
-
-def job_from_json(obj: dict[str, Any]) -> JobSpec:
-    """{"job": 1, "base": 0, "pool": 256, "workers": ["10.0.0.1:20000", ...], "generation": 7?, "lanes": 364?}"""
-    if not isinstance(obj, dict):
-        raise ConfigError("a job entry must be a JSON object")
-    try:
-        workers = obj["workers"]
-        if not isinstance(workers, list) or not 1 <= len(workers) <= wire.MAX_WORKERS \
-                or not all(isinstance(w, str) for w in workers):
-            raise ConfigError(f"'workers' must be a list of 1..{wire.MAX_WORKERS} 'ip:port' strings")
-        sources = [worker_origin(w) for w in workers]
-        return JobSpec(
-            job=rpc.integer(obj, "job", 0, (1 << 16) - 1), base=rpc.integer(obj, "base", 0, 1 << 31, default=0),
-            pool=rpc.integer(obj, "pool", 1, 1 << 31), sources=sources,
-            generation=rpc.integer(obj, "generation", 0, wire.GENERATIONS - 1, default=None),
-            lanes=rpc.integer(obj, "lanes", 1, (MAX_DATAGRAM - wire.HEADER_SIZE) // 4, default=None),
-        )
-    except KeyError as e:
-        raise ConfigError(f"job entry lacks {e}") from None
-    except (TypeError, ValueError, OSError) as e:
-        raise ConfigError(f"bad job entry: {e}") from None
-
-
-def job_to_json(spec: JobSpec) -> dict[str, Any]:
-    return {
-        "job": spec.job, "base": spec.base, "pool": spec.pool, "generation": spec.generation, "lanes": spec.lanes,
-        "workers": ["{}:{}".format(*unpack_address(s)) for s in spec.sources],
-    }
-
-
-def load_config(path: str | Path) -> dict[str, Any]:
-    """The aggregator config file: {"lanes": 64, "max_lanes": 1024, "slots": 4096, "jobs": [...]}."""
-    try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read aggregator config {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: the config must be a JSON object")
-    unknown = set(config) - {"lanes", "max_lanes", "slots", "jobs"}
-    if unknown:
-        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}")
-    return config
 
 
 class SoftwareAggregator:
@@ -522,18 +462,3 @@ def thread_cpu_seconds(thread: threading.Thread) -> float:
     """CPU time of a running thread of this process (call it only while the thread is alive:
     the clock of an ended thread is undefined)."""
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-
-
-class ControlClient:
-    """Talks to an aggregator's control socket (used by the CLI, tests and benchmarks) with the
-    controller's key: the only one an aggregator admits (default: the key directory's)."""
-
-    def __init__(self, endpoint: str, timeout: float = 5.0, keys: ClientKeys | None = None) -> None:
-        self.endpoint, self.timeout = endpoint, timeout
-        self.keys = keys or ClientKeys.load(role="controller", server="aggregator")
-
-    def request(self, cmd: str, **fields: Any) -> dict[str, Any]:
-        reply = rpc.call(self.endpoint, {"version": CONTROL_VERSION, "cmd": cmd, **fields}, self.timeout, self.keys)
-        if not reply.get("ok"):
-            raise ConfigError(f"aggregator refused {cmd}: {reply.get('error')}")
-        return reply

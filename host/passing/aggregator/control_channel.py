@@ -1,0 +1,90 @@
+"""The software aggregator's control channel (docs/protocol.md, "Software aggregator control
+channel"): its version, job objects as JSON, the configuration file, and the client the CLI, the
+controller's tests and the benchmarks use."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from pathlib import Path
+from typing import Any
+
+from .. import rpc, wire
+from ..keys import ClientKeys
+from ..transport import pack_address, parse_endpoint, unpack_address
+from .engine import ConfigError, JobSpec
+
+CONTROL_VERSION = 3  # 3: CURVE, the controller's key only; 2: a job object carries its generation
+MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4
+
+
+def worker_origin(text: str) -> int:
+    """A worker's 'ip:port' as the packed origin the aggregator admits and sends RESULTs to: a
+    unicast address and a port a datagram can come from and go to (not port 0, not 0.0.0.0,
+    a broadcast or a multicast address), else ConfigError."""
+    host, port = parse_endpoint(text, wire.UDP_PORT)
+    packed = pack_address(host, port)
+    ip = ipaddress.IPv4Address(packed >> 16)
+    if not 0 < port < 1 << 16:
+        raise ConfigError(f"worker {text!r}: UDP port {port} outside 1..65535 (no datagram comes from port 0)")
+    if ip.is_unspecified or ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
+        raise ConfigError(f"worker {text!r}: {ip} is not a host's address")
+    return packed
+
+
+def job_from_json(obj: dict[str, Any]) -> JobSpec:
+    """{"job": 1, "base": 0, "pool": 256, "workers": ["10.0.0.1:20000", ...], "generation": 7?, "lanes": 364?}"""
+    if not isinstance(obj, dict):
+        raise ConfigError("a job entry must be a JSON object")
+    try:
+        workers = obj["workers"]
+        if not isinstance(workers, list) or not 1 <= len(workers) <= wire.MAX_WORKERS \
+                or not all(isinstance(w, str) for w in workers):
+            raise ConfigError(f"'workers' must be a list of 1..{wire.MAX_WORKERS} 'ip:port' strings")
+        sources = [worker_origin(w) for w in workers]
+        return JobSpec(
+            job=rpc.integer(obj, "job", 0, (1 << 16) - 1), base=rpc.integer(obj, "base", 0, 1 << 31, default=0),
+            pool=rpc.integer(obj, "pool", 1, 1 << 31), sources=sources,
+            generation=rpc.integer(obj, "generation", 0, wire.GENERATIONS - 1, default=None),
+            lanes=rpc.integer(obj, "lanes", 1, (MAX_DATAGRAM - wire.HEADER_SIZE) // 4, default=None),
+        )
+    except KeyError as e:
+        raise ConfigError(f"job entry lacks {e}") from None
+    except (TypeError, ValueError, OSError) as e:
+        raise ConfigError(f"bad job entry: {e}") from None
+
+
+def job_to_json(spec: JobSpec) -> dict[str, Any]:
+    return {
+        "job": spec.job, "base": spec.base, "pool": spec.pool, "generation": spec.generation, "lanes": spec.lanes,
+        "workers": ["{}:{}".format(*unpack_address(s)) for s in spec.sources],
+    }
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """The aggregator config file: {"lanes": 64, "max_lanes": 1024, "slots": 4096, "jobs": [...]}."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read aggregator config {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: the config must be a JSON object")
+    unknown = set(config) - {"lanes", "max_lanes", "slots", "jobs"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}")
+    return config
+
+
+class ControlClient:
+    """Talks to an aggregator's control socket (used by the CLI, tests and benchmarks) with the
+    controller's key: the only one an aggregator admits (default: the key directory's)."""
+
+    def __init__(self, endpoint: str, timeout: float = 5.0, keys: ClientKeys | None = None) -> None:
+        self.endpoint, self.timeout = endpoint, timeout
+        self.keys = keys or ClientKeys.load(role="controller", server="aggregator")
+
+    def request(self, cmd: str, **fields: Any) -> dict[str, Any]:
+        reply = rpc.call(self.endpoint, {"version": CONTROL_VERSION, "cmd": cmd, **fields}, self.timeout, self.keys)
+        if not reply.get("ok"):
+            raise ConfigError(f"aggregator refused {cmd}: {reply.get('error')}")
+        return reply
