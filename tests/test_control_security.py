@@ -20,7 +20,7 @@ from passing import Group
 from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports
 from passing.control import PROTOCOL_VERSION, ControllerError, join, leave, request
-from passing.keys import ClientKeys, KeysError
+from passing_protocol.keys import ClientKeys, KeysError
 from tests.cluster import run_threads, start_aggregator, start_controller
 from tests.keys import ask
 

@@ -37,9 +37,12 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import native, rpc, wire
+from passing_protocol import rpc
+from passing_protocol.keys import ClientKeys
+
+from . import native, wire
 from .aggregation import ConfigError, Emission, JobSpec, NativeAggregationEngine, make_engine
-from .keys import ClientKeys, ServerKeys, serve_curve
+from .keys import ServerKeys, serve_curve
 from .transport import BatchSocket, SendError, TransportStats, pack_address, parse_endpoint, unpack_address
 
 log = logging.getLogger("passing.aggregator")
