@@ -20,10 +20,10 @@ unexport PYTHONDONTWRITEBYTECODE
 PIP_FIND_LINKS_ARGS = $(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/.*find-links='\([^']*\)'/\1/p" \
                         | tr ' ' '\n' | sort -u | sed 's/^/--find-links /')
 INSTALL = $(VENV)/bin/uv pip install --quiet --python $(PY) $(PIP_FIND_LINKS_ARGS)
-$(STAMP): host/pyproject.toml host/setup.py controller/pyproject.toml $(wildcard host/csrc/*.c host/csrc/*.h)
+$(STAMP): protocol/pyproject.toml host/pyproject.toml host/setup.py controller/pyproject.toml $(wildcard host/csrc/*.c host/csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet uv
-	$(INSTALL) -e 'host[test]' -e 'controller[test,switch]'
+	$(INSTALL) -e protocol -e 'host[test]' -e 'controller[test,switch]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -38,11 +38,11 @@ setup: $(STAMP)
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 test: $(STAMP)
-	$(PY) -m ruff check host controller tests bench bmv2_tests demo cluster p4
+	$(PY) -m ruff check protocol host controller tests bench bmv2_tests demo cluster p4
 	$(PYTEST) -m "not slow"
 
 test-all: $(STAMP)
-	$(PY) -m ruff check host controller tests bench bmv2_tests demo cluster p4
+	$(PY) -m ruff check protocol host controller tests bench bmv2_tests demo cluster p4
 	$(PYTEST)
 
 # PyTorch's own distributed suite on "passing" (2 servers x 2 ranks, nothing configured and
@@ -51,7 +51,7 @@ test-torch-suite: $(STAMP)
 	$(PY) -m pytest -p no:xdist -s tests/test_torch_suite.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check host controller tests bench bmv2_tests demo cluster p4
+	$(PY) -m ruff check protocol host controller tests bench bmv2_tests demo cluster p4
 
 # The main job: a multi-host run on BMv2 in Mininet when BMv2, p4c and Mininet are here
 # (as root), else on the software aggregator with worker processes on loopback; it says which.
@@ -61,15 +61,15 @@ demo: $(STAMP)
 # The emulated-cluster comparison of the schemes of docs/torch.md ("Schemes") (root: network namespaces;
 # docs/benchmarks.md). bench-quick: under 10 minutes; bench: every configuration.
 bench: $(STAMP)
-	$(INSTALL) -e 'host[bench]'
+	$(INSTALL) -e protocol -e 'host[bench]'
 	$(PY) bench/emulated.py
 
 bench-quick: $(STAMP)
-	$(INSTALL) -e 'host[bench]'
+	$(INSTALL) -e protocol -e 'host[bench]'
 	$(PY) bench/emulated.py --quick
 
 bench-core: $(STAMP)
-	$(INSTALL) -e 'host[torch]'
+	$(INSTALL) -e protocol -e 'host[torch]'
 	$(PY) bench/core.py
 
 # The controller under load: 256 jobs x 8 workers heartbeating, 50 joins/leaves per second, a failover

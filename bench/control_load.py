@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from cluster.local import ensure_keys, free_tcp_port, start_controller  # noqa: E402
-from passing.keys import ClientKeys  # noqa: E402
 from passing.launch import start_aggregator  # noqa: E402
+from passing_protocol.keys import ClientKeys  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_P99_JOIN = 0.100  # seconds

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from passing import control
-from passing.keys import ClientKeys
+from passing_protocol.keys import ClientKeys, default_dir, load_public
 
 
 def operator_keys() -> ClientKeys:
@@ -22,9 +22,9 @@ def ask(endpoint: str, cmd: str, timeout: float = 10.0, **fields: Any) -> dict[s
 def controller(topology: Any, store: str | Path, listen: str = "tcp://127.0.0.1:*", pipeline: Any = None,
                **kwargs: Any) -> Any:
     """A ``passing_controller.service.Controller`` with the session's keys."""
-    from passing_controller import keys
+    from passing_controller.keys import ServerKeys
     from passing_controller.service import Controller
 
-    directory = keys.default_dir()
-    return Controller(topology, pipeline, store, listen, keys.ServerKeys.controller(directory),
-                      keys.load_public(directory / "aggregator.key"), **kwargs)
+    directory = default_dir()
+    return Controller(topology, pipeline, store, listen, ServerKeys.controller(directory),
+                      load_public(directory / "aggregator.key"), **kwargs)

@@ -19,8 +19,8 @@ from cluster.local import BIN, free_tcp_port
 from passing import Group
 from passing.aggregator.control_channel import ControlClient
 from passing.control import PROTOCOL_VERSION, ControllerError, join, leave, request
-from passing.keys import ClientKeys, KeysError
 from passing.launch import free_udp_ports
+from passing_protocol.keys import ClientKeys, KeysError
 from tests.cluster import run_threads, start_aggregator, start_controller
 from tests.keys import ask
 

@@ -90,3 +90,26 @@ def test_the_switch_extra_is_declared():
     assert not any(d.startswith("p4runtime-shell") for d in meta["dependencies"])
     assert any(d.startswith("p4runtime-shell") for d in meta["optional-dependencies"]["switch"])
     assert "controller[test,switch]" in (REPO / "Makefile").read_text()  # make setup installs everything
+
+
+def test_host_and_controller_share_the_protocol_package_and_not_each_other():
+    """The CURVE keys, control messages and metrics server are one package, passing-protocol, that both
+    distributions depend on; the controller depends on no host agent (numpy, the C data path) and loads
+    none of it."""
+    import tomllib
+
+    def dependencies(directory: str) -> list[str]:
+        return tomllib.loads((REPO / directory / "pyproject.toml").read_text())["project"]["dependencies"]
+
+    assert "passing-protocol" in dependencies("host") and "passing-protocol" in dependencies("controller")
+    assert not any(d.split("[")[0].strip() == "passing" for d in dependencies("controller"))
+    assert "-e protocol" in (REPO / "Makefile").read_text()
+    done = run("""
+        import sys
+        from passing_controller import cli, metrics, ps_control, schema, serve, service, top  # noqa: F401
+        from passing_protocol.rpc import MessageError
+        assert issubclass(schema.RequestError, MessageError)
+        print("LOADED", sorted(m for m in sys.modules if m.split(".")[0] in ("passing", "numpy")))
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "LOADED []" in done.stdout, done.stdout

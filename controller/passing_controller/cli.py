@@ -10,7 +10,11 @@ from pathlib import Path
 
 import zmq
 
-from . import keys, metrics, rpc, top
+from passing_protocol import rpc
+from passing_protocol.keys import ClientKeys, KeysError, default_dir, load_public
+from passing_protocol.metrics import MetricsServer, parse_address
+
+from . import keys, metrics, top
 from .p4runtime import Pipeline
 from .ps_control import CHECK_TIMEOUT, REQUEST_TIMEOUT
 from .service import PROTOCOL_VERSION, Controller
@@ -42,7 +46,7 @@ def controller_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.metrics:
         try:
-            metrics.parse_address(args.metrics)
+            parse_address(args.metrics, metrics.PORT)
         except ValueError as e:
             p.error(str(e))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -50,21 +54,21 @@ def controller_main(argv: list[str] | None = None) -> int:
     if (args.p4info is None) != (args.device_config is None):
         p.error("--p4info and --device-config go together")
     try:
-        directory = args.keys or keys.default_dir()
+        directory = args.keys or default_dir()
         server_keys = keys.ServerKeys.controller(directory)
-        aggregator_key = keys.load_public(directory / "aggregator.key") if (directory / "aggregator.key").exists() \
+        aggregator_key = load_public(directory / "aggregator.key") if (directory / "aggregator.key").exists() \
             else None
         topo = Topology.load(args.topology)
         pipeline = Pipeline(args.p4info, args.device_config) if args.p4info else None
         ctl = Controller(topo, pipeline, args.store, args.listen, server_keys, aggregator_key, args.join_timeout,
                          args.pool, ps_timeout=args.ps_timeout, check_timeout=args.check_timeout)
-    except (TopologyError, StoreError, keys.KeysError, OSError, ValueError, zmq.ZMQError) as e:
+    except (TopologyError, StoreError, KeysError, OSError, ValueError, zmq.ZMQError) as e:
         print(f"passing-controller: error: {e}", file=sys.stderr)
         return 2
     server = None
     if args.metrics:
         try:
-            server = metrics.MetricsServer(args.metrics, lambda: metrics.controller_metrics(ctl.metrics()))
+            server = MetricsServer(args.metrics, lambda: metrics.controller_metrics(ctl.metrics()), metrics.PORT)
         except OSError as e:
             ctl.close()
             print(f"passing-controller: error: {e}", file=sys.stderr)
@@ -81,7 +85,7 @@ def controller_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def request(endpoint: str, cmd: str, client: keys.ClientKeys, timeout: float = 10.0, **fields) -> dict:
+def request(endpoint: str, cmd: str, client: ClientKeys, timeout: float = 10.0, **fields) -> dict:
     return rpc.call(endpoint, {"version": PROTOCOL_VERSION, "cmd": cmd, **fields}, timeout, client)
 
 
@@ -104,18 +108,18 @@ def ctl_main(argv: list[str] | None = None) -> int:
     tp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     tp.add_argument("--once", action="store_true", help="print one frame as text and exit")
     args = p.parse_args(argv)
-    directory = args.keys or keys.default_dir()
+    directory = args.keys or default_dir()
     if args.cmd == "keygen":
         try:
             made = keys.keygen(directory, force=args.force)
-        except (keys.KeysError, OSError) as e:
+        except (KeysError, OSError) as e:
             print(f"passing-ctl: error: {e}", file=sys.stderr)
             return 1
         print(json.dumps({"keys": str(directory), "files": [str(m) for m in made]}, indent=2))
         return 0
     try:
-        client = keys.ClientKeys.load(directory, "operator")
-    except keys.KeysError as e:
+        client = ClientKeys.load(directory, "operator")
+    except KeysError as e:
         print(f"passing-ctl: error: {e}", file=sys.stderr)
         return 2
     if args.cmd == "top":

@@ -13,8 +13,9 @@ a secret ``NAME.key_secret`` (mode 0600):
 More public keys may be allowed by dropping ``*.key`` files into ``operators/`` or
 ``workers/`` under the directory. A host needs only the files of its own role.
 
-The host package has a twin of the client half of this (``passing/keys.py``): the two
-distributions share protocols, not code.
+This module is the controller's policy: which keys there are, which roles the controller admits,
+and the secrets of jobs and workers. Reading key files, a client's keys and the CURVE server
+socket are the protocol's (``passing_protocol.keys``), shared with the host.
 """
 
 from __future__ import annotations
@@ -23,25 +24,17 @@ import hashlib
 import hmac
 import os
 import secrets
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
+
+from passing_protocol.keys import KeysError, load_public, load_secret
 
 ROLES = ("operator", "worker")
 NAMES = ("controller", "aggregator", "operator", "worker")
 CONTROLLER_DOMAIN = "passing-controller"  # the ZAP domain of the controller's socket
-
-
-class KeysError(ValueError):
-    """A key directory or key file that cannot be used; the text says how to fix it."""
-
-
-def default_dir() -> Path:
-    return Path(os.environ.get("PASSING_KEYS") or Path.home() / ".config" / "passing" / "keys")
 
 
 def keygen(directory: Path, force: bool = False) -> list[Path]:
@@ -65,31 +58,6 @@ def keygen(directory: Path, force: bool = False) -> list[Path]:
     return made
 
 
-def load_public(path: Path) -> bytes:
-    try:
-        public, _ = zmq.auth.load_certificate(str(path))
-    except (OSError, ValueError) as e:
-        raise KeysError(f"cannot read public key {path}: {e} (run `passing-ctl keygen`, or set PASSING_KEYS)") from None
-    return public
-
-
-def load_secret(path: Path) -> tuple[bytes, bytes]:
-    """(public, secret) of a ``.key_secret`` file, which only its owner may read."""
-    try:
-        mode = path.stat().st_mode
-    except OSError as e:
-        raise KeysError(f"cannot read secret key {path}: {e} (run `passing-ctl keygen`, or set PASSING_KEYS)") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise KeysError(f"secret key {path} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 it")
-    try:
-        public, secret = zmq.auth.load_certificate(str(path))
-    except (OSError, ValueError) as e:
-        raise KeysError(f"cannot read secret key {path}: {e}") from None
-    if not secret:
-        raise KeysError(f"{path} holds no secret key")
-    return public, secret
-
-
 @dataclass(frozen=True)
 class ServerKeys:
     """A service's own key pair and the public keys it accepts, each with its role."""
@@ -110,48 +78,6 @@ class ServerKeys:
         if not clients:
             raise KeysError(f"{directory} allows no client: it has neither operator.key nor worker.key")
         return cls(public, secret, clients)
-
-
-@dataclass(frozen=True)
-class ClientKeys:
-    """What a client presents: its key pair, and the server's public key it expects."""
-
-    server: bytes
-    public: bytes
-    secret: bytes
-
-    @classmethod
-    def load(cls, directory: Path, role: str, server: str = "controller") -> ClientKeys:
-        public, secret = load_secret(directory / f"{role}.key_secret")
-        return cls(load_public(directory / f"{server}.key"), public, secret)
-
-    def apply(self, sock: zmq.Socket) -> None:
-        sock.curve_serverkey = self.server
-        sock.curve_publickey = self.public
-        sock.curve_secretkey = self.secret
-
-
-class _Allowed:
-    """The ZAP callback: a client is let in when its key is in the map (of one domain)."""
-
-    def __init__(self, clients: dict[bytes, str]) -> None:
-        self.clients = clients
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.clients
-
-
-def serve_curve(context: zmq.Context, sock: zmq.Socket, keys: ServerKeys, domain: str) -> ThreadAuthenticator:
-    """Make ``sock`` a CURVE server that admits only ``keys.clients`` (a ZAP handler in ``context``:
-    each service owns its context, so two services in one process keep their own allow-lists)."""
-    auth = ThreadAuthenticator(context)
-    auth.start()
-    auth.configure_curve_callback(domain, _Allowed(keys.clients))
-    sock.zap_domain = domain.encode()
-    sock.curve_server = True
-    sock.curve_publickey = keys.public
-    sock.curve_secretkey = keys.secret
-    return auth
 
 
 def new_secret() -> str:

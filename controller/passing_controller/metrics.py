@@ -2,18 +2,18 @@
 
 Each scrape asks the service for its `metrics` answer over the controller's in-process
 endpoint, so the service thread stays the only one that touches its state (SQLite, the
-P4Runtime session). (The host package has its own twin for the aggregator: the two
-distributions share protocols, not code.)
+P4Runtime session). The HTTP server is the protocol's (``passing_protocol.metrics``), shared
+with the software aggregator.
 """
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+
+PORT = 9100  # the controller's usual metrics port (an aggregator's is 9101), as --metrics errors show it
 
 # The aggregation state machine's counters (docs/protocol.md) and what each one counts.
 COUNTER_UNITS = {"received": "packets", "rejected": "packets", "aggregated": "packets", "completed": "rounds",
@@ -35,38 +35,6 @@ GROUP_LABELS = ("job", "group", "mode")
 def counter_name(prefix: str, counter: str) -> str:
     """e.g. passing_group_received_packets (exposed with _total)."""
     return f"{prefix}_{counter}_{COUNTER_UNITS[counter]}"
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """'ADDR:PORT' (':PORT': every address; port 0: any free one) -> (addr, port), or ValueError."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"--metrics wants ADDR:PORT, e.g. 0.0.0.0:9100; got {text!r}")
-    return host or "0.0.0.0", int(port)
-
-
-class MetricsServer:
-    """An HTTP server answering GET /metrics from ``collect``, in a thread of its own."""
-
-    def __init__(self, address: str, collect: Callable[[], Iterator[Metric]]) -> None:
-        host, port = parse_address(address)
-        registry = CollectorRegistry()
-        registry.register(_Collector(collect))
-        ProcessCollector(registry=registry)  # process_cpu_seconds_total, resident memory, open fds
-        try:
-            self.httpd, self.thread = start_http_server(port, host, registry=registry)
-        except (OSError, socket.gaierror) as e:
-            raise OSError(f"cannot serve metrics on {address}: {e}") from None
-        self.address = "{}:{}".format(*self.httpd.server_address[:2])
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-class _Collector:
-    def __init__(self, collect: Callable[[], Iterator[Metric]]) -> None:
-        self.collect = collect
 
 
 def controller_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import rpc
-from .keys import ClientKeys, ServerKeys
+from passing_protocol import rpc
+from passing_protocol.keys import ClientKeys
+
+from .keys import ServerKeys
 from .schema import RequestError
 from .topology import PsEndpoint, Topology
 

@@ -22,8 +22,11 @@ from typing import Any
 
 import zmq
 
-from . import rpc, schema
-from .keys import CONTROLLER_DOMAIN, ServerKeys, serve_curve
+from passing_protocol import rpc
+from passing_protocol.keys import serve_curve
+
+from . import schema
+from .keys import CONTROLLER_DOMAIN, ServerKeys
 from .p4runtime import SwitchError
 from .schema import RequestError, Unauthorized
 from .topology import TopologyError
@@ -56,8 +59,8 @@ class Server:
         self.socket = self._ctx.socket(zmq.ROUTER)
         try:
             self.socket.setsockopt(zmq.LINGER, 0)
-            self.socket.setsockopt(zmq.MAXMSGSIZE, schema.MAX_MESSAGE_BYTES)  # a bigger one drops its sender
-            self._auth = serve_curve(self._ctx, self.socket, keys, CONTROLLER_DOMAIN)
+            self.socket.setsockopt(zmq.MAXMSGSIZE, rpc.MAX_MESSAGE_BYTES)  # a bigger one drops its sender
+            self._auth = serve_curve(self._ctx, self.socket, keys.public, keys.secret, keys.clients, CONTROLLER_DOMAIN)
             self.socket.bind(listen)
         except BaseException:
             self._close_transport()
@@ -166,7 +169,7 @@ class Server:
         try:
             request = schema.parse(body.bytes)
             if request.get("version") != PROTOCOL_VERSION:
-                raise RequestError(f"unsupported protocol version {schema._show(request.get('version'))} "
+                raise RequestError(f"unsupported protocol version {rpc.show(request.get('version'))} "
                                    f"(this controller speaks {PROTOCOL_VERSION})")
             self.handle(identity, request, role)
         except (RequestError, TopologyError) as e:

@@ -21,6 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from passing_protocol import rpc
+
 from . import schema
 from .allocation import MAX_JOB_ID
 from .failover import Failover
@@ -72,7 +74,7 @@ class Controller:
         """(serving thread) A request from a client of ``role``: to the part that answers it."""
         cmd = req.get("cmd")
         if not isinstance(cmd, str) or cmd not in OPERATOR_COMMANDS:
-            raise RequestError(f"unknown command {schema._show(cmd)}")
+            raise RequestError(f"unknown command {rpc.show(cmd)}")
         if cmd not in (OPERATOR_COMMANDS if role == "operator" else WORKER_COMMANDS):
             raise Unauthorized(f"{cmd} is for operators; this key is a {role}'s")
         if cmd in ("stats", "metrics"):  # they read aggregators: off this thread

@@ -14,8 +14,9 @@ import sys
 import time
 from typing import Any
 
-from . import rpc
-from .keys import ClientKeys
+from passing_protocol import rpc
+from passing_protocol.keys import ClientKeys
+
 from .service import PROTOCOL_VERSION
 
 HEADER = (f"{'JOB':<24} {'GROUP':>5} {'ID':>4} {'MODE':<6} {'SLOTS':>6} {'WORKERS':>7} {'PKT/S':>10} "

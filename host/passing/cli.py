@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from passing_protocol.metrics import MetricsServer, parse_address
+
 from . import control, metrics, native, quantize, wire
 from .aggregator.control_channel import ControlClient, job_from_json, load_config
 from .aggregator.engine import ConfigError
@@ -74,7 +76,7 @@ def aggregator_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "serve" and args.metrics:
         try:
-            metrics.parse_address(args.metrics)
+            parse_address(args.metrics, metrics.PORT)
         except ValueError as e:
             p.error(str(e))
     try:
@@ -118,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
     exporter = None
     if args.metrics:
         try:
-            exporter = metrics.MetricsServer(args.metrics, lambda: metrics.aggregator_metrics(server.metrics()))
+            exporter = MetricsServer(args.metrics, lambda: metrics.aggregator_metrics(server.metrics()), metrics.PORT)
         except OSError:
             server.close()
             raise

@@ -17,8 +17,9 @@ import secrets
 import threading
 from typing import Any
 
-from . import rpc
-from .keys import ClientKeys, KeysError
+from passing_protocol import rpc
+from passing_protocol.keys import ClientKeys, KeysError
+
 from .stream import PassingError
 
 PROTOCOL_VERSION = 3  # 3: CURVE keys, job secrets and worker tokens; 2: the allocation's generation

@@ -2,20 +2,20 @@
 
 A scrape reads the aggregator's counters (``SoftwareAggregator.metrics``) from the HTTP
 server's thread. Packet rates are the counters' rates in Prometheus
-(``rate(passing_aggregator_udp_received_packets_total[1m])``). (The controller package has
-its own twin of the server part: the two distributions share protocols, not code.)
+(``rate(passing_aggregator_udp_received_packets_total[1m])``). The HTTP server is the
+protocol's (``passing_protocol.metrics``), shared with the controller.
 """
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .aggregator.engine import COUNTERS
+
+PORT = 9101  # the aggregator's usual metrics port (the controller's is 9100), as --metrics errors show it
 
 # What each counter of the state machine (docs/protocol.md) counts.
 UNITS = {name: "rounds" if name == "completed" else "packets" for name in COUNTERS}
@@ -25,38 +25,6 @@ TRANSPORT = {"packets_received": ("passing_aggregator_udp_received_packets", "UD
              "bytes_sent": ("passing_aggregator_udp_sent_bytes", "bytes of the datagrams sent"),
              "gso_fallbacks": ("passing_aggregator_gso_fallbacks", "GSO messages the kernel refused, resent as "
                                "plain datagrams")}
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """'ADDR:PORT' (':PORT': every address; port 0: any free one) -> (addr, port), or ValueError."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"--metrics wants ADDR:PORT, e.g. 0.0.0.0:9101; got {text!r}")
-    return host or "0.0.0.0", int(port)
-
-
-class MetricsServer:
-    """An HTTP server answering GET /metrics from ``collect``, in a thread of its own."""
-
-    def __init__(self, address: str, collect: Callable[[], Iterator[Metric]]) -> None:
-        host, port = parse_address(address)
-        registry = CollectorRegistry()
-        registry.register(_Collector(collect))
-        ProcessCollector(registry=registry)  # process_cpu_seconds_total, resident memory, open fds
-        try:
-            self.httpd, self.thread = start_http_server(port, host, registry=registry)
-        except (OSError, socket.gaierror) as e:
-            raise OSError(f"cannot serve metrics on {address}: {e}") from None
-        self.address = "{}:{}".format(*self.httpd.server_address[:2])
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-class _Collector:
-    def __init__(self, collect: Callable[[], Iterator[Metric]]) -> None:
-        self.collect = collect
 
 
 def aggregator_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:

@@ -9,8 +9,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .. import rpc, wire
-from ..keys import ClientKeys
+from passing_protocol import rpc
+from passing_protocol.keys import ClientKeys
+
+from .. import wire
 from ..transport import pack_address, parse_endpoint, unpack_address
 from .engine import ConfigError, JobSpec
 

@@ -34,7 +34,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from .. import native, rpc, wire
+from passing_protocol import rpc
+
+from .. import native, wire
 from ..keys import ServerKeys, serve_curve
 from ..transport import BatchSocket, SendError, TransportStats, parse_endpoint
 from .control_channel import CONTROL_VERSION, MAX_DATAGRAM, job_from_json, job_to_json
