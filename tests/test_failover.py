@@ -20,7 +20,7 @@ from passing import Group, wire
 from passing.aggregator import SoftwareAggregator
 from passing.cli import free_udp_ports
 from passing.control import Failover, join, request
-from passing.stream import GroupFailed
+from passing.errors import GroupFailed
 from passing_controller.topology import Topology
 from tests.cluster import run_threads, start_aggregator
 from tests.test_controller_ps_fallback import Running

@@ -18,7 +18,7 @@ from passing import Group, wire
 from passing.aggregation import ConfigError
 from passing.aggregator import ControlClient
 from passing.cli import free_udp_ports
-from passing.stream import AggregatorUnreachable, PassingError
+from passing.errors import AggregatorUnreachable, PassingError
 from tests.cluster import LocalCluster, start_aggregator
 
 

@@ -34,8 +34,9 @@ from .aggregator import (
     job_from_json,
     load_config,
 )
+from .errors import PassingError
 from .keys import ClientKeys, ServerKeys
-from .stream import Group, PassingError
+from .stream import Group
 from .transport import parse_endpoint
 
 # ---- passing-aggregator ---------------------------------------------------------------

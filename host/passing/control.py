@@ -18,8 +18,8 @@ import threading
 from typing import Any
 
 from . import rpc
+from .errors import PassingError
 from .keys import ClientKeys, KeysError
-from .stream import PassingError
 
 PROTOCOL_VERSION = 3  # 3: CURVE keys, job secrets and worker tokens; 2: the allocation's generation
 SECRET_ENV = "PASSING_JOB_SECRET"  # where the CLI finds the job's secret (never on a command line)
