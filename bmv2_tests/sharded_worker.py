@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from passing import Group, control
-from passing.stream import PassingError
+from passing.errors import PassingError
 from passing.transport import parse_endpoint
 
 BLOCK = 1000  # int32 elements of each worker's block of the reduce_scatter: 16 packets of 64 lanes

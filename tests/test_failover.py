@@ -19,8 +19,8 @@ import pytest
 from passing import Group, wire
 from passing.aggregator.server import SoftwareAggregator
 from passing.control import Failover, join, request
+from passing.errors import GroupFailed
 from passing.launch import free_udp_ports
-from passing.stream import GroupFailed
 from passing_controller.topology import Topology
 from tests.cluster import run_threads, start_aggregator
 from tests.test_controller_ps_fallback import Running

@@ -17,8 +17,8 @@ import zmq
 from passing import Group, wire
 from passing.aggregator.control_channel import ControlClient
 from passing.aggregator.engine import ConfigError
+from passing.errors import AggregatorUnreachable, PassingError
 from passing.launch import free_udp_ports
-from passing.stream import AggregatorUnreachable, PassingError
 from tests.cluster import LocalCluster, start_aggregator
 
 

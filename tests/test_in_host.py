@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from passing import native
-from passing.stream import PassingError
+from passing.errors import PassingError
 from passing.torch.in_host import SharedMemoryInHost, shared_memory
 from tests.cluster import run_threads
 

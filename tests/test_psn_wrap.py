@@ -61,9 +61,9 @@ def test_slots_follow_the_unwrapped_position_across_the_wrap(engine, pool):
     def work(w: int) -> list[np.ndarray]:
         with Group(1, w, workers, [("127.0.0.1", aggregator.socket.address[1])], pool=pool, bind=addresses[w],
                    engine=engine, timeout=20) as g:
-            g._next_psn[:] = start  # as if 2^32 - 40 packets had gone before
+            g.state.next_psn[:] = start  # as if 2^32 - 40 packets had gone before
             results = [g.allreduce(inputs[w]) for _ in range(2)]  # 50 packets each: across the wrap, then past it
-            assert int(g._next_psn[0]) == start + 100  # unwrapped: the next position, not its psn
+            assert int(g.state.next_psn[0]) == start + 100  # unwrapped: the next position, not its psn
             return results
 
     try:

@@ -78,7 +78,7 @@ def test_schemes_are_design_7s_configurations():
 def test_work_reraises_the_operations_own_error_and_honours_a_timeout():
     import datetime
 
-    from passing.stream import AggregatorUnreachable
+    from passing.errors import AggregatorUnreachable
     from passing.torch.work import PassingWork
 
     pending = PassingWork()

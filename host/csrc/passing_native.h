@@ -2,8 +2,9 @@
  * aggregator's engine, as plain C functions over caller-owned buffers.
  *
  * passing/native.py loads this library with ctypes (docs/architecture.md says why); the
- * numpy implementations in passing/stream.py and passing/aggregator/engine.py are the
- * executable specification this code is tested against, byte for byte. No function
+ * numpy implementations in passing/reduce_stream.py, passing/gather_stream.py and
+ * passing/aggregator/engine.py are the executable specification this code is tested against,
+ * byte for byte. No function
  * keeps global state: everything lives in the objects the caller creates and frees.
  * The wire format is defined once for C, in wire.c and the lane accessors below
  * (docs/protocol.md is the contract).
@@ -147,7 +148,7 @@ PN_API int pn_server_run(pn_server *s);
 PN_API void pn_server_stop(pn_server *s);
 PN_API void pn_server_get_stats(pn_server *s, pn_server_stats *out);
 
-/* ---- the host streaming engine (mirrors passing/stream.py's Group._stream) ---------- */
+/* ---- the host streaming engine (mirrors passing/reduce_stream.py's ReduceStream) ---- */
 
 #define PN_IN_F32 0
 #define PN_IN_I32 1
@@ -217,7 +218,7 @@ typedef struct {
 /* One allreduce pass of every shard's packets (a MAX round or a SUM), start to finish. */
 PN_API int pn_stream_run(pn_stream_call *c, pn_stream_report *r);
 
-/* ---- the all_gather stream (mirrors passing/stream.py's Group._gather) --------------- */
+/* ---- the all_gather stream (mirrors passing/gather_stream.py's GatherStream) -------- */
 
 typedef struct {
     int fd;                      /* the group's socket, as pn_stream_call's */

@@ -1,5 +1,5 @@
 /* The host streaming engine: one allreduce pass of a group's array through its
- * aggregators (passing/stream.py's Group._stream is the specification).
+ * aggregators (passing/reduce_stream.py's ReduceStream is the specification).
  *
  * Per shard a self-clocked window: packet offset o of the shard is at stream position
  * p = next_psn + o (64 bits, unwrapped: psn = p mod 2^32, slot = p mod pool, set =
@@ -43,6 +43,8 @@
 #include "passing_native.h"
 #include "udp.h"
 
+/* Loss recovery's rules (RACK, probes, the RTT estimate, the silence rule) and constants: passing/recovery.py
+ * mirrors them for the numpy streams, and a change to one is a change to the other. */
 #define REORDER_FRACTION 0.25 /* reordering allowance: a quarter of the round trip (RFC 8985) */
 #define REORDER_MIN_S 200e-6 /* and at least this: RESULTs come in batches */
 #define PROBE_MIN_S 1e-3     /* a probe waits at least this */
@@ -412,7 +414,7 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
             /* A SUM lane at an int32 bound is a saturated sum: Tofino saturates without the flag
              * (docs/tofino.md), so every target's is read as overflow (padding lanes too). Not in
              * OWNER_ONLY rounds: only the owner sees the sums, and the workers must agree on an
-             * overflow, so there the flag alone tells (as in passing/stream.py). */
+             * overflow, so there the flag alone tells (as in passing/reduce_stream.py). */
             if (c->op == PN_OP_SUM && !c->owner_packets && saturated_lanes(d->data, c->lanes)) st->r->overflow[k] = 1;
             if (c->kind == PN_IN_F32) dequantize_lanes(d->data, n, s, (float *)c->output + first);
             else read_lanes(d->data, n, (int32_t *)c->output + first);
@@ -611,7 +613,7 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     return rc;
 }
 
-/* ---- the all_gather stream (docs/protocol.md, All-gather; passing/stream.py's _gather) ---- */
+/* ---- the all_gather stream (docs/protocol.md, All-gather; passing/gather_stream.py) ---- */
 
 typedef struct {
     pn_gather_call *c;

@@ -1,7 +1,9 @@
 """PASSING host agent: wire format, aggregation engine, software aggregator, streaming."""
 
 from .aggregator.engine import AggregationEngine, ConfigError, JobSpec
-from .stream import Aggregator, AggregatorUnreachable, Group, PassingError, PassingOverflow
+from .errors import AggregatorUnreachable, PassingError, PassingOverflow
+from .stream import Group
+from .stream_state import Aggregator
 
 __all__ = [
     "AggregationEngine", "Aggregator", "AggregatorUnreachable", "ConfigError", "Group", "JobSpec",

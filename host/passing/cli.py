@@ -25,9 +25,10 @@ from . import control, metrics, native, quantize, wire
 from .aggregator.control_channel import ControlClient, job_from_json, load_config
 from .aggregator.engine import ConfigError
 from .aggregator.server import DEFAULT_MAX_LANES, DEFAULT_SLOTS, Impairment, SoftwareAggregator
+from .errors import PassingError
 from .keys import ClientKeys, ServerKeys
 from .launch import free_udp_ports
-from .stream import Group, PassingError
+from .stream import Group
 from .transport import parse_endpoint
 
 # ---- passing-aggregator ---------------------------------------------------------------

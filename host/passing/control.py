@@ -20,7 +20,7 @@ from typing import Any
 from passing_protocol import rpc
 from passing_protocol.keys import ClientKeys, KeysError
 
-from .stream import PassingError
+from .errors import PassingError
 
 PROTOCOL_VERSION = 3  # 3: CURVE keys, job secrets and worker tokens; 2: the allocation's generation
 SECRET_ENV = "PASSING_JOB_SECRET"  # where the CLI finds the job's secret (never on a command line)

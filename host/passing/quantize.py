@@ -55,7 +55,7 @@ def quantize(x: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
     """Round x * scale to int32, saturating. Returns (values, saturated mask).
 
     A NaN or an infinity becomes 0 and counts as saturated: its packet carries OVERFLOW, and
-    the stream restores IEEE semantics from a class round (passing.stream)."""
+    the stream restores IEEE semantics from a class round (passing.reduce_path)."""
     if _float32_exact(scale):  # the common (auto) case: half the memory traffic of float64
         scaled = np.multiply(x, np.float32(scale), dtype=np.float32)
         limit = np.float32(2.0**31)  # int32 ends just below it

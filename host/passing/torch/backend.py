@@ -38,8 +38,10 @@ from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import PrefixStore, ProcessGroup, ReduceOp
 
 from .. import control, wire
+from ..errors import GroupFailed, PassingError
 from ..keys import ClientKeys
-from ..stream import Group, GroupFailed, PassingError, Replay
+from ..replay import Replay
+from ..stream import Group
 from ..transport import BatchSocket
 from . import embedded, sharded
 from .hierarchy import Layout, NetworkStage, PeerStage, sum_through

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 
 from .. import native
-from ..stream import PassingError
+from ..errors import PassingError
 from .hierarchy import NetworkStage
 
 log = logging.getLogger("passing.torch")
