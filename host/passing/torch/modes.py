@@ -30,6 +30,7 @@ from ..keys import ClientKeys
 from ..stream import Group
 from ..transport import BatchSocket
 from . import embedded
+from .embedded import Embedded
 from .hierarchy import Layout, NetworkStage, PeerStage
 from .in_host import CollectiveInHost, CpuInHostStage, InHostStage, ThroughHostMemory, cpu_in_host
 from .network import GATHER_GROUP, FailoverStage, GatherLane, Membership, device_group, gather_pool, gloo_group
@@ -54,14 +55,13 @@ class Stages:
     reason: str  # why this mode, in words
     options: Options  # as resolved; in embedded mode with rank 0's controller and this rank's host filled in
     in_host: dict[str, InHostStage] = field(default_factory=dict)  # device type -> stage among the server's ranks
-    peers: dict[str, C10dBackend] = field(default_factory=dict)  # device type -> this local rank's group across
-    # servers (ring)
+    peers: dict[str, C10dBackend] = field(default_factory=dict)  # ring: device type -> its group across servers
     network: NetworkStage | None = None  # how a chunk is summed over the servers
     stream: Group | None = None  # the PASSING group of the reduce lane
     gather_lane: GatherLane | None = None  # the all_gathers' own way through the network, beside stream's
     runner: InOrder | None = None  # the group's collectives (but gather_lane's), in issue order
     membership: Membership | None = None
-    embedded: embedded.Embedded | None = None  # rank 0's services in embedded mode
+    embedded: Embedded | None = None  # rank 0's services in embedded mode
     keys: ClientKeys | None = None  # this rank's key toward the controller
     embedded_mode: bool = False  # PASSING_EMBEDDED=ps, no controller: rank 0's embedded one serves the group
 
@@ -85,7 +85,7 @@ def set_up(store: dist.Store, rank: int, size: int, timeout: timedelta, name: st
         raise
 
 
-def leave(membership: Membership, services: embedded.Embedded | None, gather_lane: GatherLane | None = None) -> None:
+def leave(membership: Membership, services: Embedded | None, gather_lane: GatherLane | None = None) -> None:
     """Leave the groups; rank 0 then stops its embedded controller once the others have left too."""
     if gather_lane is not None:
         gather_lane.membership.close()
@@ -179,19 +179,19 @@ def _cpu_in_host(store: dist.Store, timeout: timedelta, options: Options, layout
 # ---- through a controller ---------------------------------------------------------------------
 
 
-def _start_embedded(store: dist.Store, rank: int, options: Options) -> embedded.Embedded:
+def _start_embedded(store: dist.Store, rank: int, options: Options) -> Embedded:
     """Rank 0's embedded controller and aggregator; the other ranks wait for its endpoint in the store,
     so a failure to start them is published there too."""
     try:
         address = str(options.host) if options.host else embedded.rank0_address(store)
-        return embedded.Embedded(address, float(options.join_timeout), options.mtu)
+        return Embedded(address, float(options.join_timeout), options.mtu)
     except BaseException as e:  # the other ranks wait for the key: give them the error
         embedded.publish(store, {"error": f"{type(e).__name__}: {e}"})
         raise
 
 
 def _use_embedded(store: dist.Store, rank: int, options: Options,
-                  services: embedded.Embedded | None) -> tuple[Options, ClientKeys]:
+                  services: Embedded | None) -> tuple[Options, ClientKeys]:
     """Rank 0 publishes its embedded controller's endpoint in the group's store; every rank then uses it
     as its controller. The options with that controller and this rank's host toward it, and the key."""
     global _embedded_logged
@@ -211,7 +211,7 @@ def _use_embedded(store: dist.Store, rank: int, options: Options,
 
 
 def _connect(store: dist.Store, rank: int, size: int, timeout: timedelta, name: str, options: Options,
-             layout: Layout, services: embedded.Embedded | None) -> Stages:
+             layout: Layout, services: Embedded | None) -> Stages:
     """Join this rank's aggregation group through the controller (rank 0's embedded one if asked for)."""
     embedded_mode = options.controller is None
     if embedded_mode:
