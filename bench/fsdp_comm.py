@@ -13,7 +13,7 @@ times, alternating PASSING's calls with gloo's in the same processes:
   (the byte counters of the two tbfs of its link, read by the server's local rank 0 between barriers);
 * a step: the forward all_gather, then the backward all_gather and the reduce_scatter issued
   together (``async_op=True``) and both waited for: both PASSING (its all_gathers have a lane of
-  their own, passing.torch.sharded.GatherLane) and gloo (two threads per group) overlap them.
+  their own, passing.torch.network.GatherLane) and gloo (two threads per group) overlap them.
   PASSING's UDP payload per step and server (its ranks' transport counters) against the physics.
 
 Loopback (the default): s servers x n ranks on one machine, PASSING through a software aggregator

@@ -94,7 +94,7 @@ def test_bytes_per_server_in_host_vs_flat(services):
 @pytest.mark.timeout(300)
 def test_other_ops_dtypes_and_collectives_fall_back_to_gloo(services):
     """Every other collective gives gloo's answer, and 3 000 back to back finish (a deadlock with
-    gloo's worker thread stopped them before backend.py's _TO_BACKEND)."""
+    gloo's worker thread stopped them before backend.py called gloo from Python)."""
     world = 4
     for r in run(services, "fallback", 2, 2, timeout=120):
         assert r["int64_sum"] == [sum(range(1, world + 1))] * 5

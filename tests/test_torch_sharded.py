@@ -15,7 +15,7 @@ pytest.importorskip("torch", reason="torch is not installed (pip install -e 'hos
 
 from cluster import netns  # noqa: E402
 from cluster.local import LocalServices, collect, launch_ranks, start_controller  # noqa: E402
-from passing.torch.sharded import GATHER_GROUP  # noqa: E402
+from passing.torch.network import GATHER_GROUP  # noqa: E402
 from tests.cluster import service_popen  # noqa: E402
 from tests.keys import ask  # noqa: E402
 from tests.test_torch_backend import services  # noqa: E402, F401  (the fixture)

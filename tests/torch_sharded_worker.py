@@ -212,12 +212,12 @@ def packets_sent_in(group: dist.ProcessGroup) -> int:
 
 def on_gloo(sizes: list[int]) -> dict:
     """The collectives once the network stage carries on over gloo, as after a failover with no
-    aggregator left (backend.FailoverStage): its gloo group among the same workers stands in."""
+    aggregator left (network.FailoverStage): its gloo group among the same workers stands in."""
     from datetime import timedelta
 
     from torch.distributed import PrefixStore
 
-    from passing.torch.backend import gloo_group
+    from passing.torch.network import gloo_group
 
     pg = dist.distributed_c10d._get_default_group()
     group = pg.layout.local_rank if pg.in_host else 0

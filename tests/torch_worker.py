@@ -315,7 +315,7 @@ def reported_calls(pg, wait: float = 10.0) -> float | None:
     """On rank 0, whose embedded controller holds the metrics: the fewest calls any worker of any
     all_reduce group (not a gather lane's) has reported (PASSING_REPORT_INTERVAL); None on the other
     ranks (a worker's key may not ask for metrics)."""
-    from passing.torch.sharded import GATHER_GROUP
+    from passing.torch.network import GATHER_GROUP
 
     if pg.embedded is None:
         return None
