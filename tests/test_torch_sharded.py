@@ -100,7 +100,7 @@ def wait_for(path, procs, seconds: float = 120) -> None:
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
             ended = [(r, rc, err) for r, (rc, _, err) in enumerate(collect(procs, 5)) if rc]
             pytest.fail(f"the ranks did not reach {path.name}:\n" + "\n".join(
-                f"rank {r} ({rc}): {err[-4000:]}" for r, rc, err in ended))
+                f"rank {r} ({rc}): {err[-6000:]}" for r, rc, err in ended))
         time.sleep(0.02)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from tests.cluster import service_popen  # noqa: E402
 from tests.test_torch_backend import WORKER as DDP_WORKER  # noqa: E402
 from tests.test_torch_failover import check_training, gloo_reports  # noqa: E402, F401  (the fixture)
 from tests.test_torch_sharded import WORKER as SHARDED_WORKER  # noqa: E402
-from tests.test_torch_sharded import check_fsdp_reports  # noqa: E402
+from tests.test_torch_sharded import check_fsdp_reports, wait_for  # noqa: E402
 from tests.zygote import torch_ranks  # noqa: E402
 
 STEPS, LR = "15", "0.3"
@@ -38,13 +37,7 @@ def run_through_a_strike(argv: list[str], ps: int, tmp_path: Path, how: str) -> 
                                           "PASSING_FAILOVER_AFTER": "1", "PASSING_TEST_MARKER": str(marker)},
                              popen_for_server=torch_ranks)
         try:
-            deadline = time.monotonic() + 300
-            while not marker.exists():
-                if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-                    ended = [(r, rc, err) for r, (rc, _, err) in enumerate(collect(procs, 5)) if rc]
-                    pytest.fail("the ranks did not reach the strike:\n" + "\n".join(
-                        f"rank {r} ({rc}): {err[-6000:]}" for r, rc, err in ended))
-                time.sleep(0.05)
+            wait_for(marker, procs, 300)
             os.kill(victim.pid, getattr(signal, how))
             marker.with_suffix(".done").touch()
             outcomes = collect(procs, 600)

@@ -228,9 +228,7 @@ class ProcessGroupPassing(ProcessGroup):
         work = self._sharded.reduce_scatter_single(output, input, opts)
         return work if work is not None else self._backend_for(output, input)._reduce_scatter_base(output, input, opts)
 
-    def _reduce_scatter_base(self, output: Tensor, input: Tensor, opts: Any, /) -> Any:
-        work = self._sharded.reduce_scatter_single(output, input, opts)
-        return work if work is not None else self._backend_for(output, input)._reduce_scatter_base(output, input, opts)
+    _reduce_scatter_base = reduce_scatter_single  # torch's older name of the same call
 
     def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any, /) -> Any:
         work = self._sharded.reduce_scatter_coalesced(outputs, inputs, opts)
@@ -246,9 +244,7 @@ class ProcessGroupPassing(ProcessGroup):
         work = self._sharded.all_gather_single(output, input, opts)
         return work if work is not None else self._backend_for(output, input)._allgather_base(output, input, opts)
 
-    def _allgather_base(self, output: Tensor, input: Tensor, opts: Any, /) -> Any:
-        work = self._sharded.all_gather_single(output, input, opts)
-        return work if work is not None else self._backend_for(output, input)._allgather_base(output, input, opts)
+    _allgather_base = all_gather_single  # torch's older name of the same call
 
     def all_gather_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any, /) -> Any:
         work = self._sharded.all_gather_coalesced(outputs, inputs, opts)

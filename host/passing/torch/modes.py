@@ -42,9 +42,17 @@ log = logging.getLogger("passing.torch")
 GLOO = "gloo"  # pg.mode of scheme ring: every all_reduce is gloo's
 IN_HOST = "in-host"  # pg.mode of a group on one server: no network stage
 RING = "ring"  # pg.mode with nothing configured: gloo (NCCL) among the peers, no aggregator
-_embedded_logged = False  # the embedded mode is announced once per process
-_in_host_logged = False  # and so is a group that needs no network stage
-_ring_logged = False  # and a group with nothing configured
+_announced: set[str] = set()  # the modes rank 0 has announced: each once per process
+
+
+def _announce_once(mode: str, rank: int, message: str) -> bool:
+    """Rank 0 logs ``message`` (why its group runs in ``mode``) the first time a group of this process
+    does; whether it did."""
+    if rank != 0 or mode in _announced:
+        return False
+    _announced.add(mode)
+    log.warning("passing: %s", message)
+    return True
 
 
 @dataclass
@@ -100,13 +108,10 @@ def leave(membership: Membership, services: Embedded | None, gather_lane: Gather
 def _in_host_only(rank: int, options: Options, layout: Layout) -> Stages:
     """Every rank is on one server: the in-host stage alone produces the sum, so all_reduce is
     gloo's (NCCL's) among them, with no controller and no aggregator; rank 0 says so once."""
-    global _in_host_logged
     reason = (f"one server: its {layout.ranks_per_server} rank(s) are the whole process group, so "
               f"the in-host all_reduce (gloo; NCCL for CUDA) is the sum and there is no network stage "
               f"(scheme {options.scheme}; no controller contacted, no aggregator started)")
-    if rank == 0 and not _in_host_logged:
-        _in_host_logged = True
-        log.warning("passing: %s", reason)
+    _announce_once(IN_HOST, rank, reason)
     return Stages(IN_HOST, reason, options)
 
 
@@ -116,7 +121,6 @@ def _ring(store: dist.Store, rank: int, size: int, timeout: timedelta, name: str
     hop (every worker's bytes in and out of one process), so the network stage is an all_reduce
     among the peers, gloo's (NCCL's): with the in-host stage, rank j of every server sums chunk j
     (a ring of s, not s*n, across the servers, in n flows); without, the whole group's own all_reduce."""
-    global _ring_logged
     s, n = layout.servers, layout.ranks_per_server
     in_host: dict[str, InHostStage] = {}
     peers: dict[str, C10dBackend] = {}
@@ -134,9 +138,7 @@ def _ring(store: dist.Store, rank: int, size: int, timeout: timedelta, name: str
     reason = (f"nothing configured (no PASSING_CONTROLLER or pg_options.controller, PASSING_EMBEDDED off): "
               f"no switch or aggregator to use, so {how} (scheme {options.scheme}); set "
               f"PASSING_CONTROLLER for a switch, or PASSING_EMBEDDED=ps for a software aggregator in rank 0")
-    if rank == 0 and not _ring_logged:
-        _ring_logged = True
-        log.warning("passing: %s", reason)
+    _announce_once(RING, rank, reason)
     return Stages(RING, reason, options, in_host=in_host, peers=peers, network=network, runner=runner)
 
 
@@ -194,18 +196,15 @@ def _use_embedded(store: dist.Store, rank: int, options: Options,
                   services: Embedded | None) -> tuple[Options, ClientKeys]:
     """Rank 0 publishes its embedded controller's endpoint in the group's store; every rank then uses it
     as its controller. The options with that controller and this rank's host toward it, and the key."""
-    global _embedded_logged
     if services is not None:
         embedded.publish(store, services.announcement())
     endpoint, keys = embedded.endpoint(store)
     host = options.host or route_source(endpoint)
     options = dataclasses.replace(options, controller=endpoint, host=host)
-    if rank == 0 and not _embedded_logged:
-        _embedded_logged = True
-        log.warning("passing: no controller configured (PASSING_CONTROLLER unset, no pg_options.controller) "
-                    "and PASSING_EMBEDDED=ps: rank 0 runs an embedded controller and software aggregator at %s, "
-                    "and the groups aggregate there (PS mode); set PASSING_CONTROLLER to use a switch", endpoint)
-    else:
+    if not _announce_once("embedded", rank, (
+            f"no controller configured (PASSING_CONTROLLER unset, no pg_options.controller) and PASSING_EMBEDDED=ps: "
+            f"rank 0 runs an embedded controller and software aggregator at {endpoint}, and the groups aggregate "
+            f"there (PS mode); set PASSING_CONTROLLER to use a switch")):
         log.info("passing: embedded controller of rank 0 at %s", endpoint)
     return options, keys
 
