@@ -34,6 +34,45 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# p4/include/headers.p4, in wire order: (field, bits). What the checker unpacks and the sequences pin.
+HEADER_FIELDS = {
+    "ethernet_h": (("dst_addr", 48), ("src_addr", 48), ("ether_type", 16)),
+    "ipv4_h": (("version", 4), ("ihl", 4), ("diffserv", 8), ("total_len", 16), ("identification", 16),
+               ("flags", 3), ("frag_offset", 13), ("ttl", 8), ("protocol", 8), ("hdr_checksum", 16),
+               ("src_addr", 32), ("dst_addr", 32)),
+    "udp_h": (("src_port", 16), ("dst_port", 16), ("length", 16), ("checksum", 16)),
+    "passing_h": (("version", 8), ("type", 8), ("op", 8), ("flags", 8), ("job", 16), ("slot", 16),
+                  ("worker", 8), ("owner", 7), ("set", 1), ("generation", 16), ("psn", 32)),
+    "bridged_h": (("pad0", 7), ("ingress_port", 9), ("slot_set", 16), ("group", 16), ("pad1", 3),
+                  ("relay", 1), ("flood", 1), ("result_multicast", 1), ("second_pass", 1), ("answer", 1)),
+}
+HEADER_VARIABLES = {"ethernet_h": "ethernet", "ipv4_h": "ipv4", "udp_h": "udp", "passing_h": "passing",
+                    "bridged_h": "bridged", "lanes_h": "lanes"}  # headers_t's member of each header type
+
+
+def header_size(header: str) -> int:
+    return sum(bits for _, bits in HEADER_FIELDS[header]) // 8
+
+
+def unpack(header: str, raw: bytes) -> dict[str, int]:
+    fields = HEADER_FIELDS[header]
+    width = sum(bits for _, bits in fields)
+    value = int.from_bytes(raw[:width // 8], "big")
+    out = {}
+    for name, bits in fields:
+        width -= bits
+        out[name] = value >> width & ((1 << bits) - 1)
+    return out
+
+
+def ipv4_checksum(header: bytes) -> int:
+    """RFC 791's checksum of a 20-byte IPv4 header (its checksum field taken as 0)."""
+    words = [int.from_bytes(header[i:i + 2], "big") for i in range(0, 20, 2) if i != 10]
+    total = sum(words)
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
 
 @dataclass(frozen=True)
 class Run:
@@ -54,6 +93,7 @@ class Program:
     test_backend: str  # the output format whose parser is below
     ingress_deparser: str | None  # the control whose output a vector records from the trace (see ingress_of)
     runs: tuple[Run, ...]
+    sequences: bool = False  # P4Testgen runs pinned to the packets of SEQUENCES (the tofino target only)
 
 
 # The tofino target writes initial registers only in PTF (its STF has none). Greedy statement search, and only
@@ -72,8 +112,9 @@ _TNA_SEARCH = ("--path-selection", "GREEDY_STATEMENT_SEARCH", "--only-covering-t
 _V1MODEL_SEARCH = ("--path-selection", "RANDOM_BACKTRACK", "--port-ranges", "0:7", "--packet-size-range", "0:12000")
 PROGRAMS = {
     "tna": Program("tna", "p4/tna/passing.p4", "p4/tna/testgen.json", "tofino", "tna", "PTF", "TnaIngressDeparser",
-                   (Run("first_pass", {"PASSING_TESTGEN": 1}, _TNA_SEARCH),
-                    Run("second_pass", {"PASSING_TESTGEN": 2}, _TNA_SEARCH))),
+                   (Run("first_pass", {"PASSING_TESTGEN": 1, "PASSING_TESTGEN_DATA": 1}, _TNA_SEARCH),
+                    Run("second_pass", {"PASSING_TESTGEN": 2, "PASSING_TESTGEN_DATA": 1}, _TNA_SEARCH)),
+                   sequences=True),
     "v1model": Program("v1model", "p4/v1model/passing.p4", "p4/v1model/testgen.json", "bmv2", "v1model", "PTF", None,
                        (Run("all", {}, _V1MODEL_SEARCH), Run("in_domain", {"PASSING_TESTGEN": 1}, _V1MODEL_SEARCH))),
 }
@@ -224,6 +265,48 @@ def ingress_of(trace: str, deparser: str) -> dict | None:
     return {"emit": emitted, "port": None if dropped else port, "dropped": dropped}
 
 
+_COMPUTED = re.compile(r"\| Computed: ([\w./]+) = (-?\d+);")
+_PAIR_ACTION = re.compile(r"\[MethodCall\]: lane_(?:write|add|max|harvest)_(\d+)\(\);")
+_REGISTER_OF = {"tag": "slot_tag", "epoch": "slot_tag", "bitmap": "slot_bitmap", "psn": "slot_bitmap"}
+
+
+def writes_of(trace: str, control: str) -> list[dict]:
+    """What every RegisterAction of ``control`` wrote back on the path, from its trace: P4Testgen's tofino target
+    executes a RegisterAction's apply on the register's initial value but does not store the result (its
+    source: "writing to a register has no effect"). Its trace has each assignment the apply made, with the
+    computed value: ``value.<field> = v`` (``value`` is the apply's register parameter in every RegisterAction
+    of the program), so the value written back is the initial value with those fields replaced. The register
+    is known by its fields (slot_tag: tag, epoch; slot_bitmap: bitmap, psn; slot_overflow: no field) and, for
+    a lane pair, by the lane action that ran it; the index is ``meta.slot_set`` (slot_tag's hash-unit index
+    has the same bits). One entry per register and index: {register, index, fields} (``fields`` of
+    slot_overflow: {"value": v}), values as unsigned words like setRegisterValue's."""
+    start = trace.find(f'copy_in("{control}")')
+    if start < 0:
+        return []
+    end = trace.find(f'copy_out("{control}")', start)
+    out: dict[tuple[str, int], dict[str, int]] = {}
+    index, pair = 0, None
+    for line in trace[start:end if end >= 0 else None].splitlines():
+        if (action := _PAIR_ACTION.search(line)) is not None:
+            pair = int(action[1])
+            continue
+        computed = _COMPUTED.search(line)
+        if computed is None:
+            continue
+        target, value = computed[1], int(computed[2])
+        if target == "meta.slot_set":
+            index = value
+        elif target == "value":
+            out.setdefault(("slot_overflow", index), {})["value"] = value % 0x100
+        elif target.startswith("value."):
+            field = target.split(".", 1)[1]
+            register = _REGISTER_OF.get(field) or (f"lane_pair_{pair}" if field in ("first", "second") else None)
+            if register is None:
+                raise ValueError(f"a register write to {target} this parser does not know")
+            out.setdefault((register, index), {})[field] = value % (1 << 32)
+    return [{"register": r, "index": i, "fields": f} for (r, i), f in out.items()]
+
+
 _TABLE_CALLS = ("insertTableEntry", "overrideDefaultEntry", "table_add")
 
 
@@ -271,8 +354,268 @@ def parse_ptf(text: str, deparser: str | None = None) -> list[dict]:
             test["expect"] = None  # no packet leaves the switch
         if deparser is not None:
             test["ingress"] = ingress_of(traces.get(test["id"], ""), deparser)
+            test["writes"] = writes_of(traces.get(test["id"], ""), "PassingIngress")
         tests.append(test)
     return sorted(tests, key=lambda t: t["id"])
+
+
+# ---- sequences: packets chained through the registers, each executed by P4Testgen ---------------------------
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A job's allocation, as the controller writes it into ``admission`` (controller/passing_controller/
+    allocation.py; the checker holds these properties to that class): worker w sends from ``ports[w]``."""
+
+    job: int
+    generation: int
+    base: int
+    pool: int
+    ports: tuple[int, ...]
+
+    @property
+    def epoch(self) -> int:
+        return self.job << 16 | self.generation
+
+    @property
+    def full(self) -> int:
+        return (1 << len(self.ports)) - 1
+
+    @property
+    def group(self) -> int:
+        return self.job + 1
+
+    def params(self) -> dict[str, int]:
+        return {"base": self.base, "pool": self.pool, "full": self.full, "epoch": self.epoch, "group": self.group}
+
+
+INT32_MAX, INT32_MIN = (1 << 31) - 1, -(1 << 31)
+
+
+def lane_data(pattern: str, lanes: int) -> list[int]:
+    """The int32 lanes of a sequence's packet (any lane count, so that a mutant's run at 4 lanes has the same
+    shapes): "up"/"down": small lanes of both signs; "big": each lane half of int32's range on the side of its
+    pair's lane 2k (two "big" contributions saturate every lane, lane 2k at INT32_MAX, 2k + 1 at INT32_MIN);
+    "low"/"high": for MAX, in each pair lane 2k of "low" and lane 2k + 1 of "high" are the larger."""
+    sign = [1 if i % 2 == 0 else -1 for i in range(lanes)]
+    if pattern == "up":
+        return [s * (1000 * i + 17) for i, s in zip(range(lanes), sign)]
+    if pattern == "down":
+        return [-s * (77 * i + 5) for i, s in zip(range(lanes), sign)]
+    if pattern == "big":
+        return [s * (0x60000000 + i) for i, s in zip(range(lanes), sign)]
+    if pattern == "low":
+        return [(900 - i) if i % 2 == 0 else -(900 - i) for i in range(lanes)]
+    if pattern == "high":
+        return [-(800 - i) if i % 2 == 0 else (800 - i) for i in range(lanes)]
+    raise ValueError(f"no lane pattern {pattern!r}")
+
+
+@dataclass(frozen=True)
+class Send:
+    """A DATA packet of a sequence: worker ``worker`` of ``alloc`` from its port."""
+
+    alloc: Allocation
+    worker: int
+    slot: int
+    psn: int
+    data: str  # lane_data's pattern
+    set: int = 0
+    op: int = 0  # PASSING_OP_SUM; 1: MAX
+    flags: int = 0  # PASSING_FLAG_*
+    owner: int = 0
+    generation: int | None = None  # the allocation's unless given (a late packet of an earlier one)
+
+
+@dataclass(frozen=True)
+class Allocate:
+    alloc: Allocation
+
+
+@dataclass(frozen=True)
+class Free:
+    alloc: Allocation
+
+
+AGGREGATOR_IP, AGGREGATOR_MAC = 0x0A0000FE, 0x02000000FE00
+OVERFLOW, RETRANSMIT, OWNER_ONLY = 0x01, 0x02, 0x04  # p4/include/constants.p4
+_ROUND = Allocation(job=7, generation=3, base=40, pool=16, ports=(1, 2, 3))
+_SATURATE = Allocation(job=12, generation=0, base=0, pool=4, ports=(4, 5))
+_MAX = Allocation(job=3, generation=1, base=900, pool=100, ports=(6, 7))
+_OLD = Allocation(job=9, generation=5, base=200, pool=8, ports=(8, 9))
+_NEW = Allocation(job=10, generation=0, base=198, pool=16, ports=(10, 11))
+_OWNED = Allocation(job=20, generation=7, base=500, pool=32, ports=(12, 13, 14))
+# What the sequences are for (docs/tofino.md, "Sequences"): every rule of the state machine met on a state an
+# earlier packet of the sequence wrote, with the second pass of every completion and answer.
+SEQUENCES: dict[str, tuple] = {
+    # a round of three filled by every worker, one flagged OVERFLOW; a duplicate; a retransmission answered
+    # after completion; a packet of the round before (stale); the next round in the slot; a late packet of
+    # an earlier allocation of the job
+    "round": (Allocate(_ROUND),
+              Send(_ROUND, 0, slot=5, set=1, psn=21, data="up"),
+              Send(_ROUND, 1, slot=5, set=1, psn=21, data="down", flags=OVERFLOW),
+              Send(_ROUND, 1, slot=5, set=1, psn=21, data="down", flags=OVERFLOW | RETRANSMIT),
+              Send(_ROUND, 2, slot=5, set=1, psn=21, data="up"),
+              Send(_ROUND, 0, slot=5, set=1, psn=21, data="up", flags=RETRANSMIT),
+              Send(_ROUND, 1, slot=5, set=1, psn=5, data="down"),
+              Send(_ROUND, 2, slot=5, set=1, psn=37, data="down"),
+              Send(_ROUND, 0, slot=5, set=1, psn=37, data="up", generation=2)),
+    # two contributions that saturate every lane, unflagged; the next round across the psn's wrap
+    "saturate": (Allocate(_SATURATE),
+                 Send(_SATURATE, 0, slot=3, psn=0xFFFFFFFC, data="big"),
+                 Send(_SATURATE, 1, slot=3, psn=0xFFFFFFFC, data="big"),
+                 Send(_SATURATE, 1, slot=3, psn=0, data="up")),
+    # MAX: in each pair the stored lane wins on one side and the packet's on the other
+    "max": (Allocate(_MAX),
+            Send(_MAX, 0, slot=99, set=1, psn=7, data="low", op=1),
+            Send(_MAX, 1, slot=99, set=1, psn=7, data="high", op=1)),
+    # the slot reused by the next allocation: a completed round of an old one, then a round of the new one at
+    # the same psn (only the epoch tells them apart), and the old allocation's late packet rejected
+    "next_allocation": (Allocate(_OLD),
+                        Send(_OLD, 0, slot=2, set=1, psn=50, data="up"),
+                        Send(_OLD, 1, slot=2, set=1, psn=50, data="up"),
+                        Free(_OLD), Allocate(_NEW),
+                        Send(_NEW, 1, slot=4, set=1, psn=50, data="down"),
+                        Send(_OLD, 1, slot=2, set=1, psn=50, data="up"),
+                        Send(_NEW, 0, slot=4, set=1, psn=50, data="up")),
+    # an OWNER_ONLY round (owner 2, set 1): its owner's packet last
+    "owner_only": (Allocate(_OWNED),
+                   Send(_OWNED, 0, slot=31, set=1, psn=9, data="up", flags=OWNER_ONLY, owner=2),
+                   Send(_OWNED, 1, slot=31, set=1, psn=9, data="down", flags=OWNER_ONLY | OVERFLOW, owner=2),
+                   Send(_OWNED, 2, slot=31, set=1, psn=9, data="up", flags=OWNER_ONLY, owner=2)),
+}
+
+
+def frame(send: Send, lanes: int) -> dict:
+    """The headers of a Send as the parser extracts them, and its port."""
+    alloc = send.alloc
+    ip = {"version": 4, "ihl": 5, "diffserv": 0, "total_len": 20 + 8 + 16 + 4 * lanes, "identification": 0,
+          "flags": 0, "frag_offset": 0, "ttl": 64, "protocol": 17, "hdr_checksum": 0,
+          "src_addr": 0x0A000000 + alloc.ports[send.worker], "dst_addr": AGGREGATOR_IP}
+    ip["hdr_checksum"] = ipv4_checksum(pack("ipv4_h", ip))
+    generation = alloc.generation if send.generation is None else send.generation
+    return {"port": alloc.ports[send.worker], "headers": {
+        "ethernet_h": {"dst_addr": AGGREGATOR_MAC, "src_addr": 0x020000000000 + alloc.ports[send.worker],
+                       "ether_type": 0x0800},
+        "ipv4_h": ip,
+        "udp_h": {"src_port": 40000 + send.worker, "dst_port": 9877, "length": 8 + 16 + 4 * lanes, "checksum": 0},
+        "passing_h": {"version": 3, "type": 1, "op": send.op, "flags": send.flags, "job": alloc.job,
+                      "slot": send.slot, "worker": send.worker, "owner": send.owner, "set": send.set,
+                      "generation": generation, "psn": send.psn},
+        "lanes_h": {f"value_{i}": v % (1 << 32) for i, v in enumerate(lane_data(send.data, lanes))}}}
+
+
+def pack(header: str, fields: dict[str, int]) -> bytes:
+    value = 0
+    for name, bits in HEADER_FIELDS[header]:
+        value = value << bits | fields[name]
+    return value.to_bytes(header_size(header), "big")
+
+
+_ZERO = {"slot_tag": {"tag": 0, "epoch": 0}, "slot_bitmap": {"bitmap": 0, "psn": 0}, "slot_overflow": 0}
+
+
+def _register(state: dict, name: str, index: int) -> object:
+    return state.get((name, index), _ZERO.get(name, {"first": 0, "second": 0}))
+
+
+def _signed32(value: int) -> int:
+    return value - (1 << 32) if value & (1 << 31) else value
+
+
+def pin_source(inp: dict, admit: dict | None, state: dict, index: int, lanes: int) -> str:
+    """passing_pin.p4 (p4/include/testgen.p4): the input's port and every header field, the admission entry's
+    parameters (``false``: no entry of the controller matches), and the registers of the slot/set ``index``."""
+    conds = [f"ig_intr_md.ingress_port == {inp['port']}"]
+    for header, fields in inp["headers"].items():
+        var = f"hdr.{HEADER_VARIABLES[header]}"
+        conds.append(f"{var}.isValid()")
+        conds += [f"{var}.{name} == {value}" for name, value in fields.items()]
+    admitted = " && ".join(f"({name}) == {value}" for name, value in admit.items()) if admit else "false"
+    tag, bitmap = _register(state, "slot_tag", index), _register(state, "slot_bitmap", index)
+    lines = [f"#define PASSING_PIN_INPUT ({' && '.join(conds)})",
+             f"#define PASSING_PIN_ADMIT(base, pool, full, epoch, group) ({admitted})",
+             f"#define PASSING_PIN_ROUND(value) ((value).tag == {tag['tag']} && (value).epoch == {tag['epoch']})",
+             f"#define PASSING_PIN_CONTRIBUTORS(value) ((value).bitmap == {bitmap['bitmap']} "
+             f"&& (value).psn == {bitmap['psn']})",
+             f"#define PASSING_PIN_OVERFLOW(value) ((value) == {_register(state, 'slot_overflow', index)})"]
+    for k in range(lanes // 2):
+        pair = _register(state, f"lane_pair_{k}", index)
+        lines.append(f"#define PASSING_PIN_PAIR_{k}(value) ((value).first == {_signed32(pair['first'])} "
+                     f"&& (value).second == {_signed32(pair['second'])})")
+    lines.append("#define PASSING_PIN_PAIR(k, value) PASSING_PIN_PAIR_##k(value)")
+    return "\n".join(lines) + "\n"
+
+
+def _admission_hit(test: dict) -> dict | None:
+    for entry in test["tables"]:
+        if entry["table"].endswith(".admission") and not entry.get("default"):
+            return {k.split(".")[-1]: int(v) for k, v in entry["params"].items()}
+    return None
+
+
+def _has(test: dict, table: str) -> bool:
+    return any(e["table"].endswith(f".{table}") and not e.get("default") for e in test["tables"])
+
+
+def run_sequence(program: Program, name: str, events: tuple, lanes: int, source: Path, log: list[str]) -> list[dict]:
+    """Every packet of a sequence as one P4Testgen run pinned to it (PASSING_TESTGEN_PIN): its input, the
+    controller's admission entry and the registers the earlier packets left in its slot/set; a packet the first
+    pass sends to the recirculation port makes the next run, on port 68, with what the ingress emitted. Each
+    run's paths are the pinned packet's, one per way P4Testgen may set the tables; the one that has the
+    controller's tables (the admission entry iff one is installed, the aggregator's address) is the vector.
+    The registers carry over: a vector's initial registers are what the earlier ones wrote."""
+    state: dict[tuple[str, int], object] = {}
+    live: dict[tuple, Allocation] = {}
+    vectors: list[dict] = []
+    todo: list[tuple[int, dict, dict | None, int, Allocation | None]] = []  # (pass, input, admit, index, alloc)
+    for event in events:
+        if isinstance(event, Allocate):
+            for w, port in enumerate(event.alloc.ports):
+                live[(event.alloc.job, event.alloc.generation, w, port)] = event.alloc
+            continue
+        if isinstance(event, Free):
+            live = {k: a for k, a in live.items() if a != event.alloc}
+            continue
+        inp = frame(event, lanes)
+        p = inp["headers"]["passing_h"]
+        alloc = live.get((p["job"], p["generation"], p["worker"], inp["port"]))
+        index = p["set"] * 1024 + alloc.base + p["slot"] if alloc else 0
+        todo.append((1, inp, alloc.params() if alloc else None, index, alloc))
+        while todo:
+            which, inp, admit, index, alloc = todo.pop(0)
+            test = _pinned_run(program, which, inp, admit, state, index, lanes, source, log)
+            for write in test["writes"]:
+                key = (write["register"], write["index"])
+                old = _register(state, write["register"], write["index"])
+                state[key] = write["fields"]["value"] if write["register"] == "slot_overflow" \
+                    else {**old, **write["fields"]}
+            test.update(run="sequence", sequence=name, step=len(vectors),
+                        allocations=[{"job": a.job, "generation": a.generation, "base": a.base, "pool": a.pool,
+                                      "ports": list(a.ports), **a.params()} for a in dict.fromkeys(live.values())])
+            vectors.append(test)
+            got = test["ingress"]
+            if which == 1 and got and not got["dropped"] and isinstance(got["port"], int) \
+                    and got["port"] & 0x7F == 68:
+                emitted = {e["header"]: e["fields"] for e in got["emit"]}
+                again = {"port": got["port"], "headers": emitted}
+                todo.append((2, again, None, emitted["bridged_h"]["slot_set"], alloc))  # no entry for port 68
+    return vectors
+
+
+def _pinned_run(program: Program, which: int, inp: dict, admit: dict | None, state: dict, index: int, lanes: int,
+                source: Path, log: list[str]) -> dict:
+    with tempfile.TemporaryDirectory(prefix="passing-pin-") as pins:
+        (Path(pins) / "passing_pin.p4").write_text(pin_source(inp, admit, state, index, lanes))
+        run = Run(f"pin{which}", {"PASSING_TESTGEN": which, "PASSING_TESTGEN_PIN": 1}, ())
+        tests, meta = run_p4testgen(program, run, 32, 1, {"PASSING_LANES": lanes}, [f"-I{pins}"], None, source,
+                                    coverage=False)
+    log.append(f"{which} {meta['seconds']} s {len(tests)} paths")
+    for test in tests:
+        hit = _admission_hit(test)
+        if hit == admit and not _has(test, "l2_forward") and (which == 2 or _has(test, "aggregator_address")):
+            return test
+    raise SystemExit(f"no path of the pinned packet has the controller's tables: {inp}")
 
 
 # ---- the vector files ----------------------------------------------------------------------------------------
@@ -323,7 +666,9 @@ def _uncovered(log: str) -> list[str]:
 
 
 def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines: dict[str, int],
-                  extra: list[str], log_file: Path | None) -> tuple[list[dict], dict]:
+                  extra: list[str], log_file: Path | None, source: Path | None = None,
+                  coverage: bool = True) -> tuple[list[dict], dict]:
+    """One p4testgen run of ``run`` over the program (or ``source``, a variant of it: a mutant)."""
     tool = shutil.which("p4testgen")
     if tool is None:
         sys.exit("make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)")
@@ -333,8 +678,8 @@ def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines
                 *[f"-D{k}={v}" for k, v in {**TARGET_DEFINES.get(program.target, {}), **defines,
                                             **run.defines}.items()],
                 "--test-backend", program.test_backend, "--seed", str(seed), "--max-tests", str(max_tests),
-                "--track-coverage", "STATEMENTS", "--print-coverage", *run.args, *extra,
-                "--out-dir", out, str(ROOT / program.source)]
+                *(("--track-coverage", "STATEMENTS", "--print-coverage") if coverage else ()), *run.args, *extra,
+                "--out-dir", out, str(source or ROOT / program.source)]
         started = time.monotonic()
         done = subprocess.run(args, capture_output=True, text=True)
         seconds = time.monotonic() - started
@@ -360,13 +705,23 @@ def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines
 
 
 def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int], extra: list[str],
-             log_file: Path | None = None) -> dict:
+             log_file: Path | None = None, source: Path | None = None, out: Path | None = None) -> dict:
+    """Every run of the program, then (Tofino) its sequences, into its vector file; ``source`` and ``out``: a
+    variant of the program (a mutant, p4/mutants.py) and where its vectors go."""
     runs: dict[str, dict] = {}
     tests: list[dict] = []
     for run in program.runs:
         log = log_file.with_name(f"{log_file.name}.{run.name}") if log_file and len(program.runs) > 1 else log_file
-        found, runs[run.name] = run_p4testgen(program, run, max_tests, seed, defines, extra, log)
+        found, runs[run.name] = run_p4testgen(program, run, max_tests, seed, defines, extra, log, source)
         tests += found
+    sequences: dict[str, dict] = {}
+    if program.sequences:
+        for name, events in SEQUENCES.items():
+            started, steps = time.monotonic(), []
+            found = run_sequence(program, name, events, defines["PASSING_LANES"], source or ROOT / program.source,
+                                 steps)
+            sequences[name] = {"vectors": len(found), "seconds": round(time.monotonic() - started, 1)}
+            tests += found
     # statements no run covered: what stays uncovered in the union
     left = Counter(runs[program.runs[0].name]["uncovered"])
     for run in program.runs[1:]:
@@ -374,7 +729,7 @@ def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int
     nodes = max((r["node_coverage"] or {}).get("nodes", 0) for r in runs.values())
     meta = {
         "program": program.source,
-        "program_sha256": program_sha256(ROOT / program.source),
+        "program_sha256": program_sha256(source or ROOT / program.source),
         "target": program.target,
         "arch": program.arch,
         "defines": defines,
@@ -383,8 +738,9 @@ def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int
                       "seconds": round(sum(r["seconds"] for r in runs.values()), 1), "runs": runs},
         "statement_coverage": {"nodes": nodes, "covered": nodes - sum(left.values()),
                                "uncovered": sorted(left.elements())},
+        "sequences": sequences,
     }
-    write_vectors(ROOT / program.vectors, meta, tests)
+    write_vectors(out or ROOT / program.vectors, meta, tests)
     return meta
 
 
@@ -408,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tests", type=int, default=0, help="0: until every path is explored")
     gen.add_argument("--seed", type=int, default=1)
     gen.add_argument("--lanes", type=int, default=64, help="PASSING_LANES of the program")
+    gen.add_argument("--source", type=Path, help="a variant of the program (a mutant) instead of it")
+    gen.add_argument("--out", type=Path, help="write the vectors there instead of beside the program")
     gen.add_argument("--log", type=Path,
                      help="write p4testgen's whole output there (LOG.<run> for each run of a program of several)")
     sub.add_parser("check", help="exit 1 when a vector file is missing or stale")
@@ -417,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "generate":
         meta = generate(PROGRAMS[args.program], args.max_tests, args.seed, {"PASSING_LANES": args.lanes}, extra,
-                        args.log)
+                        args.log, args.source, args.out)
         summary = {"program": meta["program"], "seconds": meta["p4testgen"]["seconds"],
                    "tests": {name: r["tests"] for name, r in meta["p4testgen"]["runs"].items()},
                    "covered": f'{meta["statement_coverage"]["covered"]}/{meta["statement_coverage"]["nodes"]}'}

@@ -163,6 +163,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     Register<contributors_t, bit<32>>(PASSING_SLOT_SETS) slot_bitmap;
     RegisterAction<contributors_t, bit<32>, bit<32>>(slot_bitmap) bitmap_start = {
         void apply(inout contributors_t value) {
+            PASSING_ASSUME(PASSING_PIN_CONTRIBUTORS(value))  /* a sequence's state, though not read */
             value.bitmap = meta.worker_bit;
             value.psn = hdr.passing.psn;
         }
@@ -183,6 +184,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     Register<bit<8>, bit<32>>(PASSING_SLOT_SETS) slot_overflow;
     RegisterAction<bit<8>, bit<32>, bit<8>>(slot_overflow) overflow_start = {
         void apply(inout bit<8> value, out bit<8> now) {
+            PASSING_ASSUME(PASSING_PIN_OVERFLOW(value))
             value = meta.flagged;
             now = value;
         }
@@ -201,6 +203,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     Register<lane_pair_t, bit<32>>(PASSING_SLOT_SETS) lane_pair_##k;                             \
     RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_write_##k = {              \
         void apply(inout lane_pair_t value, out int<32> second) {                                \
+            PASSING_ASSUME(PASSING_PIN_PAIR(k, value))                                           \
             value.first = (int<32>)hdr.lanes.value_##a;                                          \
             value.second = (int<32>)hdr.lanes.value_##b;                                         \
             second = value.second;                                                               \
@@ -208,6 +211,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     };                                                                                           \
     RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_add_##k = {                \
         void apply(inout lane_pair_t value, out int<32> second) {                                \
+            PASSING_TESTGEN_PAIR_READ(k, value)                                                  \
             value.first = value.first |+| (int<32>)hdr.lanes.value_##a;                          \
             value.second = value.second |+| (int<32>)hdr.lanes.value_##b;                        \
             second = value.second;                                                               \
@@ -215,6 +219,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     };                                                                                           \
     RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_max_##k = {                \
         void apply(inout lane_pair_t value, out int<32> second) {                                \
+            PASSING_TESTGEN_PAIR_READ(k, value)                                                  \
             if ((int<32>)hdr.lanes.value_##a > value.first) {                                    \
                 value.first = (int<32>)hdr.lanes.value_##a;                                      \
             }                                                                                    \
@@ -226,6 +231,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     };                                                                                           \
     RegisterAction<lane_pair_t, bit<32>, int<32>>(lane_pair_##k) pair_harvest_##k = {            \
         void apply(inout lane_pair_t value, out int<32> first) {                                 \
+            PASSING_TESTGEN_PAIR_READ(k, value)                                                  \
             first = value.first;                                                                 \
         }                                                                                        \
     };                                                                                           \
@@ -255,7 +261,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
 
     /* ---- admission: (job, generation, worker, ingress port) -> the job's allocation ---- */
     action admit(bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
-        PASSING_TESTGEN_ALLOCATION(base, pool, full)
+        PASSING_TESTGEN_ADMISSION(base, pool, full, epoch, group)
         /* 16 bits are exact here: slot < PASSING_SLOTS (checked apart) and pool <= PASSING_SLOTS;
          * Tofino subtracts action data only as the first operand */
         meta.base_plus_slot = (bit<16>)base + hdr.passing.slot;
@@ -465,6 +471,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                        && (hdr.bridged.answer == 1) == (hdr.bridged.group == 0)
                        && hdr.passing.isValid() && hdr.passing.type == PASSING_TYPE_RESULT);
 #endif
+        PASSING_TESTGEN_INPUT
 
         /* ---- stage 0: lookups and header checks ---- */
         bool well_formed = false;

@@ -71,10 +71,8 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
 
     /* ---- admission: (job, generation, worker, ingress port) -> the job's allocation ---- */
     action admit(bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
-        /* P4Testgen's in_domain run only (p4/include/testgen.p4); epoch = job << 16 | generation and
-         * group = job + 1, with job >= 1: never the registers' 0, never no group or the flood's */
-        PASSING_TESTGEN_ALLOCATION(base, pool, full)
-        PASSING_ASSUME(epoch != 0 && group > PASSING_FLOOD_GROUP);
+        /* P4Testgen's in_domain run only (p4/include/testgen.p4): what the controller writes */
+        PASSING_TESTGEN_ADMISSION(base, pool, full, epoch, group)
         meta.admitted = 1;
         meta.base = base;
         meta.pool = pool;

@@ -31,7 +31,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from passing import wire
-from passing.aggregator.engine import AggregationEngine, JobSpec
+from passing.aggregator import engine as reference
+from passing.aggregator.engine import JobSpec
+
+from . import vector_tool
+
+tool = vector_tool.load()  # p4/testgen_vectors.py: the P4 header layout is defined there once
 
 SLOTS = 1024  # PASSING_SLOTS
 MAX_JOBS = 1024  # PASSING_MAX_JOBS
@@ -53,32 +58,7 @@ class Divergence(AssertionError):
 # ---- the input, as the shared parser sees it -----------------------------------------------------------------
 
 
-HEADER_FIELDS = {  # p4/include/headers.p4, in wire order: (name, bits)
-    "ethernet_h": (("dst_addr", 48), ("src_addr", 48), ("ether_type", 16)),
-    "ipv4_h": (("version", 4), ("ihl", 4), ("diffserv", 8), ("total_len", 16), ("identification", 16),
-               ("flags", 3), ("frag_offset", 13), ("ttl", 8), ("protocol", 8), ("hdr_checksum", 16),
-               ("src_addr", 32), ("dst_addr", 32)),
-    "udp_h": (("src_port", 16), ("dst_port", 16), ("length", 16), ("checksum", 16)),
-    "passing_h": (("version", 8), ("type", 8), ("op", 8), ("flags", 8), ("job", 16), ("slot", 16),
-                  ("worker", 8), ("owner", 7), ("set", 1), ("generation", 16), ("psn", 32)),
-    "bridged_h": (("pad0", 7), ("ingress_port", 9), ("slot_set", 16), ("group", 16), ("pad1", 3),
-                  ("relay", 1), ("flood", 1), ("result_multicast", 1), ("second_pass", 1), ("answer", 1)),
-}
-
-
-def unpack(header: str, raw: bytes) -> dict[str, int]:
-    fields = HEADER_FIELDS[header]
-    width = sum(bits for _, bits in fields)
-    value = int.from_bytes(raw[:width // 8], "big")
-    out = {}
-    for name, bits in fields:
-        width -= bits
-        out[name] = value >> width & ((1 << bits) - 1)
-    return out
-
-
-def header_size(header: str) -> int:
-    return sum(bits for _, bits in HEADER_FIELDS[header]) // 8
+HEADER_FIELDS, unpack, header_size = tool.HEADER_FIELDS, tool.unpack, tool.header_size
 
 
 @dataclass
@@ -153,8 +133,25 @@ class JobView:
     group: int
 
 
+def _controller_shaped(job: int, generation: int, p: dict[str, int]) -> None:
+    """An admission entry as controller/passing_controller/allocation.py writes it: job ids 1..1023, epoch =
+    job << 16 | generation, group = job + 1."""
+    if not 1 <= job < MAX_JOBS or p["epoch"] != job << 16 | generation or p["group"] != job + 1:
+        raise Outside(f"admission of job {job} generation {generation} {p}: no controller writes it")
+
+
 def job_view(vector: dict, job: int, generation: int, worker: int, port: int) -> JobView | None:
-    """The admitted job of this packet, or None when no admission entry matches (the default: reject)."""
+    """The admitted job of this packet, or None when no admission entry matches (the default: reject). A vector of
+    a sequence carries the controller's allocations live at its packet: the job is the one this worker sends from
+    this port for, whatever generation the packet says, so that the reference sees a late packet of an earlier
+    allocation against the entry it fails to match."""
+    if "allocations" in vector:
+        for a in vector["allocations"]:
+            if a["job"] == job and worker < len(a["ports"]) and a["ports"][worker] == port:
+                _controller_shaped(job, a["generation"], a)
+                spec = JobSpec(job, a["base"], a["pool"], list(a["ports"]), generation=a["generation"], lanes=None)
+                return JobView(spec, a["epoch"], a["group"])
+        return None
     for entry in _named(vector["tables"], "admission"):
         if entry.get("default") or entry["action"].split(".")[-1] != "admit":
             continue
@@ -167,6 +164,7 @@ def job_view(vector: dict, job: int, generation: int, worker: int, port: int) ->
         if p["full"] != (1 << workers) - 1 or worker >= workers or not 1 <= p["pool"] \
                 or p["base"] + p["pool"] > SLOTS:
             raise Outside(f"admission {p}: no allocation the controller installs for worker {worker}")
+        _controller_shaped(job, generation, p)
         sources = [port if w == worker else 0x10000 + w for w in range(workers)]
         spec = JobSpec(job, p["base"], p["pool"], sources, generation=generation, lanes=None)
         return JobView(spec, p["epoch"], p["group"])
@@ -233,10 +231,10 @@ def slot_view(vector: dict, job: JobView, index: int, lanes: int, psn: int) -> S
 
 
 def run_reference(job: JobView, index: int, state: SlotView, datagram: bytes, port: int,
-                  lanes: int) -> tuple[list, list[str]]:
+                  lanes: int) -> tuple[list, list[str], SlotView]:
     """The reference engine on one packet from a slot/set in ``state``: its emissions as (worker, bytes,
-    multicast), and the job's counters it moved (its verdict)."""
-    engine = AggregationEngine(SLOTS, lanes, MAX_JOBS)
+    multicast), the job's counters it moved (its verdict), and the slot/set after it."""
+    engine = reference.AggregationEngine(SLOTS, lanes, MAX_JOBS)
     engine.add_job(job.spec)
     flat = (index % SLOTS) * 2 + index // SLOTS
     engine.state_epoch[flat] = state.epoch
@@ -250,8 +248,39 @@ def run_reference(job: JobView, index: int, state: SlotView, datagram: bytes, po
     by_source = {s: w for w, s in enumerate(job.spec.sources)}
     verdict = [name for name, n in engine.counters(job.spec.job).items()
                if n and name not in ("received", "results_sent")]
+    after = SlotView(int(engine.state_epoch[flat]), int(engine.tag[flat]), int(engine.bitmap[flat]),
+                     bool(engine.overflow[flat]), engine.acc[flat].copy())
     return [(by_source[int(d)], p.tobytes()[:n], bool(m))
-            for d, p, n, m in zip(out.dest, out.packets, out.lengths, out.multicast)], verdict
+            for d, p, n, m in zip(out.dest, out.packets, out.lengths, out.multicast)], verdict, after
+
+
+def _same(a: SlotView, b: SlotView) -> bool:
+    return (a.epoch, a.tag, a.bitmap, a.overflow) == (b.epoch, b.tag, b.bitmap, b.overflow) \
+        and np.array_equal(a.lanes, b.lanes)
+
+
+REGISTERS = ("slot_tag", "slot_bitmap", "slot_overflow")  # and lane_pair_<k>
+
+
+def tna_state(vector: dict, index: int, lanes: int) -> dict[str, object]:
+    """The registers of slot/set ``index`` before the packet, as the vector sets them (0 where it does not)."""
+    state: dict[str, object] = {"slot_tag": slot_tag_of(vector, index),
+                                "slot_bitmap": registers(vector, "slot_bitmap").get(index, {"bitmap": 0, "psn": 0}),
+                                "slot_overflow": registers(vector, "slot_overflow").get(index, 0)}
+    for k in range(lanes // 2):
+        state[f"lane_pair_{k}"] = registers(vector, f"lane_pair_{k}").get(index, {"first": 0, "second": 0})
+    return {name: ({f: int(v) for f, v in value.items()} if isinstance(value, dict) else int(value))
+            for name, value in state.items()}
+
+
+def concretize(view: SlotView, job: JobView, flag: int, lanes: int) -> dict[str, object]:
+    """The inverse of slot_view for a round of this allocation: the TNA registers of a reference slot/set (with
+    TNA's round flag ``flag``, the OR of the contributions' flags: TNA flags no saturated lane)."""
+    out: dict[str, object] = {"slot_tag": {"tag": view.tag, "epoch": job.epoch},
+                              "slot_bitmap": {"bitmap": view.bitmap, "psn": view.tag}, "slot_overflow": flag}
+    for k in range(lanes // 2):
+        out[f"lane_pair_{k}"] = {"first": int(view.lanes[2 * k]) % INT32, "second": int(view.lanes[2 * k + 1]) % INT32}
+    return out
 
 
 # ---- what the ingress must hand the traffic manager ---------------------------------------------------------
@@ -264,6 +293,8 @@ class Expected:
     port: int | None = None
     headers: dict[str, dict[str, int]] | None = None  # compared when not dropped
     lanes: list[int] | None = None
+    index: int | None = None  # the slot/set whose registers the packet may write
+    after: dict[str, object] | None = None  # their values after it; None: the packet writes no register
 
 
 def _bridged(ingress_port: int, **flags: int) -> dict[str, int]:
@@ -326,7 +357,7 @@ def first_pass(vector: dict, lanes: int) -> Expected:
     job = job_view(vector, hdr["job"], hdr["generation"], hdr["worker"], port)
     if hdr["type"] != wire.DATA:
         return relay(job, hdr, headers, p.lanes, port)
-    if job is None or hdr["slot"] >= job.spec.pool:
+    if job is None or (hdr["slot"] >= job.spec.pool and hdr["generation"] == job.spec.generation):
         return Expected("rejected: not admitted, or a slot outside the job's pool", "drop")
     datagram = raw[ETH + IPV4 + UDP:ETH + IPV4 + UDP + wire.packet_size(lanes)]
     if hdr["flags"] & wire.FLAG_OWNER_ONLY and hdr["owner"] >= job.spec.workers:
@@ -334,18 +365,34 @@ def first_pass(vector: dict, lanes: int) -> Expected:
         # it runs the round as any. The reference rejects the packet.
         datagram = datagram[:3] + bytes([hdr["flags"] & ~wire.FLAG_OWNER_ONLY]) + datagram[4:]
     index = (hdr["set"] & 1) * SLOTS + job.spec.base + hdr["slot"]
+    if hdr["generation"] != job.spec.generation:  # a sequence's late packet: the reference rejects it
+        index = 0
     state = slot_view(vector, job, index, lanes, hdr["psn"])
-    results, verdict = run_reference(job, index, state, datagram, port, lanes)
+    results, verdict, after = run_reference(job, index, state, datagram, port, lanes)
+    same_round = state.epoch == job.spec.epoch and state.tag == hdr["psn"]
+    flagged = hdr["flags"] & wire.FLAG_OVERFLOW
+    if same_round and flagged and not state.overflow and "aggregated" not in verdict:
+        raise Outside("a retransmission flagged OVERFLOW to a round none of whose contributions was")
+    # TNA's round flag is the OR of its contributions' flags; a saturated lane shows at its bound alone
+    round_flag = (int(state.overflow) | flagged) if same_round else flagged
+    # what the packet leaves in the registers: the reference's slot/set after it, or nothing changed
+    if _same(state, after):
+        effect = tna_state(vector, index, lanes)
+    else:
+        if after.epoch != job.spec.epoch:
+            raise Divergence(f"the reference left the slot/set to epoch {after.epoch}, not the job's")
+        saturated = same_round and hdr["op"] == wire.SUM and "aggregated" in verdict and any(
+            not wire.INT32_MIN <= int(a) + _signed(b) <= wire.INT32_MAX for a, b in zip(state.lanes, p.lanes))
+        if after.overflow != (bool(round_flag) or saturated):
+            raise Divergence(f"the reference's round overflow is {after.overflow}: the contributions' flags "
+                             f"{round_flag}, a lane saturated: {saturated}")
+        effect = concretize(after, job, round_flag, lanes)
     if not results:
-        return Expected(f"the state machine drops it ({', '.join(verdict)})", "drop")
+        return Expected(f"the state machine drops it ({', '.join(verdict)})", "drop", index=index, after=effect)
     multicast = results[0][2]
     _, result, _ = next(r for r in results if r[1][1] == wire.RESULT or not r[2])
     sums = list(struct.unpack_from(f">{lanes}I", result, wire.HEADER_SIZE)) if len(result) > wire.HEADER_SIZE \
         else None
-    same_round = state.epoch == job.spec.epoch and state.tag == hdr["psn"]
-    flagged = hdr["flags"] & wire.FLAG_OVERFLOW
-    # TNA's round flag is the OR of its contributions' flags; a saturated lane shows at its bound alone
-    round_flag = (int(state.overflow) | flagged) if same_round else flagged
     if multicast:
         rule = "a completed round: the first pass, to the recirculation port"
         if sums is None:  # every replica is an ACK (an OWNER_ONLY round whose owner is no worker)
@@ -354,8 +401,6 @@ def first_pass(vector: dict, lanes: int) -> Expected:
         group, answer = job.group, 0
     else:
         rule = "a retransmission to a completed round: the first pass of its answer"
-        if not state.overflow and flagged:
-            raise Outside("a retransmission flagged OVERFLOW to a round none of whose contributions was")
         stored = [int(v) % INT32 for v in state.lanes]
         out_lanes = [stored[i] if i % 2 else 0 for i in range(lanes)]
         group, answer = 0, 1
@@ -363,7 +408,7 @@ def first_pass(vector: dict, lanes: int) -> Expected:
         raise Divergence(f"the reference's RESULT flags {result[3]:#x}, the round's flag {round_flag}")
     headers["passing_h"] = {**hdr, "type": wire.RESULT, "flags": round_flag}
     headers["bridged_h"] = _bridged(port, second_pass=1, slot_set=index, group=group, answer=answer)
-    return Expected(rule, "port", (port & 0x180) | RECIRCULATION_PORT, headers, out_lanes)
+    return Expected(rule, "port", (port & 0x180) | RECIRCULATION_PORT, headers, out_lanes, index, effect)
 
 
 def _saturated(sums: list[int] | None) -> bool:
@@ -454,22 +499,89 @@ def compare(vector: dict, want: Expected) -> None:
         raise Divergence(f"{what}: emits {sorted(extra)} too")
 
 
+def compare_registers(vector: dict, want: Expected, lanes: int) -> None:
+    """What the packet's RegisterActions wrote back (the vector's ``writes``, from P4Testgen's trace) against
+    what the protocol leaves in the slot/set: the registers after the packet are the vector's initial values
+    with its writes, and must be ``want.after``; a packet the protocol gives no slot/set writes none."""
+    writes = vector.get("writes")
+    if writes is None:
+        raise Divergence("the vector has no register writes (generated without its trace)")
+    if want.after is None:
+        if writes:
+            raise Divergence(f"{want.rule}: the program writes {sorted({w['register'] for w in writes})}")
+        return
+    elsewhere = sorted({(w["register"], w["index"]) for w in writes if w["index"] != want.index})
+    if elsewhere:
+        raise Divergence(f"{want.rule}: the program writes {elsewhere}, not slot/set {want.index}")
+    now = tna_state(vector, want.index, lanes)
+    for w in writes:
+        old = now[w["register"]]
+        now[w["register"]] = w["fields"]["value"] if w["register"] == "slot_overflow" else {**old, **w["fields"]}
+    for name, value in want.after.items():
+        if now[name] != value:
+            raise Divergence(f"{want.rule}: {name} after the packet is {now[name]}, the protocol says {value}")
+
+
 def check(vector: dict, lanes: int) -> str:
-    """The rule that decides the vector, after comparing; raises Outside or Divergence."""
+    """The rule that decides the vector, after comparing its output and its register effects; raises Outside or
+    Divergence."""
     want = expect(vector, lanes)
     compare(vector, want)
+    compare_registers(vector, want, lanes)
     return want.rule
 
 
+# ---- sequences: vectors chained through the registers --------------------------------------------------------
+
+
+def _packet_index(vector: dict, lanes: int) -> int | None:
+    """The slot/set a sequence's packet reads: the bridged slot/set of a second pass, set * 1024 + base + slot of
+    a first pass whose job is live (None otherwise)."""
+    raw = bytes.fromhex(vector["input"]["packet"])
+    if int(vector["input"]["port"]) & 0x7F == RECIRCULATION_PORT:
+        return unpack("bridged_h", raw)["slot_set"]
+    hdr = parse(raw, lanes).headers.get("passing_h")
+    for a in vector["allocations"]:
+        if hdr is not None and a["job"] == hdr["job"] and a["generation"] == hdr["generation"]:
+            return (hdr["set"] & 1) * SLOTS + a["base"] + hdr["slot"]
+    return None
+
+
+def check_chain(vectors: list[dict], lanes: int) -> None:
+    """The vectors of one sequence, in order, are one run of the program: each starts from the registers the
+    earlier ones left (its initial values are what they wrote, or 0 where nothing was), and a second pass's
+    input is what the first pass before it emitted. With each vector checked alone (check), this holds the
+    program to the protocol over the whole sequence."""
+    state: dict[tuple[str, int], object] = {}
+    emitted: dict[str, dict] | None = None
+    for v in vectors:
+        what = f"{v['sequence']} step {v['step']}"
+        index = _packet_index(v, lanes)
+        if index is not None:
+            present = {r["register"].split(".")[-1] for r in v["registers"]}  # what the path reads
+            for name, value in tna_state(v, index, lanes).items():
+                if name not in present:
+                    continue
+                before = state.get((name, index), tna_state({"registers": []}, index, lanes)[name])
+                if value != before:
+                    raise Divergence(f"{what}: {name} starts at {value}, the sequence left {before}")
+        if int(v["input"]["port"]) & 0x7F == RECIRCULATION_PORT:
+            raw = bytes.fromhex(v["input"]["packet"])
+            got = {"bridged_h": unpack("bridged_h", raw), **parse(raw[header_size("bridged_h"):], lanes).headers}
+            if emitted is None or any(got.get(h) != f for h, f in emitted.items() if h != "lanes_h"):
+                raise Divergence(f"{what}: a second pass that is not what the first pass emitted")
+            lanes_in = parse(raw[header_size("bridged_h"):], lanes).lanes
+            if lanes_in != [emitted["lanes_h"][f"value_{i}"] for i in range(lanes)]:
+                raise Divergence(f"{what}: a second pass whose lanes are not those the first pass emitted")
+        for w in v["writes"]:
+            key = (w["register"], w["index"])
+            old = state.get(key, tna_state({"registers": []}, w["index"], lanes)[w["register"]])
+            state[key] = w["fields"]["value"] if w["register"] == "slot_overflow" else {**old, **w["fields"]}
+        got = v["ingress"]
+        emitted = {e["header"]: e["fields"] for e in got["emit"]} if got and not got["dropped"] else None
+
+
 # ---- the v1model program's vectors (P4Testgen's bmv2 target) --------------------------------------------------
-
-
-def ipv4_checksum(header: bytes) -> int:
-    words = struct.unpack(">10H", header[:10] + b"\0\0" + header[12:20])
-    total = sum(words)
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    return ~total & 0xFFFF
 
 
 def v1model_expect(vector: dict, lanes: int) -> tuple[str, int | None, bytes | None]:
@@ -488,7 +600,7 @@ def v1model_expect(vector: dict, lanes: int) -> tuple[str, int | None, bytes | N
         packet = raw
         if "ipv4_h" in p.headers:  # the deparser writes the IPv4 checksum of every IPv4 packet
             header = raw[ETH:ETH + IPV4]
-            packet = raw[:ETH + 10] + struct.pack(">H", ipv4_checksum(header)) + raw[ETH + 12:]
+            packet = raw[:ETH + 10] + struct.pack(">H", tool.ipv4_checksum(header)) + raw[ETH + 12:]
         return "l2: forwarded", out, packet
     hdr = p.headers.get("passing_h")
     if not _aggregated_kind(hdr):
@@ -509,7 +621,7 @@ def v1model_expect(vector: dict, lanes: int) -> tuple[str, int | None, bytes | N
     datagram = raw[ETH + IPV4 + UDP:ETH + IPV4 + UDP + wire.packet_size(lanes)]
     index = (hdr["set"] & 1) * SLOTS + job.spec.base + hdr["slot"]
     empty = SlotView(-1, 0, 0, False, np.zeros(lanes, np.int32))
-    results, verdict = run_reference(job, index, empty, datagram, port, lanes)
+    results, verdict, _ = run_reference(job, index, empty, datagram, port, lanes)
     if any(not multicast for _, _, multicast in results):
         raise Divergence("a round new at every slot answered a retransmission")
     if results and job.group <= FLOOD_GROUP:
