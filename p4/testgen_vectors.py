@@ -425,6 +425,9 @@ class Send:
     flags: int = 0  # PASSING_FLAG_*
     owner: int = 0
     generation: int | None = None  # the allocation's unless given (a late packet of an earlier one)
+    type: int = 1  # PASSING_TYPE_DATA; 4: GATHER, 5: NACK
+    version: int = 3  # PASSING_VERSION
+    port: int | None = None  # the worker's port unless given (a packet from another worker's port)
 
 
 @dataclass(frozen=True)
@@ -445,6 +448,8 @@ _MAX = Allocation(job=3, generation=1, base=900, pool=100, ports=(6, 7))
 _OLD = Allocation(job=9, generation=5, base=200, pool=8, ports=(8, 9))
 _NEW = Allocation(job=10, generation=0, base=198, pool=16, ports=(10, 11))
 _OWNED = Allocation(job=20, generation=7, base=500, pool=32, ports=(12, 13, 14))
+_ALONE = Allocation(job=30, generation=1, base=700, pool=2, ports=(15,))
+GATHER, NACK = 4, 5
 # What the sequences are for (docs/tofino.md, "Sequences"): every rule of the state machine met on a state an
 # earlier packet of the sequence wrote, with the second pass of every completion and answer.
 SEQUENCES: dict[str, tuple] = {
@@ -460,6 +465,22 @@ SEQUENCES: dict[str, tuple] = {
               Send(_ROUND, 1, slot=5, set=1, psn=5, data="down"),
               Send(_ROUND, 2, slot=5, set=1, psn=37, data="down"),
               Send(_ROUND, 0, slot=5, set=1, psn=37, data="up", generation=2)),
+    # what admission refuses with the job's entries installed: a slot just past the pool, a worker from another
+    # worker's port, another protocol version
+    "refused": (Allocate(_ROUND),
+                Send(_ROUND, 1, slot=16, psn=3, data="up"),
+                Send(_ROUND, 1, slot=2, psn=3, data="up", port=3),
+                Send(_ROUND, 1, slot=2, psn=3, data="up", version=2)),
+    # GATHER and NACK: a piece of the sender's own and a NACK to a peer relayed; a GATHER of another worker's
+    # piece and a NACK to the sender itself refused
+    "relay": (Allocate(_OWNED),
+              Send(_OWNED, 1, slot=0, psn=40, data="up", type=GATHER, owner=1),
+              Send(_OWNED, 1, slot=0, psn=40, data="up", type=GATHER, owner=2),
+              Send(_OWNED, 2, slot=3, psn=40, data="up", type=NACK, owner=0),
+              Send(_OWNED, 2, slot=3, psn=40, data="up", type=NACK, owner=2)),
+    # a job of one worker: every packet completes its round
+    "alone": (Allocate(_ALONE),
+              Send(_ALONE, 0, slot=1, psn=2, data="down", flags=OVERFLOW)),
     # two contributions that saturate every lane, unflagged; the next round across the psn's wrap
     "saturate": (Allocate(_SATURATE),
                  Send(_SATURATE, 0, slot=3, psn=0xFFFFFFFC, data="big"),
@@ -491,15 +512,16 @@ def frame(send: Send, lanes: int) -> dict:
     alloc = send.alloc
     ip = {"version": 4, "ihl": 5, "diffserv": 0, "total_len": 20 + 8 + 16 + 4 * lanes, "identification": 0,
           "flags": 0, "frag_offset": 0, "ttl": 64, "protocol": 17, "hdr_checksum": 0,
-          "src_addr": 0x0A000000 + alloc.ports[send.worker], "dst_addr": AGGREGATOR_IP}
+          "src_addr": 0x0A000000 + (alloc.ports[send.worker] if send.port is None else send.port),
+          "dst_addr": AGGREGATOR_IP}
     ip["hdr_checksum"] = ipv4_checksum(pack("ipv4_h", ip))
     generation = alloc.generation if send.generation is None else send.generation
-    return {"port": alloc.ports[send.worker], "headers": {
-        "ethernet_h": {"dst_addr": AGGREGATOR_MAC, "src_addr": 0x020000000000 + alloc.ports[send.worker],
-                       "ether_type": 0x0800},
+    port = alloc.ports[send.worker] if send.port is None else send.port
+    return {"port": port, "headers": {
+        "ethernet_h": {"dst_addr": AGGREGATOR_MAC, "src_addr": 0x020000000000 + port, "ether_type": 0x0800},
         "ipv4_h": ip,
         "udp_h": {"src_port": 40000 + send.worker, "dst_port": 9877, "length": 8 + 16 + 4 * lanes, "checksum": 0},
-        "passing_h": {"version": 3, "type": 1, "op": send.op, "flags": send.flags, "job": alloc.job,
+        "passing_h": {"version": send.version, "type": send.type, "op": send.op, "flags": send.flags, "job": alloc.job,
                       "slot": send.slot, "worker": send.worker, "owner": send.owner, "set": send.set,
                       "generation": generation, "psn": send.psn},
         "lanes_h": {f"value_{i}": v % (1 << 32) for i, v in enumerate(lane_data(send.data, lanes))}}}
@@ -705,12 +727,19 @@ def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines
 
 
 def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int], extra: list[str],
-             log_file: Path | None = None, source: Path | None = None, out: Path | None = None) -> dict:
+             log_file: Path | None = None, source: Path | None = None, out: Path | None = None,
+             only_sequences: bool = False) -> dict:
     """Every run of the program, then (Tofino) its sequences, into its vector file; ``source`` and ``out``: a
     variant of the program (a mutant, p4/mutants.py) and where its vectors go."""
     runs: dict[str, dict] = {}
     tests: list[dict] = []
-    for run in program.runs:
+    if only_sequences:  # the runs' vectors as they are in the file, the sequences made again
+        kept = json.loads((out or ROOT / program.vectors).read_text())
+        if kept["program_sha256"] != program_sha256(source or ROOT / program.source):
+            sys.exit("--only-sequences: the vector file is of another program: generate it whole")
+        runs = kept["p4testgen"]["runs"]
+        tests = [t for t in kept["tests"] if t["run"] != "sequence"]
+    for run in program.runs if not only_sequences else ():
         log = log_file.with_name(f"{log_file.name}.{run.name}") if log_file and len(program.runs) > 1 else log_file
         found, runs[run.name] = run_p4testgen(program, run, max_tests, seed, defines, extra, log, source)
         tests += found
@@ -766,6 +795,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--lanes", type=int, default=64, help="PASSING_LANES of the program")
     gen.add_argument("--source", type=Path, help="a variant of the program (a mutant) instead of it")
     gen.add_argument("--out", type=Path, help="write the vectors there instead of beside the program")
+    gen.add_argument("--only-sequences", action="store_true",
+                     help="make the sequences again, keep the runs' vectors of the file (same program)")
     gen.add_argument("--log", type=Path,
                      help="write p4testgen's whole output there (LOG.<run> for each run of a program of several)")
     sub.add_parser("check", help="exit 1 when a vector file is missing or stale")
@@ -775,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "generate":
         meta = generate(PROGRAMS[args.program], args.max_tests, args.seed, {"PASSING_LANES": args.lanes}, extra,
-                        args.log, args.source, args.out)
+                        args.log, args.source, args.out, args.only_sequences)
         summary = {"program": meta["program"], "seconds": meta["p4testgen"]["seconds"],
                    "tests": {name: r["tests"] for name, r in meta["p4testgen"]["runs"].items()},
                    "covered": f'{meta["statement_coverage"]["covered"]}/{meta["statement_coverage"]["nodes"]}'}

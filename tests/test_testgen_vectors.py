@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import collections
 import copy
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conformance import testgen
+from tests.conformance import testgen, vector_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("testgen_vectors", ROOT / "p4" / "testgen_vectors.py")
-tool = importlib.util.module_from_spec(_spec)
-sys.modules["testgen_vectors"] = tool  # p4/ is no package (`p4` is p4runtime's protobuf package)
-_spec.loader.exec_module(tool)
+tool = vector_tool.load()
 
 TNA = tool.PROGRAMS["tna"]
 V1MODEL = tool.PROGRAMS["v1model"]
@@ -38,28 +33,124 @@ def test_the_vectors_are_those_of_the_program_as_it_is(program):
     assert tool.stale(program) is None, tool.stale(program)
 
 
+def vector_class(vector: dict) -> str:
+    """The class docs/tofino.md counts vectors by: which run made it, and for a first pass whether the protocol
+    gives it a slot/set (its register effects are then compared value by value)."""
+    if vector["run"] == "sequence":
+        return "sequence"
+    return vector["run"]
+
+
 def test_every_vector_does_what_the_protocol_says(vectors):
     rules: collections.Counter = collections.Counter()
     outside: collections.Counter = collections.Counter()
+    compared: collections.Counter = collections.Counter()  # (class, what was compared)
     divergences = []
+    lanes = lanes_of(vectors)
     for vector in vectors["tests"]:
         try:
-            rules[testgen.check(vector, lanes_of(vectors))] += 1
+            want = testgen.expect(vector, lanes)
+            testgen.compare(vector, want)
+            testgen.compare_registers(vector, want, lanes)
         except testgen.Outside as e:
             outside[str(e).split(":")[0]] += 1
+            continue
         except testgen.Divergence as e:
             divergences.append(f"{vector['run']} test {vector['id']}: {e}")
+            continue
+        rules[want.rule] += 1
+        output = "drop bit" if want.to == "drop" else "headers, lanes and port"
+        effect = "no register written" if want.after is None else "registers after the packet"
+        compared[(vector_class(vector), f"{output}; {effect}")] += 1
     print("\n".join(f"{n:4d}  {rule}" for rule, n in sorted(rules.items())))
     print("\n".join(f"{n:4d}  outside: {why}" for why, n in sorted(outside.items())))
+    print("\n".join(f"{n:4d}  {cls}: {what}" for (cls, what), n in sorted(compared.items())))
     assert not divergences, "\n".join(divergences)
     # the rules that matter are among the vectors compared, in both passes
     for needed in ("a completed round: the first pass", "a retransmission to a completed round",
                    "the state machine drops it (aggregated", "the state machine drops it (duplicate",
-                   "the state machine drops it (stale", "relayed: to the job's multicast group",
-                   "rejected: ", "l2: ", "the second pass of a completed round",
-                   "the second pass of an answer: to the worker's port"):
+                   "the state machine drops it (stale", "the state machine drops it (rejected",
+                   "relayed: to the job's multicast group", "rejected: ", "l2: ", "malformed: ",
+                   "the second pass of a completed round", "the second pass of an answer: to the worker's port"):
         assert any(rule.startswith(needed) for rule in rules), f"no vector compared for: {needed}"
     assert sum(outside.values()) <= sum(rules.values()) // 4, outside
+
+
+def test_the_lanes_compared_carry_data():
+    """Non-zero lanes of both signs, sums that saturate and sums that do not, in the lanes a first pass emits and
+    in the registers it leaves (the preconditions' shaped lanes and the sequences)."""
+    vectors = json.loads((ROOT / TNA.vectors).read_text())
+    lanes = lanes_of(vectors)
+    emitted = [v for t in vectors["tests"] if t["ingress"] and t["ingress"]["emit"]
+               for e in t["ingress"]["emit"] if e["header"] == "lanes_h" for v in e["fields"].values()]
+    written = [int(w["fields"][f]) for t in vectors["tests"] for w in t["writes"]
+               if w["register"].startswith("lane_pair_") for f in ("first", "second") if f in w["fields"]]
+    for values in (emitted, written):
+        signed = [testgen._signed(int(v)) for v in values]
+        assert sum(v > 0 for v in signed) > lanes and sum(v < 0 for v in signed) > lanes
+        assert 0x7FFFFFFF in signed and -0x80000000 in signed  # saturated both ways
+        assert sum(v != 0 for v in signed) > 0.8 * len(signed)
+
+
+# What each sequence must show, step by step (p4/testgen_vectors.py SEQUENCES; its second passes included).
+SEQUENCE_RULES = {
+    "round": ["the state machine drops it (aggregated)", "the state machine drops it (aggregated, overflow)",
+              "the state machine drops it (duplicate)", "a completed round: the first pass",
+              "the second pass of a completed round", "a retransmission to a completed round",
+              "the second pass of an answer: to the worker's port", "the state machine drops it (stale)",
+              "the state machine drops it (aggregated)", "the state machine drops it (rejected)"],
+    "refused": ["the state machine drops it (rejected)", "the state machine drops it (rejected)",
+                "malformed: "],
+    "relay": ["relayed: ", "rejected: a relayed kind", "relayed: ", "rejected: a relayed kind"],
+    "alone": ["a completed round: the first pass", "the second pass of a completed round"],
+    "saturate": ["the state machine drops it (aggregated)", "a completed round: the first pass",
+                 "the second pass of a completed round", "the state machine drops it (aggregated)"],
+    "max": ["the state machine drops it (aggregated)", "a completed round: the first pass",
+            "the second pass of a completed round"],
+    "next_allocation": ["the state machine drops it (aggregated)", "a completed round: the first pass",
+                        "the second pass of a completed round", "the state machine drops it (aggregated)",
+                        "rejected: not admitted", "a completed round: the first pass",
+                        "the second pass of a completed round"],
+    "owner_only": ["the state machine drops it (aggregated)", "the state machine drops it (aggregated, overflow)",
+                   "a completed round: the first pass", "the second pass of a completed round"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEQUENCE_RULES))
+def test_each_sequence_runs_its_packets_through_the_registers_the_earlier_ones_left(vectors, name):
+    """A sequence's vectors chain (each starts from the registers the earlier ones wrote; a second pass is what
+    its first pass emitted) and each does, in order, what the sequence is for."""
+    chain = sorted((v for v in vectors["tests"] if v.get("sequence") == name), key=lambda v: v["step"])
+    testgen.check_chain(chain, lanes_of(vectors))
+    rules = [testgen.check(v, lanes_of(vectors)) for v in chain]
+    assert len(rules) == len(SEQUENCE_RULES[name]), rules
+    for got, want in zip(rules, SEQUENCE_RULES[name]):
+        assert got.startswith(want), rules
+
+
+def test_a_chain_with_a_register_the_sequence_did_not_leave_is_a_divergence(vectors):
+    chain = copy.deepcopy(sorted((v for v in vectors["tests"] if v.get("sequence") == "round"),
+                                 key=lambda v: v["step"]))
+    bitmap = next(r for r in chain[1]["registers"] if r["register"].endswith("slot_bitmap"))
+    bitmap["value"]["bitmap"] = 4  # the second packet finds worker 2's bit, not worker 0's
+    with pytest.raises(testgen.Divergence, match="slot_bitmap starts at"):
+        testgen.check_chain(chain, lanes_of(vectors))
+
+
+def test_the_sequences_allocations_are_the_controllers():
+    """The admission entries of the sequences are those controller/passing_controller/allocation.py writes."""
+    from passing_controller.allocation import Allocation, Worker
+    from passing_controller.topology import Host
+
+    for events in tool.SEQUENCES.values():
+        for event in events:
+            if isinstance(event, tool.Allocate):
+                a = event.alloc
+                hosts = [Host(f"h{w}", "02:00:00:00:00:01", "10.0.0.1", port) for w, port in enumerate(a.ports)]
+                ours = Allocation(a.job, a.generation, a.base, a.pool,
+                                  tuple(Worker(w, h, 40000 + w) for w, h in enumerate(hosts)))
+                assert a.params() == {"base": ours.base, "pool": ours.pool, "full": ours.full, "epoch": ours.epoch,
+                                      "group": ours.group}
 
 
 def _first(vectors: dict, rule: str) -> dict:
@@ -83,6 +174,17 @@ def test_a_wrong_output_is_a_divergence(vectors, mutate, message):
     vector = copy.deepcopy(_first(vectors, "a completed round: the first pass, to the recirculation port"))
     mutate(vector)
     with pytest.raises(testgen.Divergence, match=message):
+        testgen.check(vector, lanes_of(vectors))
+
+
+@pytest.mark.parametrize("register,field", [("lane_pair_0", "first"), ("slot_bitmap", "bitmap"),
+                                            ("slot_overflow", "value")])
+def test_a_wrong_register_write_is_a_divergence(vectors, register, field):
+    """A contribution's effect on its slot/set changed in one register: the checker says which."""
+    vector = copy.deepcopy(next(v for v in vectors["tests"] if v.get("sequence") == "round" and v["step"] == 1))
+    write = next(w for w in vector["writes"] if w["register"] == register)
+    write["fields"][field] = (write["fields"][field] + 1) % (1 << 32)
+    with pytest.raises(testgen.Divergence, match=f"{register} after the packet"):
         testgen.check(vector, lanes_of(vectors))
 
 

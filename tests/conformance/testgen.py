@@ -142,12 +142,12 @@ def _controller_shaped(job: int, generation: int, p: dict[str, int]) -> None:
 
 def job_view(vector: dict, job: int, generation: int, worker: int, port: int) -> JobView | None:
     """The admitted job of this packet, or None when no admission entry matches (the default: reject). A vector of
-    a sequence carries the controller's allocations live at its packet: the job is the one this worker sends from
-    this port for, whatever generation the packet says, so that the reference sees a late packet of an earlier
-    allocation against the entry it fails to match."""
+    a sequence carries the controller's allocations live at its packet: the job is the live allocation of the
+    packet's job id, whatever its generation, worker and port say, so that the reference sees a late packet of an
+    earlier allocation, or a worker on another's port, against the entries it fails to match."""
     if "allocations" in vector:
         for a in vector["allocations"]:
-            if a["job"] == job and worker < len(a["ports"]) and a["ports"][worker] == port:
+            if a["job"] == job:
                 _controller_shaped(job, a["generation"], a)
                 spec = JobSpec(job, a["base"], a["pool"], list(a["ports"]), generation=a["generation"], lanes=None)
                 return JobView(spec, a["epoch"], a["group"])
@@ -352,21 +352,25 @@ def first_pass(vector: dict, lanes: int) -> Expected:
             return Expected("l2: flooded", "multicast", None, headers, p.lanes)
         return Expected("l2: dropped", "drop")
     hdr = p.headers.get("passing_h")
-    if not _aggregated_kind(hdr):
-        return Expected("malformed: not a whole DATA, GATHER or NACK of the program's lanes", "drop")
-    job = job_view(vector, hdr["job"], hdr["generation"], hdr["worker"], port)
-    if hdr["type"] != wire.DATA:
-        return relay(job, hdr, headers, p.lanes, port)
-    if job is None or (hdr["slot"] >= job.spec.pool and hdr["generation"] == job.spec.generation):
-        return Expected("rejected: not admitted, or a slot outside the job's pool", "drop")
+    job = job_view(vector, hdr["job"], hdr["generation"], hdr["worker"], port) if hdr is not None else None
     datagram = raw[ETH + IPV4 + UDP:ETH + IPV4 + UDP + wire.packet_size(lanes)]
+    if not _aggregated_kind(hdr):
+        if job is not None and p.lanes is not None:  # the reference must not take it either
+            empty = SlotView(-1, 0, 0, False, np.zeros(lanes, np.int32))
+            results, verdict, _ = run_reference(job, 0, empty, datagram, port, lanes)
+            if results or verdict:
+                raise Divergence(f"the reference takes a packet of version {hdr['version']} type {hdr['type']}: "
+                                 f"{verdict}")
+        return Expected("malformed: not a whole DATA, GATHER or NACK of the program's lanes", "drop")
+    if hdr["type"] != wire.DATA:
+        return relay(job, hdr, headers, p.lanes, port, datagram, lanes)
+    if job is None:
+        return Expected("rejected: not admitted", "drop")
     if hdr["flags"] & wire.FLAG_OWNER_ONLY and hdr["owner"] >= job.spec.workers:
         # TNA does not check an OWNER_ONLY round's owner (it would take a stage: docs/protocol.md, docs/tofino.md):
         # it runs the round as any. The reference rejects the packet.
         datagram = datagram[:3] + bytes([hdr["flags"] & ~wire.FLAG_OWNER_ONLY]) + datagram[4:]
     index = (hdr["set"] & 1) * SLOTS + job.spec.base + hdr["slot"]
-    if hdr["generation"] != job.spec.generation:  # a sequence's late packet: the reference rejects it
-        index = 0
     state = slot_view(vector, job, index, lanes, hdr["psn"])
     results, verdict, after = run_reference(job, index, state, datagram, port, lanes)
     same_round = state.epoch == job.spec.epoch and state.tag == hdr["psn"]
@@ -401,8 +405,9 @@ def first_pass(vector: dict, lanes: int) -> Expected:
         group, answer = job.group, 0
     else:
         rule = "a retransmission to a completed round: the first pass of its answer"
-        stored = [int(v) % INT32 for v in state.lanes]
-        out_lanes = [stored[i] if i % 2 else 0 for i in range(lanes)]
+        if sums is None:  # an ACK to a worker that is not the round's owner: TNA answers with the RESULT
+            sums = [int(v) % INT32 for v in state.lanes]
+        out_lanes = [sums[i] if i % 2 else 0 for i in range(lanes)]
         group, answer = 0, 1
     if (result[3] & wire.FLAG_OVERFLOW) != round_flag and not _saturated(sums):
         raise Divergence(f"the reference's RESULT flags {result[3]:#x}, the round's flag {round_flag}")
@@ -415,16 +420,18 @@ def _saturated(sums: list[int] | None) -> bool:
     return sums is not None and any(v in (0x7FFFFFFF, 0x80000000) for v in sums)
 
 
-def relay(job: JobView | None, hdr: dict, headers: dict, lanes: list[int] | None, port: int) -> Expected:
-    """GATHER and NACK: admitted and addressed right (a GATHER of the sender's own piece, a NACK to another
-    worker of the job), they go to the job's multicast group with the bridged relay flag, untouched."""
-    ok = job is not None and (
-        hdr["owner"] == hdr["worker"] if hdr["type"] == wire.GATHER
-        else hdr["owner"] != hdr["worker"] and hdr["owner"] < job.spec.workers)
-    if not ok:
-        return Expected("rejected: a relayed kind not admitted or not addressed to the job", "drop")
-    headers["bridged_h"] = _bridged(port, relay=1)
-    return Expected("relayed: to the job's multicast group", "multicast", None, headers, lanes)
+def relay(job: JobView | None, hdr: dict, headers: dict, lanes: list[int] | None, port: int, datagram: bytes,
+          width: int) -> Expected:
+    """GATHER and NACK: what the reference admits and relays (a GATHER of the sender's own piece, a NACK to another
+    worker of the job) goes to the job's multicast group with the bridged relay flag, untouched; the rest is
+    dropped. Which replicas leave is the egress's (not modelled)."""
+    if job is not None:
+        empty = SlotView(-1, 0, 0, False, np.zeros(width, np.int32))
+        _, verdict, _ = run_reference(job, 0, empty, datagram, port, width)
+        if "relayed" in verdict:
+            headers["bridged_h"] = _bridged(port, relay=1)
+            return Expected("relayed: to the job's multicast group", "multicast", None, headers, lanes)
+    return Expected("rejected: a relayed kind not admitted or not addressed to the job", "drop")
 
 
 def second_pass(vector: dict, lanes: int) -> Expected:
@@ -609,12 +616,13 @@ def v1model_expect(vector: dict, lanes: int) -> tuple[str, int | None, bytes | N
     # v1model multicasts in the pass that decides: with group 0 a relay or a completion goes to port 0
     no_group = Outside(f"admission group {job.group if job else None}: no job's multicast group (job id + 1 >= 2)")
     if hdr["type"] != wire.DATA:
-        relayed = relay(job, hdr, {}, None, port)
+        datagram = raw[ETH + IPV4 + UDP:ETH + IPV4 + UDP + wire.packet_size(lanes)]
+        relayed = relay(job, hdr, {}, None, port, datagram, lanes)
         if relayed.to == "multicast" and job is not None and job.group <= FLOOD_GROUP:
             raise no_group
         return relayed.rule + " (no unicast port)", None, None
-    if job is None or hdr["slot"] >= job.spec.pool:
-        return "rejected: not admitted, or a slot outside the job's pool", None, None
+    if job is None:
+        return "rejected: not admitted", None, None
     if job.epoch == 0:
         raise Outside("admission epoch 0 is the registers' initial value: a round of this allocation with no "
                       "contributor, which the protocol never holds")
