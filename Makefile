@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup test test-all test-torch-suite lint demo bench bench-quick bench-core bench-control bench-bmv2 p4 p4-tofino p4-testgen p4-mutants clean
+.PHONY: all setup test test-all test-torch-suite lint demo bench bench-quick bench-core bench-control bench-bmv2 p4 p4-tofino p4-tofino2 p4-testgen p4-mutants clean
 
 all: test
 
@@ -111,6 +111,26 @@ p4-tofino: $(TNA_SOURCES)
 	p4c-gen-conf --conf-type BF-RT --device tofino --name passing --p4-version p4-16 --pipe pipe \
 		--outputdir $(TOFINO_OUT) --bfrt-name $(TOFINO_OUT)/bfrt.json
 	$(PYTHON) p4/tna/resources.py $(TOFINO_OUT)
+
+# The Tofino 2 program (p4/t2na/passing.p4): build/tofino2/, as p4-tofino does for Tofino 1
+# (pipe/tofino2.bin, context.json, bfrt.json, P4Info, passing.conf) and its resource
+# summary; bfas fails when it does not fit (more than 20 stages). TOFINO2_LANES: int32
+# values per packet, by default the program's PASSING_T2NA_LANES (the one place it is
+# written). TOFINO2_OUT: where to put it.
+TOFINO2_LANES ?= $(shell sed -n 's/^\#define PASSING_T2NA_LANES \([0-9][0-9]*\).*/\1/p' p4/t2na/passing.p4)
+TOFINO2_OUT ?= build/tofino2
+T2NA_SOURCES := $(wildcard p4/include/*.p4) p4/t2na/passing.p4
+p4-tofino2: $(T2NA_SOURCES)
+	@for tool in p4c-barefoot bfas p4c-gen-conf; do command -v $$tool >/dev/null || { echo "make p4-tofino2: $$tool not found; build p4c with -DENABLE_TOFINO=ON (docs/tofino.md)" >&2; exit 1; }; done
+	rm -rf $(TOFINO2_OUT) && mkdir -p $(TOFINO2_OUT)
+	p4c-barefoot --target tofino2 --arch t2na --std p4-16 -g --verbose -Ttable_summary:1 -DPASSING_LANES=$(TOFINO2_LANES) \
+		--p4runtime-force-std-externs \
+		--p4runtime-files $(TOFINO2_OUT)/passing.p4info.txtpb --bf-rt-schema $(TOFINO2_OUT)/bfrt.json \
+		-o $(TOFINO2_OUT) p4/t2na/passing.p4
+	bfas --target tofino2 --table-handle-offset0 -o $(TOFINO2_OUT)/pipe $(TOFINO2_OUT)/pipe/passing.bfa
+	p4c-gen-conf --conf-type BF-RT --device tofino2 --name passing --p4-version p4-16 --pipe pipe \
+		--outputdir $(TOFINO2_OUT) --bfrt-name $(TOFINO2_OUT)/bfrt.json
+	$(PYTHON) p4/tna/resources.py $(TOFINO2_OUT)
 
 # P4Testgen's tests of both programs as vectors beside them (p4/tna/testgen.json, p4/v1model/testgen.json;
 # docs/tofino.md, "Executed by P4Testgen"); tests/test_testgen_vectors.py holds them against the protocol and

@@ -1,17 +1,19 @@
-"""Both targets' P4Info agree on every name the controller uses (docs/tofino.md).
+"""Every target's P4Info agrees on every name the controller uses (docs/tofino.md).
 
-Compiles p4/v1model (p4c-bm2-ss) and, with `make p4-tofino`, p4/tna (p4c-barefoot, then
-bfas: does it fit Tofino 1?) into a temporary directory; those tests are skipped when a
-compiler is missing. The review trace of the scenario table through the TNA program
-(docs/tofino.md) is checked for completeness everywhere.
+Compiles p4/v1model (p4c-bm2-ss) and, with `make p4-tofino` and `make p4-tofino2`, p4/tna and
+p4/t2na (p4c-barefoot, then bfas: does it fit Tofino 1, Tofino 2?) into a temporary directory;
+those tests are skipped when a compiler is missing. The review trace of the scenario table
+through the TNA program (docs/tofino.md) is checked for completeness everywhere.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -44,26 +46,77 @@ def load(path: Path):
     return text_format.Parse(path.read_text(), p4info_pb2.P4Info())
 
 
+@dataclass(frozen=True)
+class Chip:
+    """A Tofino program and the make target that builds it (Makefile)."""
+
+    program: str  # p4/<program>/passing.p4
+    make_target: str
+    out_variable: str  # where the make target puts its build
+    binary: str  # what bfas writes once the program fits
+    stages: int  # MAU stages per gress
+
+
+CHIPS = {
+    "tna": Chip("tna", "p4-tofino", "TOFINO_OUT", "tofino.bin", 12),
+    "t2na": Chip("t2na", "p4-tofino2", "TOFINO2_OUT", "tofino2.bin", 20),
+}
+
+
+def t2na_lanes() -> int:
+    """The Tofino 2 program's lanes per packet: written once, as PASSING_T2NA_LANES in p4/t2na/passing.p4."""
+    source = (REPO / "p4" / "t2na" / "passing.p4").read_text()
+    found = re.search(r"^#define PASSING_T2NA_LANES (\d+)\b", source, re.M)
+    assert found, "p4/t2na/passing.p4 defines no PASSING_T2NA_LANES"
+    return int(found.group(1))
+
+
+def test_t2na_lane_count_is_written_once():
+    lanes = t2na_lanes()
+    assert lanes % 8 == 0 and lanes >= 64, lanes  # four lane pairs (SALUs) per stage
+    make = subprocess.run(["make", "-s", "-n", "p4-tofino2"], cwd=REPO, capture_output=True, text=True)
+    assert f"-DPASSING_LANES={lanes} " in make.stdout, "make p4-tofino2 does not build the program's lane count"
+
+
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+def v1model_p4info(tmp_path_factory):
     out = tmp_path_factory.mktemp("p4info")
     subprocess.run(["p4c-bm2-ss", "--arch", "v1model", "--std", "p4-16", "--p4runtime-files",
                     str(out / "v1model.txtpb"), "-o", str(out / "v1model.json"), "p4/v1model/passing.p4"],
                    cwd=REPO, check=True, capture_output=True)
-    tofino = out / "tofino"
-    # the build users run (Makefile), so the flags are those of `make p4-tofino`
-    tna = subprocess.run(["make", "-s", "p4-tofino", f"TOFINO_OUT={tofino}", f"PYTHON={sys.executable}"],
-                         cwd=REPO, capture_output=True, text=True)
-    errors = [line for line in (tna.stdout + tna.stderr).splitlines() if "error" in line]
-    assert tna.returncode == 0, f"make p4-tofino fails: {errors or tna.stderr[-3000:]}"
-    return load(out / "v1model.txtpb"), load(tofino / "passing.p4info.txtpb"), tofino
+    return load(out / "v1model.txtpb")
+
+
+@pytest.fixture(scope="module", params=sorted(CHIPS))
+def compiled(request, tmp_path_factory, v1model_p4info):
+    """(v1model P4Info, the Tofino program's P4Info, its build directory, its Chip), one Tofino program at a time."""
+    chip = CHIPS[request.param]
+    out = tmp_path_factory.mktemp(chip.program)
+    # the build users run (Makefile), so the flags are those of `make p4-tofino` / `make p4-tofino2`
+    build = subprocess.run(["make", "-s", chip.make_target, f"{chip.out_variable}={out}", f"PYTHON={sys.executable}"],
+                           cwd=REPO, capture_output=True, text=True)
+    errors = [line for line in (build.stdout + build.stderr).splitlines() if "error" in line]
+    assert build.returncode == 0, f"make {chip.make_target} fails: {errors or build.stderr[-3000:]}"
+    return v1model_p4info, load(out / "passing.p4info.txtpb"), out, chip
 
 
 @needs_compilers
-def test_tna_program_fits_tofino1(compiled):
-    """p4c-barefoot places tables even past the chip's 12 stages; bfas (run by `make p4-tofino`,
-    which must have succeeded) is what refuses, so a binary means the program fits."""
-    assert (compiled[2] / "pipe" / "tofino.bin").stat().st_size > 0
+def test_program_fits_its_chip(compiled):
+    """p4c-barefoot places tables even past the chip's stages; bfas (run by the make target, which must have
+    succeeded) is what refuses, so a binary means the program fits."""
+    out, chip = compiled[2], compiled[3]
+    assert (out / "pipe" / chip.binary).stat().st_size > 0
+    resources = json.loads(next(out.rglob("resources.json")).read_text())
+    assert resources["resources"]["mau"]["nStages"] == chip.stages
+
+
+@needs_compilers
+def test_lane_pairs_match_the_lane_count(compiled):
+    """One lane_pair_<k> register per two lanes: TOFINO_LANES' default (64) on Tofino 1, PASSING_T2NA_LANES on 2."""
+    chip = compiled[3]
+    pairs = [r for r in compiled[1].registers if r.preamble.name.startswith("PassingIngress.lane_pair_")]
+    lanes = t2na_lanes() if chip.program == "t2na" else 64
+    assert len(pairs) == lanes // 2, (chip.program, len(pairs))
 
 
 # constant tables both programs have alike (the controller writes none of them; P4Testgen's vectors name them)
@@ -86,32 +139,35 @@ def by_name(entities) -> dict:
 
 @needs_compilers
 def test_tables_agree_on_keys(compiled):
-    v1, tna = (by_name(p.tables) for p in compiled[:2])
+    v1, tofino = (by_name(p.tables) for p in compiled[:2])
+    program = compiled[3].program
     tables, _, _ = controller_names()
     for name in tables:
-        assert name in v1 and name in tna, f"table {name} missing: v1model {name in v1}, tna {name in tna}"
-        keys = [[(m.name, m.bitwidth, m.match_type) for m in t.match_fields] for t in (v1[name], tna[name])]
-        assert keys[0] == keys[1], f"{name}: v1model keys {keys[0]} != tna keys {keys[1]}"
+        assert name in v1 and name in tofino, f"table {name} missing: v1model {name in v1}, {program} {name in tofino}"
+        keys = [[(m.name, m.bitwidth, m.match_type) for m in t.match_fields] for t in (v1[name], tofino[name])]
+        assert keys[0] == keys[1], f"{name}: v1model keys {keys[0]} != {program} keys {keys[1]}"
 
 
 @needs_compilers
 def test_actions_agree_on_parameters(compiled):
-    v1, tna = (by_name(p.actions) for p in compiled[:2])
+    v1, tofino = (by_name(p.actions) for p in compiled[:2])
+    program = compiled[3].program
     _, actions, _ = controller_names()
     for name in actions:
-        assert name in v1 and name in tna, f"action {name} missing: v1model {name in v1}, tna {name in tna}"
-        params = [[(q.name, q.bitwidth) for q in a.params] for a in (v1[name], tna[name])]
-        assert params[0] == params[1], f"{name}: v1model {params[0]} != tna {params[1]}"
+        assert name in v1 and name in tofino, f"action {name} missing: v1model {name in v1}, {program} {name in tofino}"
+        params = [[(q.name, q.bitwidth) for q in a.params] for a in (v1[name], tofino[name])]
+        assert params[0] == params[1], f"{name}: v1model {params[0]} != {program} {params[1]}"
 
 
 @needs_compilers
 def test_counters_and_registers_exist_on_both(compiled):
-    v1_counters, tna_counters = (by_name(p.counters) for p in compiled[:2])
+    v1_counters, tofino_counters = (by_name(p.counters) for p in compiled[:2])
+    program = compiled[3].program
     _, _, counter_names = controller_names()
     for name in counter_names:
-        assert name in v1_counters and name in tna_counters, f"counter {name} missing"
-        assert v1_counters[name].size == tna_counters[name].size, name
-    v1_registers, tna_registers = (by_name(p.registers) for p in compiled[:2])
+        assert name in v1_counters and name in tofino_counters, f"counter {name} missing ({program})"
+        assert v1_counters[name].size == tofino_counters[name].size, (program, name)
+    v1_registers, tofino_registers = (by_name(p.registers) for p in compiled[:2])
     for name in SHARED_REGISTERS:
-        assert name in v1_registers and name in tna_registers, f"register {name} missing"
-        assert v1_registers[name].size == tna_registers[name].size, name
+        assert name in v1_registers and name in tofino_registers, f"register {name} missing ({program})"
+        assert v1_registers[name].size == tofino_registers[name].size, (program, name)

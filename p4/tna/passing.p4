@@ -29,12 +29,6 @@
 #include "../include/parser.p4"
 #include "../include/testgen.p4"
 
-#define PASSING_SLOT_SETS (2 * PASSING_SLOTS)
-#define PASSING_SLOT_BITS 10
-#if (1 << PASSING_SLOT_BITS) != PASSING_SLOTS
-#error "PASSING_SLOT_BITS must be log2(PASSING_SLOTS)"
-#endif
-
 /* The pipe-local port that loops a packet back into its ingress (68 in every pipe of a
  * Tofino 1); the pipe is the top two bits of a 9-bit port. */
 const bit<7> PASSING_RECIRCULATION_PORT = 68;
@@ -44,36 +38,10 @@ const bit<7> PASSING_RECIRCULATION_PORT = 68;
  * the outcome tables first and push the last pairs past stage 11. */
 #define PASSING_FIRST_LANE_STAGE 4
 
-/* what every lane pair does with this packet */
-#define LANE_NONE 0
-#define LANE_WRITE 1
-#define LANE_ADD 2
-#define LANE_MAX 3
+#include "../include/tofino_common.p4"  /* slot sets, lane ops, verdicts, register entries */
+
+/* the second pass's lane op (Tofino 1 only) */
 #define LANE_HARVEST 4
-
-/* what the first pass decided */
-#define VERDICT_NONE 0
-#define VERDICT_REJECTED 1
-#define VERDICT_STALE 2
-#define VERDICT_DUPLICATE 3
-#define VERDICT_CONTRIBUTED 4
-#define VERDICT_ANSWER 5
-#define VERDICT_RELAY 6
-
-struct round_t {
-    bit<32> tag;    /* psn of the round the slot/set holds */
-    bit<32> epoch;  /* allocation that wrote it */
-}
-
-struct contributors_t {
-    bit<32> bitmap;
-    bit<32> psn;    /* = round_t.tag */
-}
-
-struct lane_pair_t {
-    int<32> first;   /* lane 2k */
-    int<32> second;  /* lane 2k + 1 */
-}
 
 struct ingress_metadata_t {
     bit<16> base_plus_slot;
@@ -130,72 +98,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                        in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
                        inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
                        inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
-    /* ---- outcomes, per job (index = job id mod PASSING_MAX_JOBS) ---- */
-    Counter<bit<32>, bit<32>>(1, CounterType_t.PACKETS) malformed;
-    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) received;
-    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) rejected;
-    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) aggregated;
-    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) completed;
-    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) duplicate;
-    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) duplicate_answered;
-    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) stale;
-    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) overflow;
-    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) relayed;
-
-    /* ---- state per slot and set: entry set * PASSING_SLOTS + base + slot ---- */
-    Hash<bit<32>>(HashAlgorithm_t.IDENTITY) slot_set_index;
-    /* Which round the slot/set holds, for which allocation: a packet ahead of the tag,
-     * or of another allocation (epoch), starts a new round. */
-    Register<round_t, bit<32>>(PASSING_SLOT_SETS) slot_tag;
-    RegisterAction<round_t, bit<32>, bit<8>>(slot_tag) round_check = {
-        void apply(inout round_t value, out bit<8> fresh) {
-            PASSING_TESTGEN_ROUND_READ(value)
-            if (value.epoch != meta.epoch || (int<32>)(hdr.passing.psn - value.tag) > 0) {
-                value.tag = hdr.passing.psn;
-                value.epoch = meta.epoch;
-                fresh = 1;
-            }
-        }
-    };
-
-    /* Who contributed to the round, and the round's psn again (one register, one access:
-     * slot_tag cannot also say "same round or stale"). */
-    Register<contributors_t, bit<32>>(PASSING_SLOT_SETS) slot_bitmap;
-    RegisterAction<contributors_t, bit<32>, bit<32>>(slot_bitmap) bitmap_start = {
-        void apply(inout contributors_t value) {
-            PASSING_ASSUME(PASSING_PIN_CONTRIBUTORS(value))  /* a sequence's state, though not read */
-            value.bitmap = meta.worker_bit;
-            value.psn = hdr.passing.psn;
-        }
-    };
-    /* the bitmap before this worker's bit, or 0 for a packet behind the round (stale):
-     * a round in progress always has at least one bit */
-    RegisterAction<contributors_t, bit<32>, bit<32>>(slot_bitmap) bitmap_join = {
-        void apply(inout contributors_t value, out bit<32> before) {
-            PASSING_TESTGEN_CONTRIBUTORS_READ(value)
-            if (value.psn == hdr.passing.psn) {
-                before = value.bitmap;
-                value.bitmap = value.bitmap | meta.worker_bit;
-            }
-        }
-    };
-
-    /* OR of the contributions' flags; a duplicate ORs the flag it already brought */
-    Register<bit<8>, bit<32>>(PASSING_SLOT_SETS) slot_overflow;
-    RegisterAction<bit<8>, bit<32>, bit<8>>(slot_overflow) overflow_start = {
-        void apply(inout bit<8> value, out bit<8> now) {
-            PASSING_ASSUME(PASSING_PIN_OVERFLOW(value))
-            value = meta.flagged;
-            now = value;
-        }
-    };
-    RegisterAction<bit<8>, bit<32>, bit<8>>(slot_overflow) overflow_join = {
-        void apply(inout bit<8> value, out bit<8> now) {
-            PASSING_TESTGEN_OVERFLOW_READ(value)
-            value = value | meta.flagged;
-            now = value;
-        }
-    };
+    #include "../include/tofino_round.p4"  /* counters; slot_tag, slot_bitmap, slot_overflow */
 
     /* Lane pair k: lanes 2k and 2k + 1 in one register. write / add / max update both and
      * return lane 2k + 1; harvest (second pass) returns lane 2k. */
@@ -255,144 +158,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     FOR_EACH_PAIR(LANE_PAIR)
     #define LANE_PAIR_APPLY(k, a, b) lane_op_##k.apply();
 
-    action drop() {
-        ig_dprsr_md.drop_ctl = 1;
-    }
-
-    /* ---- admission: (job, generation, worker, ingress port) -> the job's allocation ---- */
-    action admit(bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
-        PASSING_TESTGEN_ADMISSION(base, pool, full, epoch, group)
-        /* 16 bits are exact here: slot < PASSING_SLOTS (checked apart) and pool <= PASSING_SLOTS;
-         * Tofino subtracts action data only as the first operand */
-        meta.base_plus_slot = (bit<16>)base + hdr.passing.slot;
-        meta.slots_left = pool - hdr.passing.slot;
-        meta.full = full;
-        meta.epoch = epoch;
-        meta.group = group;
-        meta.admitted = 1;
-    }
-    action reject() {
-        meta.slots_left = 0;  /* no slot is in the pool of an unknown (job, worker, port) */
-        meta.admitted = 0;
-    }
-    table admission {
-        key = {
-            hdr.passing.job: exact @name("job");
-            hdr.passing.generation: exact @name("generation");  /* a late packet of an earlier allocation: rejected */
-            hdr.passing.worker: exact @name("worker");
-            ig_intr_md.ingress_port: exact @name("ingress_port");
-        }
-        actions = { admit; @defaultonly reject; }
-        const default_action = reject();
-        size = 4096;
-    }
-
-    /* ---- which IPv4 address is the switch's aggregator ---- */
-    table aggregator_address {
-        key = { hdr.ipv4.dst_addr: exact @name("ip"); }
-        actions = { NoAction; }
-        const default_action = NoAction();
-        size = 16;
-    }
-
-    /* ---- plain L2 forwarding for everything that is not PASSING DATA ---- */
-    action forward(PortId_t port) {
-        ig_tm_md.ucast_egress_port = port;
-    }
-    action flood() {
-        ig_tm_md.mcast_grp_a = PASSING_FLOOD_GROUP;
-        hdr.bridged.flood = 1;
-    }
-    table l2_forward {
-        key = { hdr.ethernet.dst_addr: exact @name("dst_addr"); }
-        actions = { forward; flood; drop; }
-        const default_action = drop();
-        size = 1024;
-    }
-
-    /* 1 << worker: Tofino shifts by constants only, so a constant table does it */
-    action set_worker_bit(bit<32> worker_bit) {
-        meta.worker_bit = worker_bit;
-    }
-    #define WORKER_BIT_ENTRY(i) i: set_worker_bit(32w1 << i);
-    table worker_bit {
-        key = { hdr.passing.worker: exact; }
-        actions = { set_worker_bit; @defaultonly NoAction; }
-        const entries = { PASSING_IDS_32(WORKER_BIT_ENTRY) }
-        const default_action = NoAction();
-        size = 32;
-    }
-
-    /* ---- GATHER and NACK: whose piece, and for whom ---- */
-    /* A GATHER must carry its sender as owner; a NACK another worker of the job (its bit in
-     * `full`). Equality of two PHV fields and the AND with `full` are ternary entries here,
-     * as in `contribution`; the first entry that matches wins. */
-    action relay_allowed() {
-        meta.relay_ok = 1;
-    }
-    action relay_refused() {
-        meta.relay_ok = 0;
-    }
-    #define GATHER_OWN_ENTRY(i) (_, i, i, PASSING_TYPE_GATHER): relay_allowed();
-    #define NACK_SELF_ENTRY(i) (_, i, i, PASSING_TYPE_NACK): relay_refused();
-    #define NACK_PEER_ENTRY(i) (32w1 << i &&& 32w1 << i, i, _, PASSING_TYPE_NACK): relay_allowed();
-    table relay_check {
-        key = {
-            meta.full: ternary;
-            hdr.passing.owner: ternary;
-            hdr.passing.worker: ternary;
-            hdr.passing.type: exact;
-        }
-        actions = { relay_allowed; relay_refused; }
-        const entries = {
-            PASSING_IDS_32(GATHER_OWN_ENTRY)
-            PASSING_IDS_32(NACK_SELF_ENTRY)
-            PASSING_IDS_32(NACK_PEER_ENTRY)
-        }
-        const default_action = relay_refused();
-        size = 96;
-    }
-    /* through the job's multicast group; the egress prunes by replication id */
-    action relay() {
-        ig_tm_md.mcast_grp_a = meta.group;
-        hdr.bridged.relay = 1;
-    }
-
-    /* ---- a packet of the round under way: new contribution or duplicate? ---- */
-    /* old & (1 << worker) needs an AND of two PHV fields, which a gateway cannot do and an
-     * action would need a stage for; a ternary match on the worker's bit does it in one. */
-    action contribute_add() {
-        meta.bitmap = meta.old_bitmap | meta.worker_bit;
-        meta.lane_op = LANE_ADD;
-        meta.verdict = VERDICT_CONTRIBUTED;
-    }
-    action contribute_max() {
-        meta.bitmap = meta.old_bitmap | meta.worker_bit;
-        meta.lane_op = LANE_MAX;
-        meta.verdict = VERDICT_CONTRIBUTED;
-    }
-    action already_counted() {
-        meta.verdict = VERDICT_DUPLICATE;
-    }
-    action behind_the_round() {
-        meta.verdict = VERDICT_STALE;  /* bitmap_join returned 0: another psn holds the slot */
-    }
-    #define SEEN_ENTRY(i) (32w1 << i &&& 32w1 << i, i, _): already_counted();
-    table contribution {
-        key = {
-            meta.old_bitmap: ternary;
-            hdr.passing.worker: ternary;
-            hdr.passing.op: ternary;
-        }
-        actions = { contribute_add; contribute_max; already_counted; behind_the_round; }
-        const entries = {
-            (0, _, _): behind_the_round();
-            PASSING_IDS_32(SEEN_ENTRY)
-            (_, _, PASSING_OP_MAX): contribute_max();
-        }
-        const default_action = contribute_add();
-        size = 64;
-    }
+    #include "../include/tofino_tables.p4"  /* admission ... contribution */
 
     /* A retransmission to a completed round gets the stored result: adding zeros returns
      * each pair's lane 2k + 1, the second pass its lane 2k. */
@@ -635,51 +401,7 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
                       in egress_intrinsic_metadata_from_parser_t eg_prsr_md,
                       inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
                       inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
-    Counter<bit<32>, bit<32>>(PASSING_MAX_JOBS, CounterType_t.PACKETS) results_sent;
-
-    /* Each replica of a completed round goes to one worker: replication id = worker. */
-    action to_worker(bit<48> mac, bit<32> ip, bit<16> port) {
-        hdr.ethernet.src_addr = hdr.ethernet.dst_addr;  /* the switch's aggregation address */
-        hdr.ethernet.dst_addr = mac;
-        hdr.ipv4.src_addr = hdr.ipv4.dst_addr;
-        hdr.ipv4.dst_addr = ip;
-        hdr.udp.src_port = PASSING_UDP_PORT;
-        hdr.udp.dst_port = port;
-        hdr.udp.checksum = 0;
-        hdr.passing.worker = (bit<8>)eg_intr_md.egress_rid;
-    }
-    action drop() {
-        eg_dprsr_md.drop_ctl = 1;
-    }
-    table result_rewrite {
-        key = {
-            hdr.passing.job: exact @name("job");
-            eg_intr_md.egress_rid: exact @name("worker");  /* replication id = worker */
-        }
-        actions = { to_worker; @defaultonly drop; }
-        const default_action = drop();
-        size = 4096;
-    }
-
-    /* the unicast answer to a retransmission goes back where it came from */
-    action answer_to_sender() {
-        bit<48> mac = hdr.ethernet.dst_addr;
-        hdr.ethernet.dst_addr = hdr.ethernet.src_addr;
-        hdr.ethernet.src_addr = mac;
-        bit<32> ip = hdr.ipv4.dst_addr;
-        hdr.ipv4.dst_addr = hdr.ipv4.src_addr;
-        hdr.ipv4.src_addr = ip;
-        hdr.udp.dst_port = hdr.udp.src_port;
-        hdr.udp.src_port = PASSING_UDP_PORT;
-        hdr.udp.checksum = 0;
-    }
-
-    /* a relayed packet's replica: which worker is it for, the owner or another one? */
-    action compare_with_owner() {
-        /* in the hash unit: the owner (7 bits, at bit 1 of its byte) and the replication id do
-         * not line up for an ALU */
-        @in_hash { meta.to_owner = eg_intr_md.egress_rid ^ (bit<16>)hdr.passing.owner; }
-    }
+    #include "../include/tofino_egress.p4"  /* results_sent, result_rewrite, answer_to_sender, compare_with_owner */
 
     apply {
         if (hdr.passing.isValid()) {

@@ -1,8 +1,10 @@
-"""Print the resource summary of a Tofino compile: `python3 p4/tna/resources.py build/tofino`.
+"""Print the resource summary of a Tofino compile: `python3 p4/tna/resources.py build/tofino`
+(Tofino 1) or `build/tofino2` (Tofino 2).
 
 Reads the compiler's resources.json (schema: p4c backends/tofino compiler_interfaces,
-resources_schema.py) and prints, per MAU stage and in total, the SRAMs, TCAMs, stateful
-(meter) ALUs, statistics ALUs, gateways and logical tables in use. Standard library only.
+resources_schema.py) and prints, per MAU stage in use and in total, the SRAMs, TCAMs,
+stateful (meter) ALUs, statistics ALUs, gateways and logical tables in use; a total's limit
+is the chip's (every stage of it, in use or not). Standard library only.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ def summary(resources: dict) -> str:
     head = ["stage", *[c[0] for c in COLUMNS]]
     rows = [[str(s["stage_number"]), *[str(used(s, key, items)) for _, key, items in COLUMNS]] for s in stages]
     totals = [sum(used(s, key, items) for s in stages) for _, key, items in COLUMNS]
+    # every stage of a chip has the same units: the limit is a stage's times the chip's stages
     limits = {c[0]: 0 for c in COLUMNS}
-    for s in stages:
-        for name, key, _ in COLUMNS:
-            block = s.get(key) or {}
-            limits[name] += block.get("nAlus") or (block.get("nRows", 0) * block.get("nColumns", 0))
+    for name, key, _ in COLUMNS:
+        block = (stages[0].get(key) or {}) if stages else {}
+        limits[name] = (block.get("nAlus") or (block.get("nRows", 0) * block.get("nColumns", 0))) * mau["nStages"]
     rows.append(["total", *[f"{t}/{limits[c[0]]}" if limits[c[0]] else str(t) for t, c in zip(totals, COLUMNS)]])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [f"{resources.get('program_name', '?')}: {len(stages)} of {mau['nStages']} MAU stages in use"]
