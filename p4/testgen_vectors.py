@@ -123,6 +123,7 @@ TARGET_DEFINES = {"tofino": {"__TARGET_TOFINO__": 1}}  # p4c-barefoot defines it
 TARGET_INCLUDES = {"tofino": ("backends/tofino/bf-p4c/p4include",)}
 P4C_SOURCE = Path(os.environ.get("P4C_SOURCE", "/opt/src/p4c"))  # the p4c checkout P4Testgen was built from
 
+PIN_FILE = "passing_pin.p4"
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
@@ -135,16 +136,22 @@ def sources_of(program: Path) -> list[Path]:
         if path in seen:
             continue
         seen.append(path)
-        todo += [(path.parent / name).resolve() for name in _INCLUDE.findall(path.read_text())]
+        todo += [(path.parent / name).resolve() for name in _INCLUDE.findall(path.read_text())
+                 if name != PIN_FILE]  # written for each pinned run (p4/include/testgen.p4), not part of the program
     return seen
 
 
+_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)
+
+
 def program_sha256(program: Path) -> str:
-    """What a vector file is stale against: the bytes of the program and of everything it includes."""
+    """What a vector file is stale against: the program and everything it includes, without comments and with
+    runs of white space as one (a comment or a re-indented line changes no test)."""
     digest = hashlib.sha256()
     for path in sources_of(program):
         name = os.path.relpath(path, program.resolve().parent)
-        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+        text = " ".join(_COMMENT.sub(" ", path.read_text()).split())
+        digest.update(name.encode() + b"\0" + text.encode() + b"\0")
     return digest.hexdigest()
 
 
@@ -628,7 +635,7 @@ def run_sequence(program: Program, name: str, events: tuple, lanes: int, source:
 def _pinned_run(program: Program, which: int, inp: dict, admit: dict | None, state: dict, index: int, lanes: int,
                 source: Path, log: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="passing-pin-") as pins:
-        (Path(pins) / "passing_pin.p4").write_text(pin_source(inp, admit, state, index, lanes))
+        (Path(pins) / PIN_FILE).write_text(pin_source(inp, admit, state, index, lanes))
         run = Run(f"pin{which}", {"PASSING_TESTGEN": which, "PASSING_TESTGEN_PIN": 1}, ())
         tests, meta = run_p4testgen(program, run, 32, 1, {"PASSING_LANES": lanes}, [f"-I{pins}"], None, source,
                                     coverage=False)

@@ -161,6 +161,14 @@ def mutated(text: str, mutant: Mutant) -> str:
     return text.replace(mutant.old, mutant.new)
 
 
+def p4_file_of(mutant: Mutant) -> Path:
+    """The one file of the TNA program (it or an include) where the mutant's text is, once."""
+    found = [f for f in tool.sources_of(TNA) if mutant.old in f.read_text()]
+    if len(found) != 1:
+        raise ValueError(f"mutant {mutant.name!r}: its text is in {len(found)} files of the TNA program")
+    return found[0]
+
+
 @contextlib.contextmanager
 def engine_with(mutant: Mutant) -> Iterator[None]:
     """The checker's reference engine replaced by the mutated one for the duration."""
@@ -222,16 +230,19 @@ def engine_score(tna: dict, v1model: dict | None) -> list[dict]:
 
 
 def p4_score(lanes: int, seed: int, max_tests: int, only: list[str] | None = None) -> list[dict]:
-    """Each TNA mutant's vectors made by P4Testgen and checked; first the program as it is, which must pass."""
+    """Each TNA mutant's vectors made by P4Testgen and checked; first the program as it is, which must pass (the
+    control: at this lane count its vectors show no divergence)."""
     results = []
     for mutant in (None, *P4_MUTANTS):
         if only and mutant is not None and mutant.name not in only:
             continue
         with tempfile.TemporaryDirectory(prefix="passing-mutant-") as tmp:
-            shutil.copytree(ROOT / "p4" / "include", Path(tmp) / "include")
-            source = Path(tmp) / "tna" / "passing.p4"
-            source.parent.mkdir()
-            source.write_text(TNA.read_text() if mutant is None else mutated(TNA.read_text(), mutant))
+            shutil.copytree(ROOT / "p4", Path(tmp) / "p4", ignore=shutil.ignore_patterns("*.json", "__pycache__"))
+            source = Path(tmp) / "p4" / "tna" / "passing.p4"
+            if mutant is not None:
+                where = p4_file_of(mutant)
+                target = Path(tmp) / where.relative_to(ROOT)
+                target.write_text(mutated(where.read_text(), mutant))
             started = time.monotonic()
             tool.generate(tool.PROGRAMS["tna"], max_tests, seed, {"PASSING_LANES": lanes}, [], source=source,
                           out=Path(tmp) / "vectors.json")
