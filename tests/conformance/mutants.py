@@ -102,7 +102,8 @@ ENGINE_MUTANTS = (
     # MAX
     Mutant("MAX keeps the incoming value", "MAX",
            "combined = np.maximum(current, incoming)", "combined = incoming.copy()"),
-    Mutant("MAX keeps the stored value", "MAX", "combined = np.maximum(current, incoming)", "combined = current.copy()"),
+    Mutant("MAX keeps the stored value", "MAX",
+           "combined = np.maximum(current, incoming)", "combined = current.copy()"),
     Mutant("MAX runs as SUM", "MAX", 'is_max = hdr["op"][contrib] == wire.MAX', 'is_max = hdr["op"][contrib] == 99'),
     # OWNER_ONLY
     Mutant("OWNER_ONLY answers everyone with the sums", "OWNER_ONLY",
@@ -220,6 +221,10 @@ def _load(path: Path) -> dict:
 
 
 def engine_score(tna: dict, v1model: dict | None) -> list[dict]:
+    """Each engine mutant against the vectors; first the engine as it is, which must pass them (the control)."""
+    control = first_failure(tna, v1model)
+    if control is not None:
+        raise SystemExit(f"the vectors fail with the engine as it is: {control}")
     results = []
     for mutant in ENGINE_MUTANTS:
         with engine_with(mutant):
