@@ -4,7 +4,8 @@
  * registers that decide a round, the tables, the egress addressing). What Tofino 2 changes
  * (docs/tofino.md, "Tofino 2"):
  *   - 20 MAU stages of 4 stateful ALUs (SALUs) per gress: the round is decided in stages 0 to
- *     3 as on Tofino 1, and 64 lane pairs (128 lanes) fill stages 4 to 19;
+ *     3 as on Tofino 1, and the lane pairs follow from stage 4, four per stage (72 lanes: 36
+ *     pairs in stages 4 to 12). The SALUs would take 128 lanes; the PHV holds 72 (below);
  *   - a SALU returns up to four words: every lane pair returns both its sums in the one pass,
  *     so no packet is recirculated (Tofino 1 sends the completing packet round again);
  *   - the egress deparser truncates (mtu_trunc_len): an OWNER_ONLY round's replicas for the
@@ -17,8 +18,10 @@
  */
 
 /* Lanes per packet of the Tofino 2 program: the one place this number is written (the
- * Makefile's TOFINO2_LANES default and docs/tofino.md read it here). 64 pairs = 16 stages. */
-#define PASSING_T2NA_LANES 128
+ * Makefile's TOFINO2_LANES default reads it here). The most that fit: the SALUs would take
+ * 128 (64 pairs in stages 4 to 19), but every lane lives in a PHV container that an action
+ * can write, and those run out after 72 (docs/tofino.md, "Tofino 2"). */
+#define PASSING_T2NA_LANES 72
 #ifndef PASSING_LANES
 #define PASSING_LANES PASSING_T2NA_LANES
 #endif
@@ -225,7 +228,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     apply {
         /* As on Tofino 1, the round is decided in 4 stages: stage 0 looks up and checks the
          * headers, stage 1 owner_check (round_check), stage 2 bitmap_start/join, stage 3 the
-         * contribution table; the 64 lane pairs follow in stages 4 to 19. */
+         * contribution table; the lane pairs follow from stage 4 (4 to 12 for 72 lanes). */
         hdr.bridged.setValid();
         hdr.bridged.pad0 = 0;
         hdr.bridged.pad1 = 0;
@@ -350,7 +353,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             relay();
         }
 
-        /* ---- the lanes (stages 4 to 19; independent of the outcomes above) ---- */
+        /* ---- the lanes (from stage 4; independent of the outcomes above) ---- */
         FOR_EACH_PAIR(LANE_PAIR_APPLY)
     }
 }
