@@ -78,6 +78,7 @@ struct ingress_metadata_t {
 struct egress_metadata_t {
     bit<32> job_index;  /* counter index: a plain field, as Tofino wants */
     bit<16> to_owner;   /* a replica's worker (its replication id) ^ owner, 0 for the owner's */
+    bit<16> sender_to_owner;  /* an answer's worker (its sender) ^ owner, 0 for the owner's */
 }
 
 parser TnaIngressParser(packet_in pkt, out headers_t hdr, out ingress_metadata_t meta,
@@ -390,6 +391,12 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
                       inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
     #include "../include/tofino_egress.p4"  /* results_sent, result_rewrite, answer_to_sender, compare_with_owner */
 
+    /* the answer to a retransmission goes to its sender: the sender against the owner (in
+     * the hash unit: worker and owner do not line up for an ALU or a gateway either) */
+    action compare_sender_with_owner() {
+        @in_hash { meta.sender_to_owner = (bit<16>)hdr.passing.worker ^ (bit<16>)hdr.passing.owner; }
+    }
+
     /* An OWNER_ONLY round's RESULT for a worker that is not its owner: the header alone
      * (docs/protocol.md, Kinds). The deparser cuts the packet after the PASSING header. */
     action make_ack() {
@@ -408,8 +415,9 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
         if (hdr.passing.isValid()) {
             meta.job_index = (bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1));
         }
-        /* a replica's worker is its replication id (an answer's, its sender: compared below) */
+        /* a replica's worker is its replication id, an answer's its sender: both, into two fields */
         compare_with_owner();
+        compare_sender_with_owner();
         /* result_rewrite is applied in one place, as on BMv2 (a table with one successor) */
         bool addressed = false;  /* a replica for one worker: result_rewrite addresses it */
         bool sent = false;
@@ -439,7 +447,7 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
             /* a RESULT of an OWNER_ONLY round (a relayed packet is no RESULT) */
             if (hdr.passing.type == PASSING_TYPE_RESULT && (hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0) {
                 if ((hdr.bridged.answer == 0 && meta.to_owner != 0)
-                        || (hdr.bridged.answer == 1 && hdr.passing.worker[6:0] != hdr.passing.owner)) {
+                        || (hdr.bridged.answer == 1 && meta.sender_to_owner != 0)) {
                     make_ack();
                 } else {
                     owner_result();
