@@ -4,7 +4,8 @@
  * registers that decide a round, the tables, the egress addressing). What Tofino 2 changes
  * (docs/tofino.md, "Tofino 2"):
  *   - 20 MAU stages of 4 stateful ALUs (SALUs) per gress: the round is decided in stages 0 to
- *     3 as on Tofino 1, and 64 lane pairs (128 lanes) fill stages 4 to 19;
+ *     3 as on Tofino 1, and the lane pairs follow from stage 4, four per stage (72 lanes: 36
+ *     pairs in stages 4 to 12). The SALUs would take 128 lanes; the PHV holds 72 (below);
  *   - a SALU returns up to four words: every lane pair returns both its sums in the one pass,
  *     so no packet is recirculated (Tofino 1 sends the completing packet round again);
  *   - the egress deparser truncates (mtu_trunc_len): an OWNER_ONLY round's replicas for the
@@ -17,8 +18,10 @@
  */
 
 /* Lanes per packet of the Tofino 2 program: the one place this number is written (the
- * Makefile's TOFINO2_LANES default and docs/tofino.md read it here). 64 pairs = 16 stages. */
-#define PASSING_T2NA_LANES 128
+ * Makefile's TOFINO2_LANES default reads it here). The most that fit: the SALUs would take
+ * 128 (64 pairs in stages 4 to 19), but every lane lives in a PHV container that an action
+ * can write, and those run out after 72 (docs/tofino.md, "Tofino 2"). */
+#define PASSING_T2NA_LANES 72
 #ifndef PASSING_LANES
 #define PASSING_LANES PASSING_T2NA_LANES
 #endif
@@ -74,7 +77,8 @@ struct ingress_metadata_t {
 
 struct egress_metadata_t {
     bit<32> job_index;  /* counter index: a plain field, as Tofino wants */
-    bit<16> to_owner;   /* the replica's (or answer's) worker ^ owner, 0 for the owner's */
+    bit<16> to_owner;   /* a replica's worker (its replication id) ^ owner, 0 for the owner's */
+    bit<16> sender_to_owner;  /* an answer's worker (its sender) ^ owner, 0 for the owner's */
 }
 
 parser TnaIngressParser(packet_in pkt, out headers_t hdr, out ingress_metadata_t meta,
@@ -225,7 +229,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     apply {
         /* As on Tofino 1, the round is decided in 4 stages: stage 0 looks up and checks the
          * headers, stage 1 owner_check (round_check), stage 2 bitmap_start/join, stage 3 the
-         * contribution table; the 64 lane pairs follow in stages 4 to 19. */
+         * contribution table; the lane pairs follow from stage 4 (4 to 12 for 72 lanes). */
         hdr.bridged.setValid();
         hdr.bridged.pad0 = 0;
         hdr.bridged.pad1 = 0;
@@ -350,7 +354,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             relay();
         }
 
-        /* ---- the lanes (stages 4 to 19; independent of the outcomes above) ---- */
+        /* ---- the lanes (from stage 4; independent of the outcomes above) ---- */
         FOR_EACH_PAIR(LANE_PAIR_APPLY)
     }
 }
@@ -387,9 +391,10 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
                       inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
     #include "../include/tofino_egress.p4"  /* results_sent, result_rewrite, answer_to_sender, compare_with_owner */
 
-    /* an answer's worker (its sender, who gets it) against the owner */
+    /* the answer to a retransmission goes to its sender: the sender against the owner (in
+     * the hash unit: worker and owner do not line up for an ALU or a gateway either) */
     action compare_sender_with_owner() {
-        @in_hash { meta.to_owner = (bit<16>)hdr.passing.worker ^ (bit<16>)hdr.passing.owner; }
+        @in_hash { meta.sender_to_owner = (bit<16>)hdr.passing.worker ^ (bit<16>)hdr.passing.owner; }
     }
 
     /* An OWNER_ONLY round's RESULT for a worker that is not its owner: the header alone
@@ -410,12 +415,9 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
         if (hdr.passing.isValid()) {
             meta.job_index = (bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1));
         }
-        /* whose copy is this: a replica's worker is its replication id, an answer's its sender */
-        if (hdr.bridged.answer == 1) {
-            compare_sender_with_owner();
-        } else {
-            compare_with_owner();
-        }
+        /* a replica's worker is its replication id, an answer's its sender: both, into two fields */
+        compare_with_owner();
+        compare_sender_with_owner();
         /* result_rewrite is applied in one place, as on BMv2 (a table with one successor) */
         bool addressed = false;  /* a replica for one worker: result_rewrite addresses it */
         bool sent = false;
@@ -444,7 +446,8 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
             results_sent.count(meta.job_index);
             /* a RESULT of an OWNER_ONLY round (a relayed packet is no RESULT) */
             if (hdr.passing.type == PASSING_TYPE_RESULT && (hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0) {
-                if (meta.to_owner != 0) {
+                if ((hdr.bridged.answer == 0 && meta.to_owner != 0)
+                        || (hdr.bridged.answer == 1 && meta.sender_to_owner != 0)) {
                     make_ack();
                 } else {
                     owner_result();
