@@ -15,7 +15,12 @@ For each vector, ``expect`` works out what the protocol makes of it:
    input goes through the reference engine (``passing.aggregator.engine.AggregationEngine``, the executable
    specification); its verdict becomes what the first pass must hand the traffic manager: the round's RESULT
    on its way to the recirculation port, with lanes 2k + 1 summed (the second pass fills lanes 2k), or a drop;
-3. a recirculated packet (port 68) is the second pass of a round (``second_pass``).
+3. a recirculated packet (port 68) is the second pass of a round (``second_pass``);
+4. what the packet's RegisterActions wrote back (``writes``, read from the path's trace) must leave its slot/set
+   as the reference leaves its own, through the same abstraction (``compare_registers``); a packet with no slot/set
+   writes none;
+5. the vectors of a sequence (pinned P4Testgen runs, one per packet) chain: each starts from the registers the
+   earlier ones left (``check_chain``).
 
 A vector whose registers are no state the protocol reaches (a round's bitmap without the bit of a worker that
 started it, a contributors' psn that is not the round's, ...) is *outside*: counted with the reason and not
@@ -257,9 +262,6 @@ def run_reference(job: JobView, index: int, state: SlotView, datagram: bytes, po
 def _same(a: SlotView, b: SlotView) -> bool:
     return (a.epoch, a.tag, a.bitmap, a.overflow) == (b.epoch, b.tag, b.bitmap, b.overflow) \
         and np.array_equal(a.lanes, b.lanes)
-
-
-REGISTERS = ("slot_tag", "slot_bitmap", "slot_overflow")  # and lane_pair_<k>
 
 
 def tna_state(vector: dict, index: int, lanes: int) -> dict[str, object]:
