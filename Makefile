@@ -132,7 +132,8 @@ p4-tofino2: $(T2NA_SOURCES)
 		--outputdir $(TOFINO2_OUT) --bfrt-name $(TOFINO2_OUT)/bfrt.json
 	$(PYTHON) p4/tna/resources.py $(TOFINO2_OUT)
 
-# P4Testgen's tests of both programs as vectors beside them (p4/tna/testgen.json, p4/v1model/testgen.json;
+# P4Testgen's tests of the three programs as vectors beside them (p4/tna/testgen.json, p4/t2na/testgen.json,
+# p4/v1model/testgen.json; the Tofino 2 program needs P4Testgen with the patch docs/tofino.md describes;
 # docs/tofino.md, "Executed by P4Testgen"); tests/test_testgen_vectors.py holds them against the protocol and
 # fails when they are stale, bmv2_tests/test_testgen_replay_bmv2.py replays the v1model ones on BMv2. Needs
 # p4testgen built from upstream p4c with its tofino and bmv2 targets; P4C_SOURCE: that p4c checkout (for
@@ -146,6 +147,7 @@ TESTGEN_V1MODEL_SEED ?= 2
 p4-testgen:
 	@command -v p4testgen >/dev/null || { echo "make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)" >&2; exit 1; }
 	$(PYTHON) p4/testgen_vectors.py generate tna --max-tests $(TESTGEN_MAX_TESTS) --seed $(TESTGEN_SEED)
+	$(PYTHON) p4/testgen_vectors.py generate t2na --lanes $(TOFINO2_LANES) --max-tests $(TESTGEN_MAX_TESTS) --seed $(TESTGEN_SEED)
 	$(PYTHON) p4/testgen_vectors.py generate v1model --max-tests $(TESTGEN_V1MODEL_MAX_TESTS) --seed $(TESTGEN_V1MODEL_SEED)
 
 # The mutation score of the vector checks (docs/tofino.md, "Mutation score"): bugs planted one at a time in the

@@ -1,5 +1,6 @@
-"""P4Testgen's vectors of the TNA program, held against the protocol with no P4 tool (docs/tofino.md, "Executed by
-P4Testgen"; the checker is tests/conformance/testgen.py). Fails when the vectors are stale for the program."""
+"""P4Testgen's vectors of the Tofino programs (TNA: Tofino 1, T2NA: Tofino 2) and of the v1model program, held
+against the protocol with no P4 tool (docs/tofino.md, "Executed by P4Testgen"; the checker is
+tests/conformance/testgen.py). Fails when the vectors are stale for the program."""
 
 from __future__ import annotations
 
@@ -16,32 +17,50 @@ ROOT = Path(__file__).resolve().parent.parent
 tool = vector_tool.load()
 
 TNA = tool.PROGRAMS["tna"]
+T2NA = tool.PROGRAMS["t2na"]
 V1MODEL = tool.PROGRAMS["v1model"]
+TOFINO = [TNA, T2NA]
+
+
+def _load(program) -> dict:
+    return json.loads((ROOT / program.vectors).read_text())
 
 
 @pytest.fixture(scope="module")
 def vectors() -> dict:
-    return json.loads((ROOT / TNA.vectors).read_text())
+    return _load(TNA)
+
+
+@pytest.fixture(scope="module", params=TOFINO, ids=lambda p: p.name)
+def tofino(request) -> dict:
+    """The vectors of one Tofino program (its file says its target: "tofino" or "tofino2")."""
+    return _load(request.param)
 
 
 def lanes_of(vectors: dict) -> int:
     return int(vectors["defines"]["PASSING_LANES"])
 
 
-@pytest.mark.parametrize("program", [TNA, V1MODEL], ids=lambda p: p.name)
+@pytest.mark.parametrize("program", [TNA, T2NA, V1MODEL], ids=lambda p: p.name)
 def test_the_vectors_are_those_of_the_program_as_it_is(program):
     assert tool.stale(program) is None, tool.stale(program)
 
 
 def vector_class(vector: dict) -> str:
-    """The class docs/tofino.md counts vectors by: which run made it, and for a first pass whether the protocol
-    gives it a slot/set (its register effects are then compared value by value)."""
-    if vector["run"] == "sequence":
-        return "sequence"
+    """The class docs/tofino.md counts vectors by: the run that made it."""
     return vector["run"]
 
 
-def test_every_vector_does_what_the_protocol_says(vectors):
+# The rules every Tofino program's vectors must show, compared (the second passes are Tofino 1's).
+NEEDED_RULES = ("a completed round: ", "a retransmission to a completed round",
+                "the state machine drops it (aggregated", "the state machine drops it (duplicate",
+                "the state machine drops it (stale", "the state machine drops it (rejected",
+                "relayed: to the job's multicast group", "rejected: ", "l2: ", "malformed: ")
+SECOND_PASS_RULES = ("the second pass of a completed round", "the second pass of an answer: to the worker's port")
+
+
+def test_every_vector_does_what_the_protocol_says(tofino):
+    vectors, chip = tofino, tofino["target"]
     rules: collections.Counter = collections.Counter()
     outside: collections.Counter = collections.Counter()
     compared: collections.Counter = collections.Counter()  # (class, what was compared)
@@ -49,7 +68,7 @@ def test_every_vector_does_what_the_protocol_says(vectors):
     lanes = lanes_of(vectors)
     for vector in vectors["tests"]:
         try:
-            want = testgen.expect(vector, lanes)
+            want = testgen.expect(vector, lanes, chip)
             testgen.compare(vector, want)
             testgen.compare_registers(vector, want, lanes)
         except testgen.Outside as e:
@@ -66,20 +85,16 @@ def test_every_vector_does_what_the_protocol_says(vectors):
     print("\n".join(f"{n:4d}  outside: {why}" for why, n in sorted(outside.items())))
     print("\n".join(f"{n:4d}  {cls}: {what}" for (cls, what), n in sorted(compared.items())))
     assert not divergences, "\n".join(divergences)
-    # the rules that matter are among the vectors compared, in both passes
-    for needed in ("a completed round: the first pass", "a retransmission to a completed round",
-                   "the state machine drops it (aggregated", "the state machine drops it (duplicate",
-                   "the state machine drops it (stale", "the state machine drops it (rejected",
-                   "relayed: to the job's multicast group", "rejected: ", "l2: ", "malformed: ",
-                   "the second pass of a completed round", "the second pass of an answer: to the worker's port"):
+    # the rules that matter are among the vectors compared (in both passes, on Tofino 1)
+    for needed in NEEDED_RULES + (SECOND_PASS_RULES if chip == "tofino" else ()):
         assert any(rule.startswith(needed) for rule in rules), f"no vector compared for: {needed}"
     assert sum(outside.values()) <= sum(rules.values()) // 4, outside
 
 
-def test_the_lanes_compared_carry_data():
+def test_the_lanes_compared_carry_data(tofino):
     """Non-zero lanes of both signs, sums that saturate and sums that do not, in the lanes a first pass emits and
     in the registers it leaves (the preconditions' shaped lanes and the sequences)."""
-    vectors = json.loads((ROOT / TNA.vectors).read_text())
+    vectors = tofino
     lanes = lanes_of(vectors)
     emitted = [v for t in vectors["tests"] if t["ingress"] and t["ingress"]["emit"]
                for e in t["ingress"]["emit"] if e["header"] == "lanes_h" for v in e["fields"].values()]
@@ -92,40 +107,49 @@ def test_the_lanes_compared_carry_data():
         assert sum(v != 0 for v in signed) > 0.8 * len(signed)
 
 
-# What each sequence must show, step by step (p4/testgen_vectors.py SEQUENCES; its second passes included).
+# What each sequence must show, step by step (p4/testgen_vectors.py SEQUENCES), as rule prefixes; Tofino 1's
+# second passes are left out on Tofino 2, which needs none.
 SEQUENCE_RULES = {
     "round": ["the state machine drops it (aggregated)", "the state machine drops it (aggregated, overflow)",
-              "the state machine drops it (duplicate)", "a completed round: the first pass",
+              "the state machine drops it (duplicate)", "a completed round: ",
               "the second pass of a completed round", "a retransmission to a completed round",
               "the second pass of an answer: to the worker's port", "the state machine drops it (stale)",
               "the state machine drops it (aggregated)", "the state machine drops it (rejected)"],
     "refused": ["the state machine drops it (rejected)", "the state machine drops it (rejected)",
                 "malformed: "],
     "relay": ["relayed: ", "rejected: a relayed kind", "relayed: ", "rejected: a relayed kind"],
-    "alone": ["a completed round: the first pass", "the second pass of a completed round"],
-    "saturate": ["the state machine drops it (aggregated)", "a completed round: the first pass",
+    "alone": ["a completed round: ", "the second pass of a completed round"],
+    "saturate": ["the state machine drops it (aggregated)", "a completed round: ",
                  "the second pass of a completed round", "the state machine drops it (aggregated)"],
-    "max": ["the state machine drops it (aggregated)", "a completed round: the first pass",
-            "the second pass of a completed round"],
-    "next_allocation": ["the state machine drops it (aggregated)", "a completed round: the first pass",
+    "max": ["the state machine drops it (aggregated)", "a completed round: ", "the second pass of a completed round"],
+    "next_allocation": ["the state machine drops it (aggregated)", "a completed round: ",
                         "the second pass of a completed round", "the state machine drops it (aggregated)",
-                        "rejected: not admitted", "a completed round: the first pass",
-                        "the second pass of a completed round"],
+                        "rejected: not admitted", "a completed round: ", "the second pass of a completed round"],
+    "foreign_owner": {"tofino": ["the state machine drops it (aggregated)"],  # Tofino 1 cannot check the owner
+                      "tofino2": ["the state machine drops it (rejected)"]},
     "owner_only": ["the state machine drops it (aggregated)", "the state machine drops it (aggregated, overflow)",
-                   "a completed round: the first pass", "the second pass of a completed round"],
+                   "a completed round: ", "the second pass of a completed round"],
 }
 
 
+def sequence_rules(name: str, chip: str) -> list[str]:
+    rules = SEQUENCE_RULES[name]
+    if isinstance(rules, dict):
+        return rules[chip]
+    return [r for r in rules if chip == "tofino" or not r.startswith("the second pass")]
+
+
 @pytest.mark.parametrize("name", sorted(SEQUENCE_RULES))
-def test_each_sequence_runs_its_packets_through_the_registers_the_earlier_ones_left(vectors, name):
+def test_each_sequence_runs_its_packets_through_the_registers_the_earlier_ones_left(tofino, name):
     """A sequence's vectors chain (each starts from the registers the earlier ones wrote; a second pass is what
     its first pass emitted) and each does, in order, what the sequence is for."""
-    chain = sorted((v for v in vectors["tests"] if v.get("sequence") == name), key=lambda v: v["step"])
-    testgen.check_chain(chain, lanes_of(vectors))
-    rules = [testgen.check(v, lanes_of(vectors)) for v in chain]
-    assert len(rules) == len(SEQUENCE_RULES[name]), rules
-    for got, want in zip(rules, SEQUENCE_RULES[name]):
-        assert got.startswith(want), rules
+    chain = sorted((v for v in tofino["tests"] if v.get("sequence") == name), key=lambda v: v["step"])
+    testgen.check_chain(chain, lanes_of(tofino))
+    rules = [testgen.check(v, lanes_of(tofino), tofino["target"]) for v in chain]
+    want = sequence_rules(name, tofino["target"])
+    assert len(rules) == len(want), rules
+    for got, rule in zip(rules, want):
+        assert got.startswith(rule), rules
 
 
 def test_a_chain_with_a_register_the_sequence_did_not_leave_is_a_divergence(vectors):
@@ -179,13 +203,13 @@ def test_a_wrong_output_is_a_divergence(vectors, mutate, message):
 
 @pytest.mark.parametrize("register,field", [("lane_pair_0", "first"), ("slot_bitmap", "bitmap"),
                                             ("slot_overflow", "value")])
-def test_a_wrong_register_write_is_a_divergence(vectors, register, field):
+def test_a_wrong_register_write_is_a_divergence(tofino, register, field):
     """A contribution's effect on its slot/set changed in one register: the checker says which."""
-    vector = copy.deepcopy(next(v for v in vectors["tests"] if v.get("sequence") == "round" and v["step"] == 1))
+    vector = copy.deepcopy(next(v for v in tofino["tests"] if v.get("sequence") == "round" and v["step"] == 1))
     write = next(w for w in vector["writes"] if w["register"] == register)
     write["fields"][field] = (write["fields"][field] + 1) % (1 << 32)
     with pytest.raises(testgen.Divergence, match=f"{register} after the packet"):
-        testgen.check(vector, lanes_of(vectors))
+        testgen.check(vector, lanes_of(tofino), tofino["target"])
 
 
 def test_every_v1model_vector_does_what_the_protocol_says():
@@ -228,9 +252,7 @@ def test_the_vectors_kill_nine_in_ten_bugs_planted_in_the_reference():
     but the documented survivors, and at least 90 % are."""
     from tests.conformance import mutants
 
-    tna = json.loads((ROOT / TNA.vectors).read_text())
-    v1model = json.loads((ROOT / V1MODEL.vectors).read_text())
-    results = mutants.engine_score(tna, v1model)
+    results = mutants.engine_score([_load(TNA), _load(T2NA)], _load(V1MODEL))
     survivors = {r["mutant"] for r in results if not r["killed"]}
     assert survivors == set(ENGINE_SURVIVORS), survivors
     assert len(results) >= 25 and sum(r["killed"] for r in results) >= 0.9 * len(results)

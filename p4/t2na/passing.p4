@@ -106,12 +106,14 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     Register<lane_pair_t, bit<32>>(PASSING_SLOT_SETS) lane_pair_##k;                             \
     RegisterAction<lane_pair_t, bit<32>, bit<32>>(lane_pair_##k) pair_write_##k = {              \
         void apply(inout lane_pair_t value) {                                                    \
+            PASSING_ASSUME(PASSING_PIN_PAIR(k, value))                                           \
             value.first = (int<32>)hdr.lanes.value_##a;                                          \
             value.second = (int<32>)hdr.lanes.value_##b;                                         \
         }                                                                                        \
     };                                                                                           \
     RegisterAction<lane_pair_t, bit<32>, bit<32>>(lane_pair_##k) pair_add_##k = {                \
         void apply(inout lane_pair_t value, out bit<32> first, out bit<32> second) {             \
+            PASSING_TESTGEN_PAIR_READ(k, value)                                                  \
             value.first = value.first |+| (int<32>)hdr.lanes.value_##a;                          \
             value.second = value.second |+| (int<32>)hdr.lanes.value_##b;                        \
             first = (bit<32>)value.first;                                                        \
@@ -120,6 +122,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     };                                                                                           \
     RegisterAction<lane_pair_t, bit<32>, bit<32>>(lane_pair_##k) pair_max_##k = {                \
         void apply(inout lane_pair_t value, out bit<32> first, out bit<32> second) {             \
+            PASSING_TESTGEN_PAIR_READ(k, value)                                                  \
             if ((int<32>)hdr.lanes.value_##a > value.first) {                                    \
                 value.first = (int<32>)hdr.lanes.value_##a;                                      \
             }                                                                                    \
@@ -132,6 +135,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     };                                                                                           \
     RegisterAction<lane_pair_t, bit<32>, bit<32>>(lane_pair_##k) pair_read_##k = {               \
         void apply(inout lane_pair_t value, out bit<32> first, out bit<32> second) {             \
+            PASSING_TESTGEN_PAIR_READ(k, value)                                                  \
             first = (bit<32>)value.first;                                                        \
             second = (bit<32>)value.second;                                                      \
         }                                                                                        \
@@ -243,6 +247,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         hdr.bridged.relay = 0;
         meta.lane_op = LANE_NONE;
         meta.verdict = VERDICT_NONE;
+        PASSING_TESTGEN_INPUT
 
         /* ---- stage 0: lookups and header checks ---- */
         bool well_formed = false;

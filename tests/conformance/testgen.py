@@ -337,7 +337,10 @@ def _aggregated_kind(hdr: dict | None) -> bool:
     return hdr is not None and hdr["version"] == wire.VERSION and hdr["type"] in (wire.DATA, wire.GATHER, wire.NACK)
 
 
-def first_pass(vector: dict, lanes: int) -> Expected:
+def first_pass(vector: dict, lanes: int, chip: str = "tofino") -> Expected:
+    """What the ingress hands the traffic manager for a packet from a port. ``chip``: "tofino" (the TNA program:
+    a completion and an answer go round again for their lanes 2k) or "tofino2" (the T2NA program: one pass,
+    every lane from its pair's SALU, the OWNER_ONLY owner checked)."""
     raw = bytes.fromhex(vector["input"]["packet"])
     port = int(vector["input"]["port"])
     p = parse(raw, lanes)
@@ -368,7 +371,7 @@ def first_pass(vector: dict, lanes: int) -> Expected:
         return relay(job, hdr, headers, p.lanes, port, datagram, lanes)
     if job is None:
         return Expected("rejected: not admitted", "drop")
-    if hdr["flags"] & wire.FLAG_OWNER_ONLY and hdr["owner"] >= job.spec.workers:
+    if chip == "tofino" and hdr["flags"] & wire.FLAG_OWNER_ONLY and hdr["owner"] >= job.spec.workers:
         # TNA does not check an OWNER_ONLY round's owner (it would take a stage: docs/protocol.md, docs/tofino.md):
         # it runs the round as any. The reference rejects the packet.
         datagram = datagram[:3] + bytes([hdr["flags"] & ~wire.FLAG_OWNER_ONLY]) + datagram[4:]
@@ -413,6 +416,17 @@ def first_pass(vector: dict, lanes: int) -> Expected:
         group, answer = 0, 1
     if (result[3] & wire.FLAG_OVERFLOW) != round_flag and not _saturated(sums):
         raise Divergence(f"the reference's RESULT flags {result[3]:#x}, the round's flag {round_flag}")
+    if chip == "tofino2":
+        # one pass: every lane from its pair; the RESULT keeps OWNER_ONLY for the egress, which makes ACKs of it
+        flags = round_flag | (hdr["flags"] & wire.FLAG_OWNER_ONLY)
+        headers["passing_h"] = {**hdr, "type": wire.RESULT, "flags": flags}
+        if multicast:
+            headers["bridged_h"] = _bridged(port, result_multicast=1)
+            return Expected("a completed round: to the job's multicast group", "multicast", None, headers, sums,
+                            index, effect)
+        headers["bridged_h"] = _bridged(port, answer=1)
+        return Expected("a retransmission to a completed round: answered to its port", "port", port, headers,
+                        sums, index, effect)
     headers["passing_h"] = {**hdr, "type": wire.RESULT, "flags": round_flag}
     headers["bridged_h"] = _bridged(port, second_pass=1, slot_set=index, group=group, answer=answer)
     return Expected(rule, "port", (port & 0x180) | RECIRCULATION_PORT, headers, out_lanes, index, effect)
@@ -462,10 +476,10 @@ def second_pass(vector: dict, lanes: int) -> Expected:
                     out_lanes)
 
 
-def expect(vector: dict, lanes: int) -> Expected:
-    if int(vector["input"]["port"]) & 0x7F == RECIRCULATION_PORT:
+def expect(vector: dict, lanes: int, chip: str = "tofino") -> Expected:
+    if chip == "tofino" and int(vector["input"]["port"]) & 0x7F == RECIRCULATION_PORT:
         return second_pass(vector, lanes)
-    return first_pass(vector, lanes)
+    return first_pass(vector, lanes, chip)
 
 
 # ---- the comparison -------------------------------------------------------------------------------------------
@@ -531,10 +545,10 @@ def compare_registers(vector: dict, want: Expected, lanes: int) -> None:
             raise Divergence(f"{want.rule}: {name} after the packet is {now[name]}, the protocol says {value}")
 
 
-def check(vector: dict, lanes: int) -> str:
+def check(vector: dict, lanes: int, chip: str = "tofino") -> str:
     """The rule that decides the vector, after comparing its output and its register effects; raises Outside or
-    Divergence."""
-    want = expect(vector, lanes)
+    Divergence. ``chip``: the vector file's target (first_pass)."""
+    want = expect(vector, lanes, chip)
     compare(vector, want)
     compare_registers(vector, want, lanes)
     return want.rule
