@@ -200,8 +200,9 @@ def first_failure(tofino: list[dict], v1model: dict | None) -> str | None:
             except testgen.Outside:
                 continue
             except Exception as e:  # noqa: BLE001 -- a mutant may make the checker fail any way: it is killed
-                return f"{chip} {vector['run']} {vector.get('sequence', '')} test {vector['id']}: " \
-                       f"{type(e).__name__}: {e}"
+                where = f"sequence {vector['sequence']} step {vector['step']}" if vector["run"] == "sequence" \
+                    else f"{vector['run']} test {vector['id']}"
+                return f"{chip} {where}: {type(e).__name__}: {e}"
             if vector["run"] == "sequence":
                 sequences.setdefault(vector["sequence"], []).append(vector)
         for name, chain in sequences.items():
