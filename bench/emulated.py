@@ -453,21 +453,21 @@ def _agg_cells(load: dict[str, float] | None) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     meta, runs, scaling = report["meta"], report["runs"], report["scaling"]
-    kind = meta.get("switch_kind", DEFAULT_SWITCH_KIND)  # results from before switch kinds: a Tofino's 64 lanes
-    short = {"switch": f"switch ns (software, as {kind})", "ps": "ps ns (software PS)", None: "– (gloo)"}
+    switch_kind = meta.get("switch_kind", DEFAULT_SWITCH_KIND)
+    lanes = CHIP_LANES[switch_kind]  # results from before switch kinds: a Tofino's 64 lanes
+    short = {"switch": f"switch ns (software, as {switch_kind})", "ps": "ps ns (software PS)", None: "– (gloo)"}
     out = [f"# Emulated cluster: allreduce per scheme ({'quick' if meta['quick'] else 'full'} run), "
-           f"switch kind {kind}", "",
-           f"Switch kind: **{switch_kind_label(kind)}**.", "",
+           f"switch kind {switch_kind}", "",
+           f"Switch kind: **{switch_kind_label(switch_kind)}**.", "",
            f"Aggregation: **{SWITCH_LABEL}** for passing/switchml ({BMV2_NOTE}); **{PS_LABEL}** for ps/psring.",
            "", f"- Scale factor {meta['factor']:g}: " + ", ".join(
                f"{k}bit/s -> {v:g} Mbit/s" for k, v in meta["rates_mbit"].items())
            + "; gradients " + ", ".join(f"{MODELS[k][1]} -> {v} float32" for k, v in meta["workloads"].items())
            + ". Network times therefore equal full-scale times at full bandwidth; the fixed per-call cost and the "
            "in-host stage do not scale.",
-           f"- Frames: {cost_model.frame(CHIP_LANES[kind])} B per {cost_model.payload(CHIP_LANES[kind])} B of "
-           f"payload ({CHIP_LANES[kind]} lanes, the {kind} program's, for every scheme's packets); pool (packets in "
-           "flight per "
-           f"worker) " + ", ".join(f"{k}: {v}" for k, v in meta["pools"].items())
+           f"- Frames: {cost_model.frame(lanes)} B per {cost_model.payload(lanes)} B of payload ({lanes} lanes, "
+           f"the {switch_kind} program's, for every scheme's packets); pool (packets in flight per worker) "
+           + ", ".join(f"{k}: {v}" for k, v in meta["pools"].items())
            + "; every tbf queue holds every window (no drops by design; drops are counted below).",
            f"- Time = the slowest rank's median of {meta['iterations']} timed all_reduces after one warm-up. "
            "Model = measured fixed cost (a one-packet all_reduce) + measured in-host reduce-scatter/all-gather "
@@ -490,7 +490,7 @@ def markdown(report: dict[str, Any]) -> str:
             out.append(f"| {cfg} | {r['bandwidth']} | {name} | {r['scheme']} | {short[aggregator_of(r['scheme'])]} | "
                        f"{r.get('lanes') or '–'} | {w['measured_s']:.3f} | {w['model_s']:.3f} | {w['ratio']:.2f} | "
                        f"{w['model']['network_s']:.3f} | {ih} | {w['epoch_s']:.1f} | {w['scaling_efficiency']:.0%} |")
-    out += ["", f"## Ratios (measured; switch kind {kind})", "", "| config | link | workload | PS / PSRing | "
+    out += ["", f"## Ratios (measured; switch kind {switch_kind})", "", "| config | link | workload | PS / PSRing | "
             "SwitchML / PASSING | "
             "Ring / PASSING | time saved vs PS | time saved vs SwitchML |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for (s, n) in sorted({(r["servers"], r["ranks"]) for r in ok_runs(runs)}):
@@ -538,8 +538,8 @@ def markdown(report: dict[str, Any]) -> str:
     if failed:
         out += ["", "## Failed runs", ""] + [f"- {r['scheme']} {r['servers']}x{r['ranks']} @{r['bandwidth']}: "
                                              f"`{r['error'].splitlines()[-1] if r['error'] else ''}`" for r in failed]
-    out += ["", f"Took {meta['duration_s'] / 60:.1f} min (started {meta['started']}); switch kind {kind}: "
-            f"{switch_kind_label(kind)}."]
+    out += ["", f"Took {meta['duration_s'] / 60:.1f} min (started {meta['started']}); switch kind {switch_kind}: "
+            f"{switch_kind_label(switch_kind)}."]
     return "\n".join(out) + "\n"
 
 
