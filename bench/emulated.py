@@ -114,13 +114,17 @@ QUEUE_BUDGET_S = 0.5  # pool is sized so that MAX_WINDOWS full windows queue for
 
 
 def pool_for(rate_mbit: float, lanes: int = cost_model.LANES) -> int:
-    """Packets in flight per worker at this link rate: the power of two (16..256) nearest to
-    what keeps the fullest link's queue near QUEUE_BUDGET_S. A stream silent for 1 s (its wait
-    before a probe on a loss-free path) resends, so a longer queue would make it resend packets
-    that are only waiting; a much smaller pool would let the window, not the link, set the pace.
-    ``lanes``: the packets' (256 at the 10 Gbit/s-equivalent for 64 and 128 lanes alike)."""
+    """Packets in flight per worker at this link rate: the power of two (16..256 packets of 64
+    lanes, as many bytes of ``lanes``) nearest to what keeps the fullest link's queue near
+    QUEUE_BUDGET_S. A stream silent for 1 s (its wait before a probe on a loss-free path)
+    resends, so a longer queue would make it resend packets that are only waiting; a much
+    smaller pool would let the window, not the link, set the pace. The bound is of bytes, so a
+    switch kind of wider packets keeps the same bytes in flight (128 lanes: 128 packets at the
+    10 Gbit/s-equivalent): with 256 of them, twice the bytes, the relays of FSDP's all_gathers
+    queued the reduce_scatter's RESULTs on the downlinks for twice as long (docs/benchmarks.md)."""
     link_pps = rate_mbit * 1e6 / (8 * cost_model.frame(lanes))
-    return 1 << round(math.log2(max(16.0, min(256.0, QUEUE_BUDGET_S * link_pps / MAX_WINDOWS))))
+    most = 256.0 * cost_model.LANES / lanes
+    return 1 << round(math.log2(max(16.0, min(most, QUEUE_BUDGET_S * link_pps / MAX_WINDOWS))))
 
 
 def cpu_pressure_us() -> int:

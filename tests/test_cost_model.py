@@ -44,5 +44,7 @@ def test_the_emulated_switch_kinds_are_the_programs_lane_counts():
     assert {kind: CHIP_LANES[kind] for kind in emulated.SWITCH_KINDS} == {"tofino": 64, "tofino2": 128}
     assert emulated.switch_kind_label("tofino2") == ("emulated Tofino 2 (tofino2, 128 lanes): a software aggregator "
                                                      "at that lane count, nothing more")
-    assert emulated.pool_for(100.0, 64) == emulated.pool_for(100.0, 128) == 256  # the 10G-equivalent link
+    # the 10G-equivalent link: the same bytes in flight at either lane count
+    assert (emulated.pool_for(100.0, 64), emulated.pool_for(100.0, 128)) == (256, 128)
+    assert (emulated.pool_for(10.0, 64), emulated.pool_for(10.0, 128)) == (128, 64)  # the 1G-equivalent: the queue
     assert emulated.Bandwidth("10G", 100.0, 128).lanes == 128
