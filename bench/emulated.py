@@ -82,15 +82,16 @@ SWITCH_LABEL = "software aggregator in the switch namespace"
 # The switch kinds the emulated switch may stand for (hardware; BMv2 cannot keep up, BMV2_NOTE) and their names
 SWITCH_KINDS = {"tofino": "Tofino", "tofino2": "Tofino 2"}
 DEFAULT_SWITCH_KIND = "tofino"
+PS_LABEL = "software aggregator in the ps namespace (the PS, behind its rate-limited link)"
+BMV2_NOTE = ("BMv2, measured here at ~0.8 kpps of aggregation (bench/results/bmv2.json), cannot sustain "
+             "these packet rates, so the switch is emulated by the software aggregator")
 
 
 def switch_kind_label(kind: str) -> str:
     """What the emulated switch is, said with every figure."""
     return (f"emulated {SWITCH_KINDS[kind]} ({kind}, {CHIP_LANES[kind]} lanes): a software aggregator at that "
             "lane count, nothing more")
-PS_LABEL = "software aggregator in the ps namespace (the PS, behind its rate-limited link)"
-BMV2_NOTE = ("BMv2, measured here at ~0.8 kpps of aggregation (bench/results/bmv2.json), cannot sustain "
-             "these packet rates, so the switch is emulated by the software aggregator")
+
 
 # Paper workloads: parameter counts of the full models (float32 gradients).
 MODELS = {
@@ -457,8 +458,8 @@ def _agg_cells(load: dict[str, float] | None) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     meta, runs, scaling = report["meta"], report["runs"], report["scaling"]
-    switch_kind = meta.get("switch_kind", DEFAULT_SWITCH_KIND)
-    lanes = CHIP_LANES[switch_kind]  # results from before switch kinds: a Tofino's 64 lanes
+    switch_kind = meta.get("switch_kind", DEFAULT_SWITCH_KIND)  # results from before switch kinds: a Tofino's
+    lanes = CHIP_LANES[switch_kind]
     short = {"switch": f"switch ns (software, as {switch_kind})", "ps": "ps ns (software PS)", None: "– (gloo)"}
     out = [f"# Emulated cluster: allreduce per scheme ({'quick' if meta['quick'] else 'full'} run), "
            f"switch kind {switch_kind}", "",
