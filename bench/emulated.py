@@ -388,6 +388,7 @@ def run_once(cluster: Cluster, scheme: str, servers: int, ranks: int, bw: Bandwi
             "model_s": model.seconds, "ratio": measured / model.seconds,
             "model": model.as_dict(), "per_rank_median_s": [w["median_s"] for w in per_rank],
             "seconds": [w["seconds"] for w in per_rank], "warmup_s": max(w["warmup_s"] for w in per_rank),
+            "starts": [w["starts"] for w in per_rank],  # each rank's start of each call (time.time(), one machine)
             "rank_cpu_share": max(w["cpu_s"] / (w["median_s"] * iterations) for w in per_rank),
             # how far apart the ranks started each all_reduce after the barrier (median over iterations)
             "start_skew_s": statistics.median(max(t) - min(t) for t in zip(*(w["starts"] for w in per_rank))),
