@@ -59,14 +59,16 @@ demo: $(STAMP)
 	$(PY) demo/run.py
 
 # The emulated-cluster comparison of the schemes of docs/torch.md ("Schemes") (root: network namespaces;
-# docs/benchmarks.md). bench-quick: under 10 minutes; bench: every configuration.
+# docs/benchmarks.md). bench-quick: under 10 minutes; bench: every configuration. SWITCH_KIND: the switch the
+# emulated one stands for, tofino (64 lanes, the default) or tofino2 (128): a software aggregator at that lane count.
+SWITCH_KIND ?= tofino
 bench: $(STAMP)
 	$(INSTALL) -e protocol -e 'host[bench]'
-	$(PY) bench/emulated.py
+	$(PY) bench/emulated.py --switch-kind $(SWITCH_KIND)
 
 bench-quick: $(STAMP)
 	$(INSTALL) -e protocol -e 'host[bench]'
-	$(PY) bench/emulated.py --quick
+	$(PY) bench/emulated.py --quick --switch-kind $(SWITCH_KIND)
 
 bench-core: $(STAMP)
 	$(INSTALL) -e protocol -e 'host[torch]'

@@ -5,7 +5,8 @@ extended with what the wire really carries and with the self-clocked window:
 
 * every 256-byte payload (64 int32 lanes) travels in a 314-byte frame
   (14 Ethernet + 20 IPv4 + 8 UDP + 16 PASSING header), so a link of B bit/s moves
-  B / (8·314) PASSING packets per second;
+  B / (8·314) PASSING packets per second; with another lane count L (``Setup.lanes``: a
+  Tofino 2's program has 128) the frame is 58 + 4·L bytes (570 for 512 of payload, 1.11x);
 * a worker keeps at most ``pool`` packets in flight, so G windows sharing a link move
   at most G·pool packets per round-trip time: rate = min(B/(8·314), G·pool/RTT);
 * gloo's ring runs over TCP: 1448 bytes of payload per 1514-byte frame (timestamps on),
@@ -14,7 +15,7 @@ extended with what the wire really carries and with the self-clocked window:
   gloo's own messages, is not modelled). A PASSING all_reduce measured 1.02x the bytes
   modelled here (the rest: its MAX round and the barrier).
 
-Per all_reduce of K bytes (P = ceil(elements/64) packets) with s servers × n ranks:
+Per all_reduce of K bytes (P = ceil(elements/L) packets, L = 64 lanes) with s servers × n ranks:
 
 | scheme   | bottleneck link | packets on it (each way)  | windows on it |
 | -------- | --------------- | ------------------------- | ------------- |
@@ -39,9 +40,22 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-LANES = 64
-PAYLOAD = 4 * LANES  # bytes of gradient per PASSING packet
-FRAME = 14 + 20 + 8 + 16 + PAYLOAD  # 314 bytes on the wire per PASSING packet
+LANES = 64  # a Tofino 1's single pass (and BMv2's program): the default of every Setup
+FRAME_OVERHEAD = 14 + 20 + 8 + 16  # Ethernet, IPv4, UDP and PASSING headers of every PASSING packet
+
+
+def payload(lanes: int = LANES) -> int:
+    """Bytes of gradient per PASSING packet."""
+    return 4 * lanes
+
+
+def frame(lanes: int = LANES) -> int:
+    """Bytes on the wire per PASSING packet: 314 at 64 lanes, 570 at 128."""
+    return FRAME_OVERHEAD + payload(lanes)
+
+
+PAYLOAD = payload()  # 256 bytes at the default lanes
+FRAME = frame()  # 314 bytes at the default lanes
 TCP_PAYLOAD, TCP_FRAME = 1448, 1514  # MSS with timestamps, Ethernet frame at MTU 1500
 TCP_ACK_SHARE = 66 / 2  # a 66-byte ACK per two segments, sharing the link with the reverse flow's data
 
@@ -60,6 +74,7 @@ class Setup:
     rtt_s: float = 0.002  # unloaded round trip rank -> aggregator -> rank
     fixed_s: float = 0.0  # per-call cost independent of size (measured: a one-packet all_reduce)
     in_host_s: float = 0.0  # in-host reduce-scatter + all-gather of this size (measured), in-host schemes only
+    lanes: int = LANES  # int32 values per PASSING packet: the aggregator's program (128 for a Tofino 2)
 
 
 @dataclass(frozen=True)
@@ -77,8 +92,8 @@ class Prediction:
         return asdict(self)
 
 
-def packets(elements: int) -> int:
-    return math.ceil(elements / LANES)
+def packets(elements: int, lanes: int = LANES) -> int:
+    return math.ceil(elements / lanes)
 
 
 def windows(scheme: str, servers: int, ranks: int) -> int:
@@ -103,18 +118,19 @@ def predict(scheme: str, elements: int, setup: Setup) -> Prediction:
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; one of {', '.join(SCHEMES)}")
     in_host = scheme in IN_HOST and n > 1
-    per_worker = packets(math.ceil(elements / n)) if in_host else packets(elements)
+    per_worker = packets(math.ceil(elements / n), setup.lanes) if in_host else packets(elements, setup.lanes)
     if scheme in ("ps", "psring"):
         link, count = "PS link", world * per_worker
     else:
         link, count = "server link", n * per_worker
-    link_pps = bits_per_s / (8 * FRAME)
+    size = frame(setup.lanes)
+    link_pps = bits_per_s / (8 * size)
     g = windows(scheme, s, n)
     window_pps = g * setup.pool / setup.rtt_s if setup.rtt_s > 0 else math.inf
     pps = min(link_pps, window_pps)
     network = count / pps
     host = setup.in_host_s if in_host else 0.0
-    return Prediction(scheme, setup.fixed_s + host + network, network, host, setup.fixed_s, link, count * FRAME,
+    return Prediction(scheme, setup.fixed_s + host + network, network, host, setup.fixed_s, link, count * size,
                       window_pps < link_pps)
 
 
@@ -122,21 +138,32 @@ def bottleneck_packets_per_s(scheme: str, setup: Setup) -> float:
     """Packets per second the aggregator takes in when the bottleneck link is full (0: none used)."""
     if scheme == "ring":
         return 0.0
-    link_pps = setup.rate_mbit * 1e6 / (8 * FRAME)
+    link_pps = setup.rate_mbit * 1e6 / (8 * frame(setup.lanes))
     if scheme in ("ps", "psring"):
         return link_pps  # the PS link feeds it
     return setup.servers * link_pps  # every server link feeds the switch
 
 
 def main() -> None:
-    """Print the model's table for the paper's configurations at 10 Gbit/s, full size."""
+    """Print the model's table for the paper's configurations at 10 Gbit/s, full size, at each lane count
+    (``--lanes``, default 64 and 128: a Tofino 1's and a Tofino 2's program), with Ring / PASSING."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--lanes", type=int, nargs="+", default=[LANES, 2 * LANES])
+    args = parser.parse_args()
     sizes = {"resnet50": 25_557_032, "vgg19-cifar": 20_035_018}
-    print(f"{'config':7s} {'model':12s} " + " ".join(f"{s:>9s}" for s in SCHEMES) + "   (seconds at 10 Gbit/s)")
-    for servers, ranks in ((2, 2), (2, 4), (4, 2), (4, 4)):
-        setup = Setup(servers, ranks, 10_000.0, pool=128, rtt_s=1e-5)
-        for name, elements in sizes.items():
-            times = [predict(s, elements, setup).seconds for s in SCHEMES]
-            print(f"{servers}x{ranks:<5d} {name:12s} " + " ".join(f"{t:9.4f}" for t in times))
+    for lanes in args.lanes:
+        print(f"{lanes} lanes: {frame(lanes)}-byte frames for {payload(lanes)} bytes of payload "
+              f"({frame(lanes) / payload(lanes):.3f}x)")
+        print(f"{'config':7s} {'model':12s} " + " ".join(f"{s:>9s}" for s in SCHEMES)
+              + "  ring/passing   (seconds at 10 Gbit/s, network only)")
+        for servers, ranks in ((2, 2), (2, 4), (4, 2), (4, 4)):
+            setup = Setup(servers, ranks, 10_000.0, pool=128, rtt_s=1e-5, lanes=lanes)
+            for name, elements in sizes.items():
+                times = {s: predict(s, elements, setup).seconds for s in SCHEMES}
+                print(f"{servers}x{ranks:<5d} {name:12s} " + " ".join(f"{t:9.4f}" for t in times.values())
+                      + f"  {times['ring'] / times['passing']:12.2f}")
 
 
 if __name__ == "__main__":

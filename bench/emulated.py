@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python bench/emulated.py --quick     # 2x2 and 4x2, 10G-equivalent, ResNet50 (~2 min)
     sudo .venv/bin/python bench/emulated.py             # 2x2 2x4 4x2 4x4, both bandwidths, ResNet50 + VGG19
+    sudo .venv/bin/python bench/emulated.py --quick --switch-kind tofino2   # the switch's packets: 128 lanes
 
 Needs root (network namespaces) and matplotlib for the plots (`pip install matplotlib`).
 
@@ -13,6 +14,12 @@ controller whose PS entry is that aggregator: schemes passing and switchml use i
 parameter server is a second software aggregator in the "ps" namespace, behind its
 rate-limited link, with a second PS-only controller: schemes ps and psring use it.
 Every run starts s × n ranks (bench/emulated_worker.py) in the server namespaces.
+
+Switch kind (--switch-kind, default tofino): the lane count of the P4 program the emulated switch
+stands for (passing_controller.topology.CHIP_LANES: tofino 64, tofino2 128). Both software
+aggregators take packets of that many lanes and no more, and the cost model counts them: an
+emulated Tofino 2 is a software aggregator at a Tofino 2 program's lane count, nothing more (no
+pipeline, no recirculation, no switch buffer). Every progress line and results file names it.
 
 Scaling: the paper's 10 Gbit/s and 1 Gbit/s links and its gradient sizes are both
 divided by --factor (default 100: 100 and 10 Mbit/s, ResNet50 -> 255 570 float32), so
@@ -30,7 +37,8 @@ rate and CPU, the CPU pressure (PSI) and the drops, so a reader can check that n
 the aggregator nor the machine set the pace.
 
 Writes bench/results/emulated.{json,md} and emulated-{time,efficiency,scaling}.png
-(--quick: emulated-quick.*), one progress line per run. Everything it creates
+(--quick: emulated-quick.*; a switch kind other than tofino: emulated[-quick]-<kind>.*), one
+progress line per run. Everything it creates
 (namespaces, processes) is removed at the end, on Ctrl-C, and after a crash by the next
 run (netns.remove_stale).
 """
@@ -65,14 +73,25 @@ import cost_model  # noqa: E402
 from cluster import netns  # noqa: E402
 from cluster.local import ensure_keys, launch_ranks, start_controller  # noqa: E402
 from passing.aggregator.control_channel import ControlClient  # noqa: E402
+from passing_controller.topology import CHIP_LANES  # noqa: E402
 
 RESULTS = BENCH / "results"
 WORKER = BENCH / "emulated_worker.py"
 
 SWITCH_LABEL = "software aggregator in the switch namespace"
+# The switch kinds the emulated switch may stand for (hardware; BMv2 cannot keep up, BMV2_NOTE) and their names
+SWITCH_KINDS = {"tofino": "Tofino", "tofino2": "Tofino 2"}
+DEFAULT_SWITCH_KIND = "tofino"
 PS_LABEL = "software aggregator in the ps namespace (the PS, behind its rate-limited link)"
 BMV2_NOTE = ("BMv2, measured here at ~0.8 kpps of aggregation (bench/results/bmv2.json), cannot sustain "
              "these packet rates, so the switch is emulated by the software aggregator")
+
+
+def switch_kind_label(kind: str) -> str:
+    """What the emulated switch is, said with every figure."""
+    return (f"emulated {SWITCH_KINDS[kind]} ({kind}, {CHIP_LANES[kind]} lanes): a software aggregator at that "
+            "lane count, nothing more")
+
 
 # Paper workloads: parameter counts of the full models (float32 gradients).
 MODELS = {
@@ -95,13 +114,18 @@ QUEUE_BUDGET_S = 0.5  # pool is sized so that MAX_WINDOWS full windows queue for
 # ---- the emulated cluster -------------------------------------------------------------------
 
 
-def pool_for(rate_mbit: float) -> int:
-    """Packets in flight per worker at this link rate: the power of two (16..256) nearest to
-    what keeps the fullest link's queue near QUEUE_BUDGET_S. A stream silent for 1 s (its wait
-    before a probe on a loss-free path) resends, so a longer queue would make it resend packets
-    that are only waiting; a much smaller pool would let the window, not the link, set the pace."""
-    link_pps = rate_mbit * 1e6 / (8 * cost_model.FRAME)
-    return 1 << round(math.log2(max(16.0, min(256.0, QUEUE_BUDGET_S * link_pps / MAX_WINDOWS))))
+def pool_for(rate_mbit: float, lanes: int = cost_model.LANES) -> int:
+    """Packets in flight per worker at this link rate: the power of two (16..256 packets of 64
+    lanes, as many bytes of ``lanes``) nearest to what keeps the fullest link's queue near
+    QUEUE_BUDGET_S. A stream silent for 1 s (its wait before a probe on a loss-free path)
+    resends, so a longer queue would make it resend packets that are only waiting; a much
+    smaller pool would let the window, not the link, set the pace. The bound is of bytes, so a
+    switch kind of wider packets keeps the same bytes in flight (128 lanes: 128 packets at the
+    10 Gbit/s-equivalent): with 256 of them, twice the bytes, the relays of FSDP's all_gathers
+    queued the reduce_scatter's RESULTs on the downlinks for twice as long (docs/benchmarks.md)."""
+    link_pps = rate_mbit * 1e6 / (8 * cost_model.frame(lanes))
+    most = 256.0 * cost_model.LANES / lanes
+    return 1 << round(math.log2(max(16.0, min(most, QUEUE_BUDGET_S * link_pps / MAX_WINDOWS))))
 
 
 def cpu_pressure_us() -> int:
@@ -166,8 +190,10 @@ class AggregatorMonitor:
 class Cluster:
     """The namespaces, the two aggregators and their two controllers, for the whole benchmark."""
 
-    def __init__(self, servers: int, rate_mbit: float, workdir: Path, nice: int = 0) -> None:
+    def __init__(self, servers: int, rate_mbit: float, workdir: Path, nice: int = 0,
+                 switch_kind: str = DEFAULT_SWITCH_KIND) -> None:
         self.nice = nice
+        self.switch_kind, self.lanes = switch_kind, CHIP_LANES[switch_kind]
         self.servers = [f"s{i}" for i in range(servers)]
         hosts = [*self.servers, "ps"]
         self.net = netns.EmulatedNetwork(hosts, {h: rate_mbit for h in hosts})
@@ -177,12 +203,13 @@ class Cluster:
             in_switch: Callable[..., subprocess.Popen] = lambda argv, **kw: self.net.popen("switch", argv, **kw)
             self.aggregators: dict[str, dict[str, Any]] = {}
             # ipc:// control sockets: the harness, in the root namespace, reads their counters through them.
-            # Both take the switch's packet size only (cost_model.LANES): the schemes are compared, and modelled,
-            # with the packets of a Tofino, where a PS alone would take MTU-sized ones (docs/control.md)
+            # Both take the switch kind's packet size only (its program's lanes): the schemes are compared, and
+            # modelled, with the packets of that switch, where a PS alone would take MTU-sized ones
+            # (docs/control.md); the PS-only controllers give every group the most the aggregator takes
             for name, where, ip in (("switch", "switch", sw), ("ps", "ps", ps)):
                 control = f"ipc://{workdir}/{name}-aggregator.ipc"
                 proc = self.popen(where, [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen",
-                                          f"{ip}:9877", "--control", control, "--max-lanes", str(cost_model.LANES)],
+                                          f"{ip}:9877", "--control", control, "--max-lanes", str(self.lanes)],
                                   stdout=subprocess.PIPE, text=True)
                 if not proc.stdout.readline():
                     raise RuntimeError(f"the {name} aggregator did not start")
@@ -208,7 +235,7 @@ class Cluster:
         without a tail drop, as a switch buffer of that size would.
         """
         burst = max(3100, int(rate_mbit * 1e6 / 8 * 0.002))
-        limit = max(4 * MAX_WINDOWS * pool_for(rate_mbit) * cost_model.FRAME, 256 * 1024)
+        limit = max(4 * MAX_WINDOWS * pool_for(rate_mbit, self.lanes) * cost_model.frame(self.lanes), 256 * 1024)
         self.net.set_rate(rate_mbit, burst, limit)
         self.rate_mbit = rate_mbit
 
@@ -253,10 +280,11 @@ def _ns_run(ns: str, *argv: str) -> str:
 class Bandwidth:
     label: str  # "10G" / "1G": the paper's link it stands for
     rate_mbit: float
+    lanes: int = cost_model.LANES  # the switch kind's packets
 
     @property
     def pool(self) -> int:
-        return pool_for(self.rate_mbit)
+        return pool_for(self.rate_mbit, self.lanes)
 
 
 def aggregator_of(scheme: str) -> str | None:
@@ -297,7 +325,8 @@ def run_once(cluster: Cluster, scheme: str, servers: int, ranks: int, bw: Bandwi
            "GLOO_SOCKET_IFNAME": "eth0"}
     argv = [sys.executable, str(WORKER), "--iterations", str(iterations),
             *[a for name, n in workloads.items() for a in ("--workload", f"{name}={n}")]]
-    rough = sum(cost_model.predict(scheme, n, cost_model.Setup(servers, ranks, bw.rate_mbit, bw.pool)).seconds
+    rough = sum(cost_model.predict(scheme, n, cost_model.Setup(servers, ranks, bw.rate_mbit, bw.pool,
+                                                                lanes=cluster.lanes)).seconds
                 for n in workloads.values())
     timeout = 240 + 6 * rough * (iterations + 3)
     started, before = time.perf_counter(), cluster.counters()
@@ -324,13 +353,21 @@ def run_once(cluster: Cluster, scheme: str, servers: int, ranks: int, bw: Bandwi
         if code != 0 or not found:
             tail = "\n".join(err.strip().splitlines()[-15:])
             return {"scheme": scheme, "servers": servers, "ranks": ranks, "bandwidth": bw.label, "failed": True,
-                    "error": f"rank {rank} exited {code}: {tail}", "wall_s": wall}
+                    "error": f"rank {rank} exited {code}: {tail}", "wall_s": wall, "switch_kind": cluster.switch_kind}
         lines.append(json.loads(found[-1]))
+    used = {r["lanes"] for r in lines if r["lanes"] is not None}
+    if used - {cluster.lanes}:  # the controller gave other packets than the switch kind's: no figure of that kind
+        return {"scheme": scheme, "servers": servers, "ranks": ranks, "bandwidth": bw.label, "failed": True,
+                "error": f"ranks used {sorted(used)} lanes, the {cluster.switch_kind} switch kind {cluster.lanes}",
+                "wall_s": wall, "switch_kind": cluster.switch_kind}
     fixed = max(r["fixed_s"] for r in lines)
     result: dict[str, Any] = {
         "scheme": scheme, "servers": servers, "ranks": ranks, "bandwidth": bw.label,
+        "switch_kind": cluster.switch_kind, "lanes": cluster.lanes if used else None,
         "paper_gbit": PAPER_GBIT.get(bw.label), "rate_mbit": bw.rate_mbit, "pool": bw.pool,
-        "aggregator": {"switch": SWITCH_LABEL, "ps": PS_LABEL}.get(agg or "", "none: gloo's ring over TCP"),
+        "aggregator": {"switch": f"{SWITCH_LABEL}: {switch_kind_label(cluster.switch_kind)}",
+                       "ps": PS_LABEL}.get(agg or "", "none: gloo's ring over TCP"),
+        "loadavg": open("/proc/loadavg").read().split()[:3],  # the machine's load as the run ended
         "mode": lines[0]["mode"], "reason": lines[0]["reason"], "fixed_s": fixed, "wall_s": wall, "health": health,
         "iterations": iterations, "workloads": {},
         "aggregator_load": monitor.summary() if monitor else None,
@@ -340,7 +377,7 @@ def run_once(cluster: Cluster, scheme: str, servers: int, ranks: int, bw: Bandwi
         measured = max(w["median_s"] for w in per_rank)  # the slowest rank's median: everyone waits for it
         in_host = [w["in_host_s"] for w in per_rank if w["in_host_s"] is not None]
         setup = cost_model.Setup(servers, ranks, bw.rate_mbit, bw.pool, rtt_s=max(fixed / 2, 1e-4), fixed_s=fixed,
-                                 in_host_s=max(in_host) if in_host else 0.0)
+                                 in_host_s=max(in_host) if in_host else 0.0, lanes=cluster.lanes)
         model = cost_model.predict(scheme, elements, setup)
         sent = [w["transport"].get("bytes_sent", 0) for w in per_rank]
         compute = COMPUTE_S[name]
@@ -351,6 +388,7 @@ def run_once(cluster: Cluster, scheme: str, servers: int, ranks: int, bw: Bandwi
             "model_s": model.seconds, "ratio": measured / model.seconds,
             "model": model.as_dict(), "per_rank_median_s": [w["median_s"] for w in per_rank],
             "seconds": [w["seconds"] for w in per_rank], "warmup_s": max(w["warmup_s"] for w in per_rank),
+            "starts": [w["starts"] for w in per_rank],  # each rank's start of each call (time.time(), one machine)
             "rank_cpu_share": max(w["cpu_s"] / (w["median_s"] * iterations) for w in per_rank),
             # how far apart the ranks started each all_reduce after the barrier (median over iterations)
             "start_skew_s": statistics.median(max(t) - min(t) for t in zip(*(w["starts"] for w in per_rank))),
@@ -369,14 +407,15 @@ def run_once(cluster: Cluster, scheme: str, servers: int, ranks: int, bw: Bandwi
     if monitor:
         # Share of a core the aggregator would need with its bottleneck link(s) full, at the CPU
         # per packet of this run (an upper bound: at higher rates its batches grow and cost less each)
-        line_pps = cost_model.bottleneck_packets_per_s(scheme, cost_model.Setup(servers, ranks, bw.rate_mbit))
+        line_pps = cost_model.bottleneck_packets_per_s(scheme, cost_model.Setup(servers, ranks, bw.rate_mbit,
+                                                                                 lanes=cluster.lanes))
         load = result["aggregator_load"]
         load["line_rate_pps_in"], load["line_rate_cpu_share"] = line_pps, load["cpu_us_per_packet"] * line_pps / 1e6
     return result
 
 
 def progress(i: int, total: int, r: dict[str, Any]) -> str:
-    head = f"[{i}/{total}] {r['scheme']:8s} {r['servers']}x{r['ranks']} @{r['bandwidth']}"
+    head = f"[{i}/{total}] {r['scheme']:8s} {r['servers']}x{r['ranks']} @{r['bandwidth']} [switch: {r['switch_kind']}]"
     if r.get("failed"):
         return f"{head}: FAILED after {r['wall_s']:.0f} s: {r['error']}"
     parts = [f"{name} {w['measured_s']:.3f} s (model {w['model_s']:.3f}, x{w['ratio']:.2f}, "
@@ -386,8 +425,10 @@ def progress(i: int, total: int, r: dict[str, Any]) -> str:
            f"(~{load['line_rate_cpu_share']:.0%} at line rate)" if load else "")
     drops = (f"; DROPS: {h['tbf_drops']} tbf, {h['udp_rcvbuf_drops']} UDP rcvbuf"
              if h["tbf_drops"] or h["udp_rcvbuf_drops"] else "")
-    return (f"{head} ({r['rate_mbit']:g} Mbit/s, pool {r['pool']}): {'; '.join(parts)}{agg}{drops}; "
-            f"link bytes x{h['link_bytes_ratio']:.2f} model; CPU pressure {h['cpu_pressure']:.0%}; {r['wall_s']:.0f} s")
+    lanes = f", {r['lanes']} lanes" if r["lanes"] else ""
+    return (f"{head} ({r['rate_mbit']:g} Mbit/s, pool {r['pool']}{lanes}): {'; '.join(parts)}{agg}{drops}; "
+            f"link bytes x{h['link_bytes_ratio']:.2f} model; CPU pressure {h['cpu_pressure']:.0%}; load "
+            f"{' '.join(r['loadavg'])}; {r['wall_s']:.0f} s")
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -418,16 +459,21 @@ def _agg_cells(load: dict[str, float] | None) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     meta, runs, scaling = report["meta"], report["runs"], report["scaling"]
-    short = {"switch": "switch ns (software)", "ps": "ps ns (software PS)", None: "– (gloo)"}
-    out = [f"# Emulated cluster: allreduce per scheme ({'quick' if meta['quick'] else 'full'} run)", "",
+    switch_kind = meta.get("switch_kind", DEFAULT_SWITCH_KIND)  # results from before switch kinds: a Tofino's
+    lanes = CHIP_LANES[switch_kind]
+    short = {"switch": f"switch ns (software, as {switch_kind})", "ps": "ps ns (software PS)", None: "– (gloo)"}
+    out = [f"# Emulated cluster: allreduce per scheme ({'quick' if meta['quick'] else 'full'} run), "
+           f"switch kind {switch_kind}", "",
+           f"Switch kind: **{switch_kind_label(switch_kind)}**.", "",
            f"Aggregation: **{SWITCH_LABEL}** for passing/switchml ({BMV2_NOTE}); **{PS_LABEL}** for ps/psring.",
            "", f"- Scale factor {meta['factor']:g}: " + ", ".join(
                f"{k}bit/s -> {v:g} Mbit/s" for k, v in meta["rates_mbit"].items())
            + "; gradients " + ", ".join(f"{MODELS[k][1]} -> {v} float32" for k, v in meta["workloads"].items())
            + ". Network times therefore equal full-scale times at full bandwidth; the fixed per-call cost and the "
            "in-host stage do not scale.",
-           f"- Frames: {cost_model.FRAME} B per {cost_model.PAYLOAD} B of payload; pool (packets in flight per "
-           f"worker) " + ", ".join(f"{k}: {v}" for k, v in meta["pools"].items())
+           f"- Frames: {cost_model.frame(lanes)} B per {cost_model.payload(lanes)} B of payload ({lanes} lanes, "
+           f"the {switch_kind} program's, for every scheme's packets); pool (packets in flight per worker) "
+           + ", ".join(f"{k}: {v}" for k, v in meta["pools"].items())
            + "; every tbf queue holds every window (no drops by design; drops are counted below).",
            f"- Time = the slowest rank's median of {meta['iterations']} timed all_reduces after one warm-up. "
            "Model = measured fixed cost (a one-packet all_reduce) + measured in-host reduce-scatter/all-gather "
@@ -437,19 +483,21 @@ def markdown(report: dict[str, Any]) -> str:
            + " **assumed** (not measured: no GPU here, torchvision does not import). Scaling efficiency = "
            "compute / (compute + allreduce): throughput over W x one GPU's, no overlap.",
            f"- Machine: {meta['machine']}; load average at start {' '.join(meta['loadavg_start'])}. {meta['note']}",
-           "", "| config | link | workload | scheme | aggregated by | measured s | model s | ratio | network model s "
-           "| in-host s | epoch s | scaling eff. |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "", "| config | link | workload | scheme | aggregated by | lanes | measured s | model s | ratio | "
+           "network model s | in-host s | epoch s | scaling eff. |",
+           "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         cfg = f"{r['servers']}x{r['ranks']}"
         if r.get("failed"):
-            out.append(f"| {cfg} | {r['bandwidth']} | | {r['scheme']} | | FAILED | | | | | | |")
+            out.append(f"| {cfg} | {r['bandwidth']} | | {r['scheme']} | | | FAILED | | | | | | |")
             continue
         for name, w in r["workloads"].items():
             ih = f"{w['in_host_s']:.4f}" if w["in_host_s"] is not None else "–"
             out.append(f"| {cfg} | {r['bandwidth']} | {name} | {r['scheme']} | {short[aggregator_of(r['scheme'])]} | "
-                       f"{w['measured_s']:.3f} | {w['model_s']:.3f} | {w['ratio']:.2f} | "
+                       f"{r.get('lanes') or '–'} | {w['measured_s']:.3f} | {w['model_s']:.3f} | {w['ratio']:.2f} | "
                        f"{w['model']['network_s']:.3f} | {ih} | {w['epoch_s']:.1f} | {w['scaling_efficiency']:.0%} |")
-    out += ["", "## Ratios (measured)", "", "| config | link | workload | PS / PSRing | SwitchML / PASSING | "
+    out += ["", f"## Ratios (measured; switch kind {switch_kind})", "", "| config | link | workload | PS / PSRing | "
+            "SwitchML / PASSING | "
             "Ring / PASSING | time saved vs PS | time saved vs SwitchML |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for (s, n) in sorted({(r["servers"], r["ranks"]) for r in ok_runs(runs)}):
         for bw in meta["rates_mbit"]:
@@ -496,7 +544,8 @@ def markdown(report: dict[str, Any]) -> str:
     if failed:
         out += ["", "## Failed runs", ""] + [f"- {r['scheme']} {r['servers']}x{r['ranks']} @{r['bandwidth']}: "
                                              f"`{r['error'].splitlines()[-1] if r['error'] else ''}`" for r in failed]
-    out += ["", f"Took {meta['duration_s'] / 60:.1f} min (started {meta['started']})."]
+    out += ["", f"Took {meta['duration_s'] / 60:.1f} min (started {meta['started']}); switch kind {switch_kind}: "
+            f"{switch_kind_label(switch_kind)}."]
     return "\n".join(out) + "\n"
 
 
@@ -535,7 +584,8 @@ def plots(report: dict[str, Any], stem: str) -> list[Path]:
             if kind == "efficiency":
                 ax.set_ylim(0, 1)
             ax.legend(fontsize=7)
-        fig.suptitle(f"switch = {SWITCH_LABEL}; PS = software aggregator in the ps namespace", fontsize=9)
+        fig.suptitle(f"switch = {switch_kind_label(meta.get('switch_kind', DEFAULT_SWITCH_KIND))}; "
+                     "PS = software aggregator in the ps namespace", fontsize=9)
         fig.tight_layout()
         path = RESULTS / f"{stem}-{kind}.png"
         fig.savefig(path, dpi=110)
@@ -583,6 +633,9 @@ def main() -> int:
     p.add_argument("--nice", type=int, default=-10,
                    help="nice level of ranks and aggregators (below 0: ahead of other work on the machine)")
     p.add_argument("--no-scaling", action="store_true", help="skip the per-host scaling runs")
+    p.add_argument("--switch-kind", choices=tuple(SWITCH_KINDS), default=DEFAULT_SWITCH_KIND,
+                   help="the switch the emulated one stands for: its program's lanes for every packet "
+                        "(tofino 64, tofino2 128; default %(default)s); a software aggregator at that lane count")
     args = p.parse_args()
     why = netns.available()
     if why:
@@ -592,12 +645,14 @@ def main() -> int:
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs] if args.configs else (
         [(2, 2), (4, 2)] if args.quick else list(CONFIGS))
     schemes = args.schemes or list(cost_model.SCHEMES)
-    bandwidths = [Bandwidth(b, PAPER_GBIT[b] * 1000 / args.factor)
+    lanes = CHIP_LANES[args.switch_kind]
+    bandwidths = [Bandwidth(b, PAPER_GBIT[b] * 1000 / args.factor, lanes)
                   for b in (args.bandwidths or (["10G"] if args.quick else list(PAPER_GBIT)))]
     names = args.workloads or (["resnet50"] if args.quick else list(MODELS))
     workloads = {n: round(MODELS[n][0] / args.factor) for n in names}
     iterations = args.iterations or (3 if args.quick else 5)
-    stem = "emulated-quick" if args.quick else "emulated"
+    stem = ("emulated-quick" if args.quick else "emulated") + (
+        "" if args.switch_kind == DEFAULT_SWITCH_KIND else f"-{args.switch_kind}")
     scaling_plan = [] if args.no_scaling else [(s, scheme) for s in SCALING_SERVERS for scheme in ("passing", "ps")]
     plan = [(scheme, s, n, bw) for bw in bandwidths for (s, n) in configs for scheme in schemes]
     total = len(plan) + len(scaling_plan)
@@ -607,10 +662,12 @@ def main() -> int:
     started = time.perf_counter()
     report: dict[str, Any] = {"meta": {
         "quick": args.quick, "factor": args.factor, "iterations": iterations,
+        "switch_kind": args.switch_kind, "lanes": lanes, "switch": switch_kind_label(args.switch_kind),
         "rates_mbit": {b.label: b.rate_mbit for b in bandwidths}, "pools": {b.label: b.pool for b in bandwidths},
         "workloads": workloads, "models": {n: MODELS[n][1] for n in names},
         "compute_s_assumed": {n: COMPUTE_S[n] for n in names}, "batch_per_gpu": BATCH_PER_GPU,
-        "aggregator": f"{SWITCH_LABEL} (passing, switchml); {PS_LABEL} (ps, psring)", "bmv2": BMV2_NOTE,
+        "aggregator": f"{SWITCH_LABEL}, {switch_kind_label(args.switch_kind)} (passing, switchml); "
+                      f"{PS_LABEL} (ps, psring)", "bmv2": BMV2_NOTE,
         "machine": f"{os.cpu_count()} cores, {platform.platform()}",
         "loadavg_start": open("/proc/loadavg").read().split()[:3], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "note": "Ranks, aggregators and controllers share this machine's cores (and whatever else runs on it).",
@@ -622,11 +679,12 @@ def main() -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # also when started with SIGINT ignored (a background job)
         signal.signal(sig, interrupted)
-    print(f"emulated: {total} runs, {SWITCH_LABEL} as the switch ({BMV2_NOTE}); factor {args.factor:g}: "
+    print(f"emulated: {total} runs, {SWITCH_LABEL} as the switch: {switch_kind_label(args.switch_kind)} "
+          f"({BMV2_NOTE}); factor {args.factor:g}: "
           + ", ".join(f"{b.label}bit/s -> {b.rate_mbit:g} Mbit/s (pool {b.pool})" for b in bandwidths)
           + "; " + ", ".join(f"{n} {e} float32" for n, e in workloads.items()), flush=True)
     with tempfile.TemporaryDirectory(prefix="passing-bench-") as tmp:
-        cluster = Cluster(servers_needed, bandwidths[0].rate_mbit, Path(tmp), args.nice)
+        cluster = Cluster(servers_needed, bandwidths[0].rate_mbit, Path(tmp), args.nice, args.switch_kind)
         try:
             done = 0
             for scheme, s, n, bw in plan:
@@ -635,7 +693,7 @@ def main() -> int:
                 report["runs"].append(r)
                 print(progress(done, total, r), flush=True)
                 save()
-            ten = next((b for b in bandwidths if b.label == "10G"), Bandwidth("10G", 10_000 / args.factor))
+            ten = next((b for b in bandwidths if b.label == "10G"), Bandwidth("10G", 10_000 / args.factor, lanes))
             for s, scheme in scaling_plan:
                 done += 1
                 r = run_once(cluster, scheme, s, 1, ten, {"resnet50": round(MODELS["resnet50"][0] / args.factor)},

@@ -78,6 +78,7 @@ def main() -> None:
     out: dict[str, Any] = {"rank": rank, "world": dist.get_world_size(), "server": pg.layout.server,
                            "local_rank": pg.layout.local_rank, "scheme": pg.options.scheme, "mode": pg.mode,
                            "reason": pg.reason, "pool": pg.stream.aggregators[0].pool if pg.stream else None,
+                           "lanes": pg.stream.lanes if pg.stream else None,  # what the controller's answer gave
                            "workloads": {}}
     for spec in args.workload:
         name, elements = spec.split("=")

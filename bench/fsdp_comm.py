@@ -1,7 +1,7 @@
 """An FSDP step's communication on backend "passing" against gloo, in the same rank processes.
 
     python bench/fsdp_comm.py [--servers 4] [--ranks 2] [--params 1048576] [--iterations 7]
-    sudo .venv/bin/python bench/fsdp_comm.py --emulated [--factor 100] [--configs 4x2 8x1]
+    sudo .venv/bin/python bench/fsdp_comm.py --emulated [--factor 100] [--configs 4x2 8x1] [--switch-kind tofino2]
 
 FSDP2 (fully_shard, resharding after forward) moves, per step and per parameter of the model, an
 all_gather in forward, an all_gather in backward and a reduce_scatter of the gradients; in backward
@@ -20,8 +20,10 @@ Loopback (the default): s servers x n ranks on one machine, PASSING through a so
 behind a PS-only controller (cluster.local). ``--emulated`` (root): the emulated cluster of
 bench/emulated.py, every server behind a tbf-limited link (the paper's 10 Gbit/s divided by
 ``--factor``), PASSING through the software aggregator that stands for the switch (in the switch
-namespace, no link limit of its own, the switch's 64-lane packets), gloo over the same links.
-Writes bench/results/fsdp_comm.json (loopback) or fsdp_comm-emulated.json.
+namespace, no link limit of its own, the packets of ``--switch-kind``'s program: tofino 64 lanes,
+the default, tofino2 128; an emulated Tofino 2 is a software aggregator at that lane count, nothing
+more), gloo over the same links. Writes bench/results/fsdp_comm.json (loopback) or
+fsdp_comm-emulated.json (fsdp_comm-emulated-<kind>.json for a switch kind other than tofino).
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ def worker(params: int, iterations: int) -> None:
     step_payload = {"up": (after.get("bytes_sent", 0) - payload.get("bytes_sent", 0)) / iterations,
                     "down": (after.get("bytes_received", 0) - payload.get("bytes_received", 0)) / iterations}
     report = {"mode": pg.mode, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+              "lanes": {"reduce lane": pg.stream.lanes if pg.stream else None,
+                        "gather lane": pg.gather_lane.network.stream.lanes if pg.gather_lane else None},
               "server": int(os.environ.get("GROUP_RANK", "0")), "alone": alone,
               "step_median_s": {k: statistics.median(v) for k, v in steps.items()}, "steps_s": steps,
               "step_payload": step_payload, "transport": after,
@@ -188,12 +192,15 @@ def summarize(outcomes: list[dict[str, Any]], servers: int, ranks: int, params: 
             "servers": servers, "ranks": ranks, "params": params, "tensor_bytes": size, "mode": outcomes[0]["mode"],
             "alone": alone, "step_s": step, "gloo_over_passing": step["gloo"] / step["passing"],
             "retransmissions": sum(r["transport"].get("retransmissions", 0) for r in outcomes),
+            "lanes": sorted({n for r in outcomes for n in r["lanes"].values() if n is not None}),
             "per_rank": [{k: r[k] for k in ("server", "local_rank", "steps_s", "resent")} for r in outcomes]}
 
 
 def line(r: dict[str, Any]) -> str:
     a = r["alone"]
-    text = (f"{r['servers']}x{r['ranks']}, {r['params']} float32 ({r['mode']}): step PASSING "
+    where = f"switch: {r['switch']}, " if "switch" in r else ""
+    text = (f"{r['servers']}x{r['ranks']}, {r['params']} float32 ({r['mode']}, {where}lanes {r['lanes']}"
+            + (f", load {' '.join(r['loadavg'])}" if "loadavg" in r else "") + "): step PASSING "
             f"{r['step_s']['passing'] * 1e3:.1f} ms, gloo {r['step_s']['gloo'] * 1e3:.1f} ms, gloo / PASSING = "
             f"{r['gloo_over_passing']:.2f}; {r['retransmissions']} resent; step payload per server / physics "
             f"up {r['step_payload_over_physics']['up']:.3f}, "
@@ -252,10 +259,11 @@ def run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
     rate = 10_000 / args.factor  # the paper's 10 Gbit/s link
     params = args.params or round(emulated.MODELS["resnet50"][0] / args.factor)
-    pool = args.pool or emulated.pool_for(rate)
+    lanes = emulated.CHIP_LANES[args.switch_kind]
+    pool = args.pool or emulated.pool_for(rate, lanes)
     results = []
     with tempfile.TemporaryDirectory(prefix="passing-fsdp-") as tmp:
-        cluster = emulated.Cluster(max(s for s, _ in configs), rate, Path(tmp), args.nice)
+        cluster = emulated.Cluster(max(s for s, _ in configs), rate, Path(tmp), args.nice, args.switch_kind)
         try:
             for servers, ranks in configs:
                 env = {"PASSING_CONTROLLER": cluster.controllers["switch"], "PASSING_TIMEOUT": "120",
@@ -265,7 +273,11 @@ def run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
                                      env_for_server=lambda s: tbf_env(cluster.net, cluster.servers[s]),
                                      master_host=cluster.net.hosts[cluster.servers[0]].ip)
                 r = summarize(check(collect(procs, 1800)), servers, ranks, params)
-                r.update({"factor": args.factor, "rate_mbit": rate, "pool": pool,
+                if r["lanes"] != [lanes]:  # the controller gave other packets than the switch kind's: no figure
+                    raise SystemExit(f"fsdp_comm: the ranks used {r['lanes']} lanes, switch kind "
+                                     f"{args.switch_kind} {lanes}")
+                r.update({"factor": args.factor, "rate_mbit": rate, "pool": pool, "switch_kind": args.switch_kind,
+                          "switch": emulated.switch_kind_label(args.switch_kind),
                           "aggregator": emulated.SWITCH_LABEL, "loadavg": open("/proc/loadavg").read().split()[:3]})
                 print(line(r), flush=True)
                 results.append(r)
@@ -285,6 +297,9 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["4x2", "8x1"], help="emulated: servers x ranks")
     parser.add_argument("--pool", type=int, help="emulated: slots per group (default: bench/emulated.py's pool_for)")
     parser.add_argument("--nice", type=int, default=-10, help="emulated: nice level of ranks and aggregators")
+    parser.add_argument("--switch-kind", choices=("tofino", "tofino2"), default="tofino",
+                        help="emulated: the switch the software aggregator stands for, by its program's lanes "
+                             "(tofino 64, tofino2 128; default %(default)s)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -298,7 +313,8 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     if args.emulated:
         runs = run_emulated(args)
-        out = RESULTS / "fsdp_comm-emulated.json"
+        out = RESULTS / ("fsdp_comm-emulated.json" if args.switch_kind == "tofino"
+                         else f"fsdp_comm-emulated-{args.switch_kind}.json")
         out.write_text(json.dumps({"started": started, "runs": runs}, indent=2) + "\n")
     else:
         result = run_loopback(args)

@@ -123,8 +123,9 @@ class Placement:
                     base = s.allocator.allocate(pool)
                 except SlotsExhausted as e:
                     raise AggregatorFailed(f"switch slots exhausted: {e}") from None
+            # the lanes of the switch's program (its chip's, topology.CHIP_LANES), kept with the allocation
             r = Record(job_id, name, group, "switch", generation, base, pool, workers,
-                       {"data": f"{self.topo.aggregation_ip}:{UDP_PORT}"})
+                       {"data": f"{self.topo.aggregation_ip}:{UDP_PORT}", "lanes": self.topo.lanes})
             a = allocation(self.topo, r)
             try:
                 for control in GROUP_CONTROLS:
@@ -187,7 +188,7 @@ class Placement:
         host, port = record.aggregator["data"].rsplit(":", 1)
         return {"mode": record.mode, "reason": reason, "job": record.job_name, "group": record.group,
                 "job_id": record.job_id, "generation": record.generation, "workers": len(record.workers),
-                "pool": record.pool, "lanes": record.aggregator.get("lanes", self.topo.lanes),
+                "pool": record.pool, "lanes": record.lanes(self.topo.lanes),
                 "aggregators": [{"host": host, "port": int(port), "pool": record.pool}]}
 
     # ---- freeing an allocation -------------------------------------------------------------

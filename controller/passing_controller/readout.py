@@ -41,7 +41,8 @@ class Readout:
                 "free_ranges": s.allocator.free_ranges(),
                 "jobs": [{"job": r.job_name, "group": r.group, "job_id": r.job_id, "mode": r.mode, "base": r.base,
                           "pool": r.pool, "generation": r.generation, "workers": len(r.workers),
-                          "aggregator": r.aggregator["data"]} for r in self._running_records()],
+                          "aggregator": r.aggregator["data"], "lanes": r.lanes(self.topo.lanes)}
+                         for r in self._running_records()],
                 "pending": [{"job": k[0], "group": k[1], "joined": sorted(p.members), "workers": p.workers}
                             for k, p in s.pending.items()],
                 "aggregators": self.aggregators(),
@@ -60,6 +61,8 @@ class Readout:
         names = (["switch"] if self.topo.p4runtime is not None else []) + [p.control for p in self.topo.ps]
         for name in names:
             entry: dict[str, Any] = {"aggregator": name, "state": "up"}
+            if name == "switch":  # what its program is: the lanes every group on it gets
+                entry.update(chip=self.topo.chip, lanes=self.topo.lanes)
             if name == "switch" and self.switch.session is None:
                 entry.update(state="down", reason=self.switch.error)
             if name in down:

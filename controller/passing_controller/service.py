@@ -36,13 +36,25 @@ from .schema import RequestError, Unauthorized
 from .serve import PROTOCOL_VERSION, Server
 from .state import PendingGroup, State
 from .switch import SwitchLink
-from .topology import Topology
+from .topology import Topology, TopologyError
 
 __all__ = ["CHECK_TIMEOUT", "PROTOCOL_VERSION", "Controller"]
 
 # who may send what: a worker acts on its own group only (with its token)
 WORKER_COMMANDS = frozenset({"join", "leave", "alive", "stuck", "report"})
 OPERATOR_COMMANDS = WORKER_COMMANDS | {"status", "stats", "metrics"}
+
+
+def check_switch_lanes(state: State, topo: Topology) -> None:
+    """Refuse a store whose running switch groups use other lanes than the topology's switch
+    program (its chip changed under them): their workers' packets would not parse there."""
+    stale = sorted(f"{r.job_name} group {r.group} ({r.lanes(topo.lanes)} lanes)"
+                   for r in state.records.values() if r.mode == "switch" and r.lanes(topo.lanes) != topo.lanes)
+    if stale:
+        raise TopologyError(
+            f"the store holds switch groups placed with another lane count than the topology's switch "
+            f"(chip {topo.chip!r}, {topo.lanes} lanes): {', '.join(stale)}; start with the topology they were "
+            "placed under and end them (passing-ctl leave), or start with a new --store")
 
 
 class Controller:
@@ -58,6 +70,11 @@ class Controller:
         if not 1 <= default_pool <= MAX_POOL:
             raise ValueError(f"default pool {default_pool} outside 1..{MAX_POOL}")
         self.state = State(store, topology.slots, [ps.control for ps in topology.ps])
+        try:
+            check_switch_lanes(self.state, topology)
+        except TopologyError:
+            self.state.close()
+            raise
         self.switch = SwitchLink(topology, pipeline, switch_timeout, self.state)
         self.ps = PsControl(topology, keys, aggregator_key, ps_timeout, check_timeout)
         self.readout = Readout(topology, self.state, self.switch, self.ps)

@@ -59,6 +59,11 @@ class Record:
     workers: list[dict]
     aggregator: dict
 
+    def lanes(self, switch_lanes: int) -> int:
+        """The group's int32 lanes per packet, as allocated: a PS's, or the switch program's
+        (a switch record made before chips states none: then ``switch_lanes``, the topology's)."""
+        return int(self.aggregator.get("lanes", switch_lanes))
+
 
 class Store:
     def __init__(self, path: str | Path) -> None:

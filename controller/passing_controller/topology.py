@@ -5,7 +5,7 @@ JSON::
     {
       "switch": {"p4runtime": "127.0.0.1:9559", "device_id": 0,
                  "aggregation_mac": "02:00:00:00:00:fe", "aggregation_ip": "10.0.0.254",
-                 "slots": 1024, "lanes": 64,
+                 "slots": 1024, "chip": "tofino2",
                  "tls": {"ca": "ca.pem", "cert": "controller.pem", "key": "controller.key"}},
       "hosts": [{"name": "h1", "mac": "02:00:00:00:00:01", "ip": "10.0.0.1", "port": 1}, ...],
       "ps": [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878", "mtu": 9000,
@@ -19,7 +19,10 @@ switch's certificate, and a client certificate and key where the switch asks for
 ``public_key`` (its CURVE key, Z85) is needed only when it is not the key directory's
 ``aggregator.key`` (docs/security.md).
 
-A group on the switch uses the switch's "lanes" (the P4 program's). A group on a PS gets
+A group on the switch uses the lane count of the P4 program its chip runs (``CHIP_LANES``:
+"chip" is "bmv2", "tofino" or "tofino2", "bmv2" by default). A "lanes" of the switch's own must
+agree with it, unless "lanes_override" is true: for a program compiled with another
+PASSING_LANES (docs/control.md, Lanes). A group on a PS gets
 the largest lane count that both the PS takes (its `ping` says) and the path MTU between the
 hosts and it allows without IP fragmentation: `mtu` of the PS entry, 1500 by default (65536
 for a PS on a loopback address, the embedded one's case).
@@ -36,6 +39,17 @@ from typing import Any
 
 class TopologyError(ValueError):
     """A topology file that cannot be used, with the reason."""
+
+
+# The lane count (int32 values per packet) of each switch chip's PASSING program, the one place the
+# controller knows them; a switch entry's "chip" picks one. Each is a compile-time constant of its
+# program, changed only by rebuilding it (then say so with "lanes" and "lanes_override"):
+#   bmv2:    p4/v1model/passing.p4, PASSING_LANES of p4/include/constants.p4 (`make p4`)
+#   tofino:  p4/tna/passing.p4 built with TOFINO_LANES (the Makefile's default, `make p4-tofino`)
+#   tofino2: the Tofino 2 program p4/t2na/ (issue 38: twice the lanes of a Tofino 1 packet)
+CHIP_LANES = {"bmv2": 64, "tofino": 64, "tofino2": 128}
+DEFAULT_CHIP = "bmv2"  # a topology that names no chip: the lane count every switch had before chips
+MAX_SWITCH_LANES = 1024  # what an override may state: the most the host engines and the aggregator take
 
 
 IP_UDP_HEADERS = 20 + 8  # an IPv4 header without options, a UDP header
@@ -63,6 +77,37 @@ def ps_pool(lanes: int, workers: int, most: int) -> int:
     Switch-sized packets keep ``most``; measured in docs/benchmarks.md (issue 22)."""
     packet = PASSING_HEADER + 4 * lanes
     return max(PS_MIN_POOL, min(most, PS_WINDOW_BYTES // (workers * packet)))
+
+
+def switch_lanes(sw: dict[str, Any]) -> tuple[str, int]:
+    """The switch entry's chip and the lane count its groups get: its chip's program's
+    (CHIP_LANES), or an explicit "lanes" with "lanes_override": true (a program rebuilt with
+    another PASSING_LANES). A "lanes" that disagrees with the chip without the override is an
+    error: hosts sending packets of another size than the program parses would have every one
+    dropped, or worse, summed in the wrong lanes."""
+    if not isinstance(sw, dict):
+        raise TopologyError(f'topology: "switch" must be an object, got {sw!r}')
+    chip = sw.get("chip", DEFAULT_CHIP)
+    if not isinstance(chip, str) or chip not in CHIP_LANES:
+        raise TopologyError(f'switch "chip" {chip!r} is not a known chip: one of '
+                            + ", ".join(f"{c!r} ({n} lanes)" for c, n in CHIP_LANES.items()))
+    override = sw.get("lanes_override", False)
+    if not isinstance(override, bool):
+        raise TopologyError(f'switch "lanes_override" must be true or false, got {override!r}')
+    program = CHIP_LANES[chip]
+    if "lanes" not in sw:
+        if override:
+            raise TopologyError('switch "lanes_override" is true but no "lanes" says what the program was built with')
+        return chip, program
+    lanes = sw["lanes"]
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= MAX_SWITCH_LANES:
+        raise TopologyError(f'switch "lanes" must be an integer 1..{MAX_SWITCH_LANES}, got {lanes!r}')
+    if lanes != program and not override:
+        raise TopologyError(
+            f'switch "lanes" {lanes} disagrees with chip {chip!r}, whose PASSING program has {program} lanes: '
+            f'leave "lanes" out to use {program}, name the right "chip", or, for a program compiled with '
+            f'PASSING_LANES={lanes}, add "lanes_override": true')
+    return chip, lanes
 
 
 def mac_to_int(mac: str) -> int:
@@ -138,6 +183,7 @@ class Topology:
     hosts: list[Host]
     ps: list[PsEndpoint] = field(default_factory=list)
     tls: dict[str, str] | None = None  # P4Runtime over TLS: {"ca", "cert"?, "key"?} (file paths)
+    chip: str | None = None  # the switch's chip (a CHIP_LANES key); None: no switch
 
     def host(self, name_or_ip: str) -> Host:
         for h in self.hosts:
@@ -158,6 +204,9 @@ class Topology:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Topology:
+        misplaced = sorted({"chip", "lanes_override"} & set(raw))
+        if misplaced:  # read nowhere there: a switch would silently run the default chip's lanes
+            raise TopologyError(f'topology: {", ".join(misplaced)} belong in the "switch" object')
         try:
             ps = [PsEndpoint(str(p["data"]), str(p["control"]),
                              mtu=int(p.get("mtu", PsEndpoint.default_mtu(str(p["data"])))),
@@ -172,12 +221,15 @@ class Topology:
             else:
                 sw = raw["switch"]
                 hosts = [Host(str(h["name"]), str(h["mac"]), str(h["ip"]), int(h["port"])) for h in raw["hosts"]]
+                chip, lanes = switch_lanes(sw)
                 topo = cls(
                     p4runtime=str(sw["p4runtime"]), device_id=int(sw.get("device_id", 0)),
                     aggregation_mac=str(sw["aggregation_mac"]), aggregation_ip=str(sw["aggregation_ip"]),
-                    slots=int(sw.get("slots", 1024)), lanes=int(sw.get("lanes", 64)), hosts=hosts, ps=ps,
-                    tls=_tls(sw.get("tls")),
+                    slots=int(sw.get("slots", 1024)), lanes=lanes, hosts=hosts, ps=ps,
+                    tls=_tls(sw.get("tls")), chip=chip,
                 )
+        except TopologyError:
+            raise
         except (KeyError, TypeError, ValueError) as e:
             raise TopologyError(f"topology: missing or bad field {e}") from None
         for p in topo.ps:

@@ -1,0 +1,50 @@
+"""The emulated cluster's cost model and switch kinds (bench/cost_model.py, bench/emulated.py): a switch
+kind's packets are its program's lanes (passing_controller.topology.CHIP_LANES), and the model counts
+their frames."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import cost_model  # noqa: E402
+import emulated  # noqa: E402
+
+from passing import wire  # noqa: E402
+from passing_controller.topology import CHIP_LANES  # noqa: E402
+
+
+def test_frames_are_the_wire_packet_plus_ethernet_ip_udp():
+    assert (cost_model.FRAME, cost_model.PAYLOAD) == (314, 256)  # the 64-lane default, as before
+    for lanes in (64, 128):
+        assert cost_model.frame(lanes) == wire.packet_size(lanes) + 14 + 20 + 8
+    assert cost_model.frame(128) == 570 and cost_model.payload(128) == 512
+
+
+def test_128_lanes_halve_the_packets_and_shrink_the_frames_overhead():
+    elements = 255_570  # ResNet50 / 100, the emulated cluster's workload
+    at = {lanes: cost_model.predict("passing", elements, cost_model.Setup(4, 2, 100.0, 256, rtt_s=1e-3, lanes=lanes))
+          for lanes in (64, 128)}
+    ring = cost_model.predict("ring", elements, cost_model.Setup(4, 2, 100.0, 256, rtt_s=1e-3))
+    assert at[64].link_bytes == 2 * cost_model.packets(elements // 2) * 314  # 2 ranks, each its half (even)
+    assert at[128].link_bytes == 2 * cost_model.packets(elements // 2, 128) * 570
+    assert at[128].network_s / at[64].network_s == pytest.approx(570 / 2 / 314, rel=1e-3)  # 0.908
+    assert ring.network_s / at[64].network_s == pytest.approx(1.52, abs=0.01)
+    assert ring.network_s / at[128].network_s == pytest.approx(1.68, abs=0.01)
+    line = {lanes: cost_model.bottleneck_packets_per_s("passing", cost_model.Setup(4, 2, 100.0, lanes=lanes))
+            for lanes in (64, 128)}
+    assert line[128] / line[64] == pytest.approx(314 / 570)
+
+
+def test_the_emulated_switch_kinds_are_the_programs_lane_counts():
+    assert {kind: CHIP_LANES[kind] for kind in emulated.SWITCH_KINDS} == {"tofino": 64, "tofino2": 128}
+    assert emulated.switch_kind_label("tofino2") == ("emulated Tofino 2 (tofino2, 128 lanes): a software aggregator "
+                                                     "at that lane count, nothing more")
+    # the 10G-equivalent link: the same bytes in flight at either lane count
+    assert (emulated.pool_for(100.0, 64), emulated.pool_for(100.0, 128)) == (256, 128)
+    assert (emulated.pool_for(10.0, 64), emulated.pool_for(10.0, 128)) == (128, 64)  # the 1G-equivalent: the queue
+    assert emulated.Bandwidth("10G", 100.0, 128).lanes == 128
