@@ -3,14 +3,17 @@
 P4Testgen (upstream p4c, backends/p4tools) executes a P4 program symbolically and writes one test per path:
 table entries, initial register values, an input packet and port, and the expected output packet and port
 (or none: a drop). `make p4-testgen` runs it where it is installed and turns its output into *vectors*: one
-JSON file per program (``p4/tna/testgen.json``, ``p4/v1model/testgen.json``), one test a line, with the hash
-of the program (and of every file it includes) that they came from, so that a check needing no P4 tool can hold
-them against the protocol (tests/conformance/testgen.py), and bmv2_tests/test_testgen_replay_bmv2.py replays the
-v1model ones on BMv2.
+JSON file per program (``p4/tna/testgen.json``, ``p4/t2na/testgen.json``, ``p4/v1model/testgen.json``), one
+test a line, with the hash of the program (and of every file it includes) that they came from, so that a check
+needing no P4 tool can hold them against the protocol (tests/conformance/testgen.py), and
+bmv2_tests/test_testgen_replay_bmv2.py replays the v1model ones on BMv2. For the Tofino programs a vector also
+carries what each RegisterAction wrote back (``writes``, from the path's trace), and the vectors include
+*sequences*: packets chained through the registers, one P4Testgen run pinned to each (SEQUENCES).
 
 Standard library only: this runs on a machine that has P4Testgen and nothing of PASSING installed.
 
     python3 p4/testgen_vectors.py generate tna        # p4testgen -> p4/tna/testgen.json
+    python3 p4/testgen_vectors.py generate t2na --lanes 72   # -> p4/t2na/testgen.json (patched p4testgen)
     python3 p4/testgen_vectors.py generate v1model    # p4testgen -> p4/v1model/testgen.json
     python3 p4/testgen_vectors.py check               # exit 1 if a vector file is missing or stale
 """
