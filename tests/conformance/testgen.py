@@ -241,7 +241,8 @@ def run_reference(job: JobView, index: int, state: SlotView, datagram: bytes, po
     multicast), the job's counters it moved (its verdict), and the slot/set after it."""
     engine = reference.AggregationEngine(SLOTS, lanes, MAX_JOBS)
     engine.add_job(job.spec)
-    flat = (index % SLOTS) * 2 + index // SLOTS
+    # base + slot past the table (a slot outside the pool, which the reference refuses): no entry to set up
+    flat = (index % SLOTS) * 2 + index // SLOTS if index < 2 * SLOTS else 0
     engine.state_epoch[flat] = state.epoch
     engine.tag[flat] = state.tag
     engine.bitmap[flat] = state.bitmap
