@@ -240,8 +240,6 @@ def test_every_v1model_vector_does_what_the_protocol_says():
 ENGINE_SURVIVORS = {
     "OWNER_ONLY answers everyone with the sums": "Tofino 1 sends every replica the RESULT by design; no model runs "
                                                  "the v1model egress that makes ACKs",
-    "an OWNER_ONLY owner that is no worker admitted": "Tofino 1 does not check the owner (by design); the bmv2 "
-                                                      "model shows no register effect and drops multicast",
     "a GATHER relayed back to its sender too": "which replicas leave is the egress's; neither model replicates",
 }
 
