@@ -221,7 +221,13 @@ def test_the_hash_covers_the_program_and_every_file_it_includes(tmp_path):
     before = tool.program_sha256(program)
     assert before == tool.program_sha256(ROOT / "p4" / "tna" / "passing.p4")  # where it lies does not matter
     constants = copy / "include" / "constants.p4"
-    constants.write_text(constants.read_text() + "\n/* a change in an included file */\n")
+    text = constants.read_text()
+    # a comment, or white space, changes no test: the vectors stay fresh
+    constants.write_text(text.replace("#define PASSING_UDP_PORT 9877", "#define  PASSING_UDP_PORT   9877 // here"))
+    assert tool.program_sha256(program) == before
+    constants.write_text(text + "\n/* a comment added to an included file */\n")
+    assert tool.program_sha256(program) == before
+    constants.write_text(text + "\n#define PASSING_SOMETHING_NEW 1\n")  # a change in an included file
     assert tool.program_sha256(program) != before
 
 
@@ -235,7 +241,9 @@ def test_vectors_written_are_read_back_and_judged_by_the_hash(tmp_path, monkeypa
     tool.write_vectors(tmp_path / program.vectors, meta, tests)
     assert tool.load_vectors(program)["tests"] == tests
     assert tool.stale(program) is None
-    (tmp_path / program.source).write_text((tmp_path / program.source).read_text() + "\n")
+    (tmp_path / program.source).write_text((tmp_path / program.source).read_text() + "\n/* a comment */\n")
+    assert tool.stale(program) is None  # comments change no test
+    (tmp_path / program.source).write_text((tmp_path / program.source).read_text() + "\nconst bit<8> NEW = 1;\n")
     assert "generated from another" in tool.stale(program)
 
 
