@@ -532,13 +532,12 @@ SEQUENCES: dict[str, tuple] = {
 def frame(send: Send, lanes: int) -> dict:
     """The headers of a Send as the parser extracts them, and its port."""
     alloc = send.alloc
+    port = alloc.ports[send.worker] if send.port is None else send.port
     ip = {"version": 4, "ihl": 5, "diffserv": 0, "total_len": 20 + 8 + 16 + 4 * lanes, "identification": 0,
           "flags": 0, "frag_offset": 0, "ttl": 64, "protocol": 17, "hdr_checksum": 0,
-          "src_addr": 0x0A000000 + (alloc.ports[send.worker] if send.port is None else send.port),
-          "dst_addr": AGGREGATOR_IP}
+          "src_addr": 0x0A000000 + port, "dst_addr": AGGREGATOR_IP}
     ip["hdr_checksum"] = ipv4_checksum(pack("ipv4_h", ip))
     generation = alloc.generation if send.generation is None else send.generation
-    port = alloc.ports[send.worker] if send.port is None else send.port
     return {"port": port, "headers": {
         "ethernet_h": {"dst_addr": AGGREGATOR_MAC, "src_addr": 0x020000000000 + port, "ether_type": 0x0800},
         "ipv4_h": ip,
@@ -559,11 +558,23 @@ def pack(header: str, fields: dict[str, int]) -> bytes:
 _ZERO = {"slot_tag": {"tag": 0, "epoch": 0}, "slot_bitmap": {"bitmap": 0, "psn": 0}, "slot_overflow": 0}
 
 
+def unwritten(name: str) -> object:
+    """What an entry of register ``name`` holds before anything wrote it: 0 in every field."""
+    return _ZERO.get(name, {"first": 0, "second": 0})
+
+
+def written(name: str, old: object, fields: dict[str, int]) -> object:
+    """An entry of register ``name`` after a RegisterAction wrote ``fields`` into it (a ``writes_of`` entry):
+    slot_overflow's one value, or the struct with those fields replaced."""
+    return fields["value"] if name == "slot_overflow" else {**old, **fields}
+
+
 def _register(state: dict, name: str, index: int) -> object:
-    return state.get((name, index), _ZERO.get(name, {"first": 0, "second": 0}))
+    return state.get((name, index), unwritten(name))
 
 
-def _signed32(value: int) -> int:
+def signed32(value: int) -> int:
+    """An int32 held as an unsigned word (setRegisterValue's, the lanes') as its signed value."""
     return value - (1 << 32) if value & (1 << 31) else value
 
 
@@ -585,8 +596,8 @@ def pin_source(inp: dict, admit: dict | None, state: dict, index: int, lanes: in
              f"#define PASSING_PIN_OVERFLOW(value) ((value) == {_register(state, 'slot_overflow', index)})"]
     for k in range(lanes // 2):
         pair = _register(state, f"lane_pair_{k}", index)
-        lines.append(f"#define PASSING_PIN_PAIR_{k}(value) ((value).first == {_signed32(pair['first'])} "
-                     f"&& (value).second == {_signed32(pair['second'])})")
+        lines.append(f"#define PASSING_PIN_PAIR_{k}(value) ((value).first == {signed32(pair['first'])} "
+                     f"&& (value).second == {signed32(pair['second'])})")
     lines.append("#define PASSING_PIN_PAIR(k, value) PASSING_PIN_PAIR_##k(value)")
     return "\n".join(lines) + "\n"
 
@@ -631,9 +642,7 @@ def run_sequence(program: Program, name: str, events: tuple, lanes: int, source:
             test = _pinned_run(program, which, inp, admit, state, index, lanes, source, log)
             for write in test["writes"]:
                 key = (write["register"], write["index"])
-                old = _register(state, write["register"], write["index"])
-                state[key] = write["fields"]["value"] if write["register"] == "slot_overflow" \
-                    else {**old, **write["fields"]}
+                state[key] = written(write["register"], _register(state, *key), write["fields"])
             test.update(run="sequence", sequence=name, step=len(vectors),
                         allocations=[{"job": a.job, "generation": a.generation, "base": a.base, "pool": a.pool,
                                       "ports": list(a.ports), **a.params()} for a in dict.fromkeys(live.values())])

@@ -46,11 +46,6 @@ def test_the_vectors_are_those_of_the_program_as_it_is(program):
     assert tool.stale(program) is None, tool.stale(program)
 
 
-def vector_class(vector: dict) -> str:
-    """The class docs/tofino.md counts vectors by: the run that made it."""
-    return vector["run"]
-
-
 # The rules every Tofino program's vectors must show, compared (the second passes are Tofino 1's).
 NEEDED_RULES = ("a completed round: ", "a retransmission to a completed round",
                 "the state machine drops it (aggregated", "the state machine drops it (duplicate",
@@ -80,7 +75,7 @@ def test_every_vector_does_what_the_protocol_says(tofino):
         rules[want.rule] += 1
         output = "drop bit" if want.to == "drop" else "headers, lanes and port"
         effect = "no register written" if want.after is None else "registers after the packet"
-        compared[(vector_class(vector), f"{output}; {effect}")] += 1
+        compared[(vector["run"], f"{output}; {effect}")] += 1  # the classes docs/tofino.md counts
     print("\n".join(f"{n:4d}  {rule}" for rule, n in sorted(rules.items())))
     print("\n".join(f"{n:4d}  outside: {why}" for why, n in sorted(outside.items())))
     print("\n".join(f"{n:4d}  {cls}: {what}" for (cls, what), n in sorted(compared.items())))
@@ -101,7 +96,7 @@ def test_the_lanes_compared_carry_data(tofino):
     written = [int(w["fields"][f]) for t in vectors["tests"] for w in t["writes"]
                if w["register"].startswith("lane_pair_") for f in ("first", "second") if f in w["fields"]]
     for values in (emitted, written):
-        signed = [testgen._signed(int(v)) for v in values]
+        signed = [tool.signed32(int(v)) for v in values]
         assert sum(v > 0 for v in signed) > lanes and sum(v < 0 for v in signed) > lanes
         assert 0x7FFFFFFF in signed and -0x80000000 in signed  # saturated both ways
         assert sum(v != 0 for v in signed) > 0.8 * len(signed)

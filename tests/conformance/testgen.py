@@ -180,10 +180,6 @@ def registers(vector: dict, name: str) -> dict[int, object]:
     return {int(r["index"]): r["value"] for r in _named(vector["registers"], name)}
 
 
-def _signed(value: int) -> int:
-    return value - INT32 if value & (1 << 31) else value
-
-
 @dataclass
 class SlotView:
     """One slot/set as the reference holds it."""
@@ -204,7 +200,7 @@ def slot_tag_of(vector: dict, index: int) -> dict:
         return entries[index]
     if len(entries) == 1:
         return next(iter(entries.values()))
-    return {"tag": 0, "epoch": 0}
+    return tool.unwritten("slot_tag")
 
 
 def slot_view(vector: dict, job: JobView, index: int, lanes: int, psn: int) -> SlotView:
@@ -219,7 +215,7 @@ def slot_view(vector: dict, job: JobView, index: int, lanes: int, psn: int) -> S
     acc = np.zeros(lanes, dtype=np.int64)
     for k in range(lanes // 2):
         pair = registers(vector, f"lane_pair_{k}").get(index, {"first": 0, "second": 0})
-        acc[2 * k], acc[2 * k + 1] = _signed(int(pair["first"])), _signed(int(pair["second"]))
+        acc[2 * k], acc[2 * k + 1] = tool.signed32(int(pair["first"])), tool.signed32(int(pair["second"]))
     current = int(tag["epoch"]) == job.epoch
     ahead = (psn - int(tag["tag"])) % INT32
     if current and not 0 < ahead < 1 << 31:  # a round of this allocation that the packet reads: its invariants
@@ -267,11 +263,9 @@ def _same(a: SlotView, b: SlotView) -> bool:
 
 def tna_state(vector: dict, index: int, lanes: int) -> dict[str, object]:
     """The registers of slot/set ``index`` before the packet, as the vector sets them (0 where it does not)."""
+    names = ("slot_bitmap", "slot_overflow", *(f"lane_pair_{k}" for k in range(lanes // 2)))
     state: dict[str, object] = {"slot_tag": slot_tag_of(vector, index),
-                                "slot_bitmap": registers(vector, "slot_bitmap").get(index, {"bitmap": 0, "psn": 0}),
-                                "slot_overflow": registers(vector, "slot_overflow").get(index, 0)}
-    for k in range(lanes // 2):
-        state[f"lane_pair_{k}"] = registers(vector, f"lane_pair_{k}").get(index, {"first": 0, "second": 0})
+                                **{name: registers(vector, name).get(index, tool.unwritten(name)) for name in names}}
     return {name: ({f: int(v) for f, v in value.items()} if isinstance(value, dict) else int(value))
             for name, value in state.items()}
 
@@ -392,7 +386,7 @@ def first_pass(vector: dict, lanes: int, chip: str = "tofino") -> Expected:
         if after.epoch != job.spec.epoch:
             raise Divergence(f"the reference left the slot/set to epoch {after.epoch}, not the job's")
         saturated = same_round and hdr["op"] == wire.SUM and "aggregated" in verdict and any(
-            not wire.INT32_MIN <= int(a) + _signed(b) <= wire.INT32_MAX for a, b in zip(state.lanes, p.lanes))
+            not wire.INT32_MIN <= int(a) + tool.signed32(b) <= wire.INT32_MAX for a, b in zip(state.lanes, p.lanes))
         if after.overflow != (bool(round_flag) or saturated):
             raise Divergence(f"the reference's round overflow is {after.overflow}: the contributions' flags "
                              f"{round_flag}, a lane saturated: {saturated}")
@@ -544,8 +538,7 @@ def compare_registers(vector: dict, want: Expected, lanes: int) -> None:
         raise Divergence(f"{want.rule}: the program writes {elsewhere}, not slot/set {want.index}")
     now = tna_state(vector, want.index, lanes)
     for w in writes:
-        old = now[w["register"]]
-        now[w["register"]] = w["fields"]["value"] if w["register"] == "slot_overflow" else {**old, **w["fields"]}
+        now[w["register"]] = tool.written(w["register"], now[w["register"]], w["fields"])
     for name, value in want.after.items():
         if now[name] != value:
             raise Divergence(f"{want.rule}: {name} after the packet is {now[name]}, the protocol says {value}")
@@ -591,7 +584,7 @@ def check_chain(vectors: list[dict], lanes: int) -> None:
             for name, value in tna_state(v, index, lanes).items():
                 if name not in present:
                     continue
-                before = state.get((name, index), tna_state({"registers": []}, index, lanes)[name])
+                before = state.get((name, index), tool.unwritten(name))
                 if value != before:
                     raise Divergence(f"{what}: {name} starts at {value}, the sequence left {before}")
         if int(v["input"]["port"]) & 0x7F == RECIRCULATION_PORT:
@@ -604,8 +597,7 @@ def check_chain(vectors: list[dict], lanes: int) -> None:
                 raise Divergence(f"{what}: a second pass whose lanes are not those the first pass emitted")
         for w in v["writes"]:
             key = (w["register"], w["index"])
-            old = state.get(key, tna_state({"registers": []}, w["index"], lanes)[w["register"]])
-            state[key] = w["fields"]["value"] if w["register"] == "slot_overflow" else {**old, **w["fields"]}
+            state[key] = tool.written(w["register"], state.get(key, tool.unwritten(w["register"])), w["fields"])
         got = v["ingress"]
         emitted = {e["header"]: e["fields"] for e in got["emit"]} if got and not got["dropped"] else None
 
