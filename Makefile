@@ -102,17 +102,22 @@ build/v1model/passing.json: $(P4_SOURCES)
 TOFINO_LANES ?= 64
 TOFINO_OUT ?= build/tofino
 TNA_SOURCES := $(wildcard p4/include/*.p4) p4/tna/passing.p4
+# One build for both Tofino chips: $(1) the make target, $(2) the chip (tofino, tofino2), $(3) its
+# architecture, $(4) the program, $(5) the output directory, $(6) its lanes.
+define tofino_build
+@for tool in p4c-barefoot bfas p4c-gen-conf; do command -v $$tool >/dev/null || { echo "make $(1): $$tool not found; build p4c with -DENABLE_TOFINO=ON (docs/tofino.md)" >&2; exit 1; }; done
+rm -rf $(5) && mkdir -p $(5)
+p4c-barefoot --target $(2) --arch $(3) --std p4-16 -g --verbose -Ttable_summary:1 -DPASSING_LANES=$(6) \
+	--p4runtime-force-std-externs \
+	--p4runtime-files $(5)/passing.p4info.txtpb --bf-rt-schema $(5)/bfrt.json \
+	-o $(5) $(4)
+bfas --target $(2) --table-handle-offset0 -o $(5)/pipe $(5)/pipe/passing.bfa
+p4c-gen-conf --conf-type BF-RT --device $(2) --name passing --p4-version p4-16 --pipe pipe \
+	--outputdir $(5) --bfrt-name $(5)/bfrt.json
+$(PYTHON) p4/tna/resources.py $(5)
+endef
 p4-tofino: $(TNA_SOURCES)
-	@for tool in p4c-barefoot bfas p4c-gen-conf; do command -v $$tool >/dev/null || { echo "make p4-tofino: $$tool not found; build p4c with -DENABLE_TOFINO=ON (docs/tofino.md)" >&2; exit 1; }; done
-	rm -rf $(TOFINO_OUT) && mkdir -p $(TOFINO_OUT)
-	p4c-barefoot --target tofino --arch tna --std p4-16 -g --verbose -Ttable_summary:1 -DPASSING_LANES=$(TOFINO_LANES) \
-		--p4runtime-force-std-externs \
-		--p4runtime-files $(TOFINO_OUT)/passing.p4info.txtpb --bf-rt-schema $(TOFINO_OUT)/bfrt.json \
-		-o $(TOFINO_OUT) p4/tna/passing.p4
-	bfas --target tofino --table-handle-offset0 -o $(TOFINO_OUT)/pipe $(TOFINO_OUT)/pipe/passing.bfa
-	p4c-gen-conf --conf-type BF-RT --device tofino --name passing --p4-version p4-16 --pipe pipe \
-		--outputdir $(TOFINO_OUT) --bfrt-name $(TOFINO_OUT)/bfrt.json
-	$(PYTHON) p4/tna/resources.py $(TOFINO_OUT)
+	$(call tofino_build,p4-tofino,tofino,tna,p4/tna/passing.p4,$(TOFINO_OUT),$(TOFINO_LANES))
 
 # The Tofino 2 program (p4/t2na/passing.p4): build/tofino2/, as p4-tofino does for Tofino 1
 # (pipe/tofino2.bin, context.json, bfrt.json, P4Info, passing.conf) and its resource
@@ -123,16 +128,7 @@ TOFINO2_LANES ?= $(shell sed -n 's/^\#define PASSING_T2NA_LANES \([0-9][0-9]*\).
 TOFINO2_OUT ?= build/tofino2
 T2NA_SOURCES := $(wildcard p4/include/*.p4) p4/t2na/passing.p4
 p4-tofino2: $(T2NA_SOURCES)
-	@for tool in p4c-barefoot bfas p4c-gen-conf; do command -v $$tool >/dev/null || { echo "make p4-tofino2: $$tool not found; build p4c with -DENABLE_TOFINO=ON (docs/tofino.md)" >&2; exit 1; }; done
-	rm -rf $(TOFINO2_OUT) && mkdir -p $(TOFINO2_OUT)
-	p4c-barefoot --target tofino2 --arch t2na --std p4-16 -g --verbose -Ttable_summary:1 -DPASSING_LANES=$(TOFINO2_LANES) \
-		--p4runtime-force-std-externs \
-		--p4runtime-files $(TOFINO2_OUT)/passing.p4info.txtpb --bf-rt-schema $(TOFINO2_OUT)/bfrt.json \
-		-o $(TOFINO2_OUT) p4/t2na/passing.p4
-	bfas --target tofino2 --table-handle-offset0 -o $(TOFINO2_OUT)/pipe $(TOFINO2_OUT)/pipe/passing.bfa
-	p4c-gen-conf --conf-type BF-RT --device tofino2 --name passing --p4-version p4-16 --pipe pipe \
-		--outputdir $(TOFINO2_OUT) --bfrt-name $(TOFINO2_OUT)/bfrt.json
-	$(PYTHON) p4/tna/resources.py $(TOFINO2_OUT)
+	$(call tofino_build,p4-tofino2,tofino2,t2na,p4/t2na/passing.p4,$(TOFINO2_OUT),$(TOFINO2_LANES))
 
 # P4Testgen's tests of the three programs as vectors beside them (p4/tna/testgen.json, p4/t2na/testgen.json,
 # p4/v1model/testgen.json; the Tofino 2 program needs P4Testgen with the patch docs/tofino.md describes;
