@@ -193,3 +193,19 @@ fuzz:
 	$(CLANG) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Wall -Wextra -Werror \
 		-pthread -Ihost/csrc -o build/fuzz/fuzz_engine host/csrc/fuzz_engine.c host/csrc/engine.c host/csrc/wire.c
 	build/fuzz/fuzz_engine -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 build/fuzz/corpus
+
+# ---- the differential fuzzer of backend "passing" against gloo (tests/differential) --------------
+# Random programs of torch.distributed collectives on gloo and on passing, compared by machine; `make test`
+# runs a fixed share of them (tests/test_torch_differential.py). SEED: the first program's seed (default
+# random, printed); MODE: ring, embedded, ps or all; LAYOUT: servers x ranks per server; PROGRAMS: programs
+# per launch; DURATION: a soak, new seeds until that many seconds passed; FAULTS: fault launches to run
+# too; FAULT: replay one (raise|skip|kill:RANK:OP, aggregator:kill|stop:OP), as a divergence prints it.
+MODE     ?= all
+LAYOUT   ?= 2x2
+PROGRAMS ?= 1
+DURATION ?= 0
+FAULTS   ?= 0
+.PHONY: fuzz-torch
+fuzz-torch: $(STAMP)
+	$(PY) -m tests.differential.oracle $(if $(SEED),--seed $(SEED)) --mode $(MODE) --layout $(LAYOUT) \
+		--programs $(PROGRAMS) --duration $(DURATION) --faults $(FAULTS) $(if $(FAULT),--fault $(FAULT))

@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.local import LocalServices, launch_ranks
+from cluster.local import LocalServices, ensure_keys, launch_ranks
 from tests.differential.program import (
     BITWISE,
     PASSING_FLOATS,
@@ -159,6 +159,7 @@ def services_for(mode: str) -> Iterator[LocalServices | None]:
         return
     from tests.cluster import service_popen
 
+    ensure_keys()  # the test session's keys (conftest.py), else a directory of this run's own
     with LocalServices(ps=1, popen=service_popen) as services:
         yield services
 
@@ -372,6 +373,7 @@ class Divergence:
     what: str  # its kind: "value", "raises", "no-error", "error-family", "hang", "leak", ...
     detail: str
     keep: list[int] | None = None  # the program's kept ops, where it was shrunk
+    fault: dict[str, Any] | None = None  # the fault of a fault launch
 
     def line(self) -> str:
         where = f"seed {self.seed}" if self.seed is not None else "launch"
@@ -652,22 +654,37 @@ def compare_leftovers(reference: Launch, candidate: Launch) -> list[Divergence]:
 
 
 def plan_faults(seed: int, count: int, layout: Layout, modes: Sequence[str] = MODES) -> list[dict[str, Any]]:
-    """``count`` faults, each at a collective of its program that the struck rank takes part in:
-    rank faults (raise, skip, kill), and aggregator faults (kill, stop) where mode "ps" runs."""
+    """``count`` faults, the kinds in turn (raise, skip, kill; and the aggregator killed or stopped where
+    mode "ps" runs), each at a collective of its program (``seed`` + i) that the struck rank takes
+    part in, past the program's first third."""
     r = random.Random(seed)
+    kinds = ("raise", "skip", "kill", "aggregator") if "ps" in modes else ("raise", "skip", "kill")
     faults = []
     for i in range(count):
         program = generate(seed + i, layout, plain=True)
-        kind = r.choice(("raise", "skip", "kill", "aggregator") if "ps" in modes else ("raise", "skip", "kill"))
+        kind = kinds[i % len(kinds)]
         rank = 0 if kind == "aggregator" else r.randrange(program.world)
         ops = [op for op in program.ops if op.kind not in ("wait", "poll", "new_group", "mesh", "reinit")
                and group_members(program, op.args["group"], rank) is not None]
-        op = r.choice(ops[len(ops) // 3:] or ops)  # not the very first: the fault strikes mid-program
+        op = r.choice(ops[len(ops) // 3:] or ops)
         fault = {"kind": kind, "rank": rank, "seed": seed + i, "op": op.id}
         if kind == "aggregator":
-            fault["how"] = r.choice(("kill", "stop"))
+            fault["how"] = ("kill", "stop")[(i // len(kinds)) % 2]
         faults.append(fault)
     return faults
+
+
+def parse_fault(text: str, seed: int) -> dict[str, Any]:
+    """``raise:RANK:OP``, ``skip:RANK:OP``, ``kill:RANK:OP`` or ``aggregator:kill|stop:OP`` (the CLI's --fault)."""
+    kind, who, op = text.split(":")
+    if kind == "aggregator":
+        return {"kind": kind, "rank": 0, "how": who, "seed": seed, "op": int(op)}
+    return {"kind": kind, "rank": int(who), "seed": seed, "op": int(op)}
+
+
+def fault_arg(fault: dict[str, Any]) -> str:
+    who = fault["how"] if fault["kind"] == "aggregator" else fault["rank"]
+    return f"{fault['kind']}:{who}:{fault['op']}"
 
 
 def fault_bound(fault: dict[str, Any], timeout: float) -> float:
@@ -687,7 +704,7 @@ def compare_fault(reference: Launch | None, candidate: Launch, clean: Launch) ->
 
     def div(op: int | None, rank: int | None, what: str, detail: str) -> None:
         out.append(Divergence(candidate.mode, candidate.layout, seed, op, rank, what,
-                              f"{detail} [fault {_fault_text(fault)}]"))
+                              f"{detail} [fault {_fault_text(fault)}]", fault=fault))
 
     moment = None
     source = candidate.ranks[struck if struck is not None else 0].programs.get(0)
@@ -748,8 +765,9 @@ def _fault_text(fault: dict[str, Any]) -> str:
 # ---- reporting and shrinking --------------------------------------------------------------------
 
 
-def replay_command(seed: int, mode: str, layout: Layout) -> str:
-    return f"make fuzz-torch SEED={seed} MODE={mode} LAYOUT={layout[0]}x{layout[1]}"
+def replay_command(seed: int, mode: str, layout: Layout, fault: dict[str, Any] | None = None) -> str:
+    command = f"make fuzz-torch SEED={seed} MODE={mode} LAYOUT={layout[0]}x{layout[1]}"
+    return command + (f" FAULT={fault_arg(fault)}" if fault is not None else "")
 
 
 def report(divergences: list[Divergence], plain: bool = False) -> str:
@@ -770,7 +788,7 @@ def report(divergences: list[Divergence], plain: bool = False) -> str:
             if first.keep is not None:
                 program = program.keeping(set(first.keep))
             lines.append(format(program))
-            lines.append(f"replay: {replay_command(seed, mode, layout)}")
+            lines.append(f"replay: {replay_command(seed, mode, layout, first.fault)}")
     return "\n".join(lines)
 
 
@@ -896,6 +914,23 @@ def faults_campaign(seed: int, count: int, layout: Layout, modes: Sequence[str] 
 # ---- the CLI (make fuzz-torch) ------------------------------------------------------------------
 
 
+def replay_fault(fault: dict[str, Any], layout: Layout, modes: Sequence[str]) -> int:
+    clean = run_launch("gloo", [fault["seed"]], layout, plain=True)
+    print(format(clean.program(0)), flush=True)
+    gloo = None if fault["kind"] == "aggregator" else run_launch("gloo", [fault["seed"]], layout, fault)
+    found = []
+    for mode in modes:
+        if fault["kind"] == "aggregator" and mode != "ps":
+            continue
+        cand = run_launch(mode, [fault["seed"]], layout, fault)
+        divs = compare_fault(gloo, cand, clean)
+        print(f"fault {_fault_text(fault)} {mode}: {cand.seconds:.1f} s, {len(divs)} divergences", flush=True)
+        found += divs
+    if found:
+        print(report(found, plain=True), flush=True)
+    return 1 if found else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.differential.oracle",
                                      description="passing vs gloo: random torch.distributed programs")
@@ -905,6 +940,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--programs", type=int, default=1, help="programs per launch")
     parser.add_argument("--duration", type=float, default=0.0, help="soak: new seeds until this many seconds passed")
     parser.add_argument("--faults", type=int, default=0, help="fault launches to run too")
+    parser.add_argument("--fault", default="", help="replay a fault: raise|skip|kill:RANK:OP, aggregator:kill|stop:OP")
     parser.add_argument("--shrink", type=float, default=120.0, help="seconds to spend shrinking a divergence")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
@@ -913,6 +949,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"fuzz-torch: seed {seed}, modes {','.join(modes)}, layout {args.layout}", flush=True)
     start = time.monotonic()
     total: list[Divergence] = []
+    if args.fault:
+        return replay_fault(parse_fault(args.fault, seed), layout, modes)
     while True:
         seeds = list(range(seed, seed + args.programs))
         reference, found, _ = differential(seeds, layout, modes, log=lambda m: print(m, flush=True))

@@ -122,14 +122,18 @@ def leftover(baseline: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
 
 
 def settled_leftover(baseline: dict[str, Any], wait: float) -> dict[str, Any]:
-    """The leftover once the process has had ``wait`` s to let go (threads end, sockets close a moment
-    after a destroy)."""
+    """The leftover once the process has let go (threads end, sockets close a moment after a destroy):
+    nothing left, or the same for 1 s, or ``wait`` s passed."""
     deadline = time.monotonic() + wait
-    while True:
-        left = leftover(baseline, snapshot())
-        if not (left["threads"] or left["fds"] or left["maps"] or left["tasks"]) or time.monotonic() > deadline:
-            return left
+    left, same_since = leftover(baseline, snapshot()), time.monotonic()
+    while left["threads"] or left["fds"] or left["maps"] or left["tasks"]:
         time.sleep(0.1)
+        now = leftover(baseline, snapshot())
+        if now != left:
+            left, same_since = now, time.monotonic()
+        elif time.monotonic() - same_since > 1.0 or time.monotonic() > deadline:
+            break
+    return left
 
 
 # ---- the watchdog -------------------------------------------------------------------------------
@@ -739,8 +743,10 @@ def main() -> None:
         write(f"rank{rank}.pkl", summary)
         sys.stdout.flush()
         os._exit(0)
+    summary["destroy_at"] = time.time()
     destroy(3.0)
     summary["status"] = "done"
+    summary["finished"] = time.time()
     write(f"rank{rank}.pkl", summary)
 
 
