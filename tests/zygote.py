@@ -187,8 +187,8 @@ class Zygote:
 
 # What the torch tests' ranks import. torch._dynamo is torch's lazy import that DDP's and FSDP's
 # first construction triggers: 1 s of CPU in each rank otherwise, 2-3 s of a 4-rank test's time.
-TORCH_PRELOAD = ("tests.torch_worker", "tests.torch_sharded_worker", "demo.train", "sklearn.datasets",
-                 "torch._dynamo")
+TORCH_PRELOAD = ("tests.torch_worker", "tests.torch_sharded_worker", "tests.torch_contract_worker", "demo.train",
+                 "sklearn.datasets", "torch._dynamo")
 CLI_PRELOAD = ("passing.cli", "passing_controller.cli")  # workers, aggregators, controllers (tests/cluster.py)
 _shared: dict[tuple[str, ...], Zygote] = {}
 

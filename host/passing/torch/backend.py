@@ -25,12 +25,13 @@ from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import PrefixStore, ProcessGroup, ReduceOp
 
 from ..errors import PassingError
+from .embedded import Embedded
 from .hierarchy import Layout
 from .modes import IN_HOST, RING, leave, set_up
-from .network import FailoverStage, device_group
+from .network import FailoverStage, GatherLane, Membership, device_group
 from .options import SCHEMES, OptionError, Options
 from .sharded import ShardedCollectives
-from .work import DeviceTurn, PassingWork, on_device
+from .work import DeviceTurn, InOrder, PassingWork, on_device, wait_ran
 
 log = logging.getLogger("passing.torch")
 Tensor = torch.Tensor
@@ -69,6 +70,10 @@ class ProcessGroupPassing(ProcessGroup):
         self.options = options
         self.scheme = SCHEMES[options.scheme]
         self._fallbacks_logged: set[str] = set()
+        self.timeout = timeout
+        # collectives gloo runs whose outputs are finished by a callback of ours (a whole-group AVG's division,
+        # a strided tensor's sums copied back): gloo's barrier does not wait for those callbacks, ours does
+        self._finishing: list[PassingWork] = []
         gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         self._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
         cuda = device_group(options, PrefixStore("nccl/", store), rank, size, gloo)
@@ -93,13 +98,11 @@ class ProcessGroupPassing(ProcessGroup):
         self.embedded = stages.embedded  # rank 0's services in embedded mode
         self.keys = stages.keys  # this rank's key toward the controller
         self._sharded = ShardedCollectives.of(stages, size, self.layout, self._fallbacks_logged)
-        # also at interpreter exit: what was issued runs, then the groups are left
-        if stages.gather_lane is not None:
-            weakref.finalize(self, stages.gather_lane.runner.shutdown)
-        if stages.membership is not None:
-            weakref.finalize(self, leave, stages.membership, stages.embedded, stages.gather_lane)
-        if stages.runner is not None:
-            weakref.finalize(self, stages.runner.shutdown)
+        # at shutdown (destroy_process_group), or at interpreter exit for a group never destroyed: what was
+        # issued runs, then the groups are left. Once only: the finalizer then lets go of what it holds (the
+        # store among them, whose server in rank 0 must close with the group for a new init to find its own)
+        self._close = weakref.finalize(self, _close, stages.runner, stages.gather_lane, stages.membership,
+                                       stages.embedded, stages.store)
 
     # ---- collectives -------------------------------------------------------------------
 
@@ -112,7 +115,7 @@ class ProcessGroupPassing(ProcessGroup):
             if why not in self._fallbacks_logged:
                 self._fallbacks_logged.add(why)
                 log.warning("passing: all_reduce of %s goes to gloo/NCCL (logged once)", why)
-            return self._get_backend(tensors[0].device).allreduce(tensors, opts)
+            return self._gloo_allreduce(tensors, opts)
         return self.submit(tensors[0], "avg" if opts.reduceOp.op == ReduceOp.AVG else "sum",
                            caller_waits=not opts.asyncOp)
 
@@ -120,25 +123,40 @@ class ProcessGroupPassing(ProcessGroup):
         """One server, or nothing configured and one rank per server: gloo's (NCCL's) own all_reduce
         among all ranks, so its very bits. gloo has no AVG: a float AVG on the CPU is gloo's SUM
         divided by the world size, as PASSING's AVG is."""
-        backend = self._get_backend(tensors[0].device)
         t = tensors[0]
-        if opts.reduceOp.op != ReduceOp.AVG or len(tensors) != 1 or not t.is_floating_point() or \
-                t.device.type != "cpu":
-            return backend.allreduce(tensors, opts)
+        avg = opts.reduceOp.op == ReduceOp.AVG and len(tensors) == 1 and t.is_floating_point() and \
+            t.device.type == "cpu"
+        if not avg:
+            return self._gloo_allreduce(tensors, opts)
         summed = dist.AllreduceOptions()  # SUM
         summed.timeout = opts.timeout
-        work, result = backend.allreduce(tensors, summed), PassingWork()
+        return self._gloo_allreduce(tensors, summed, then=lambda: t.div_(self.size()))
 
-        def divide(done: torch.futures.Future) -> None:
+    def _gloo_allreduce(self, tensors: list[torch.Tensor], opts: Any, then: Any = None) -> Any:
+        """The device backend's all_reduce of ``tensors``, then ``then()`` once it is done. A tensor that is
+        not contiguous goes as a contiguous copy whose sums are copied back: gloo's own all_reduce of a view
+        with a step sums its storage as if it were contiguous, overwriting elements outside the view."""
+        backend = self._get_backend(tensors[0].device)
+        strided = [i for i, t in enumerate(tensors) if t.layout == torch.strided and not t.is_contiguous()]
+        if not strided and then is None:
+            return backend.allreduce(tensors, opts)
+        sent = [t.contiguous() if i in strided else t for i, t in enumerate(tensors)]
+        work, result = backend.allreduce(sent, opts), PassingWork()
+
+        def finish(done: torch.futures.Future) -> None:
             try:
                 done.wait()
-                t.div_(self.size())
+                for i in strided:
+                    tensors[i].copy_(sent[i])
+                if then is not None:
+                    then()
             except BaseException as e:  # handed to whoever waits on the work
                 result.fail(e)
                 return
-            result.complete([t])
+            result.complete(list(tensors))
 
-        work.get_future().then(divide)
+        self._finishing = [w for w in self._finishing if not w.ran.is_set()] + [result]
+        work.get_future().then(finish)
         return result
 
     def submit(self, tensor: torch.Tensor, op: str, caller_waits: bool = False) -> PassingWork:
@@ -205,12 +223,7 @@ class ProcessGroupPassing(ProcessGroup):
         return total
 
     def shutdown(self) -> None:
-        if self._runner is not None:
-            self._runner.shutdown()
-        if self.gather_lane is not None:
-            self.gather_lane.runner.shutdown()
-        if self._membership is not None:
-            leave(self._membership, self.embedded, self.gather_lane)
+        self._close()
         super().shutdown()
 
     def _get_backend_name(self) -> str:
@@ -287,8 +300,45 @@ class ProcessGroupPassing(ProcessGroup):
     def alltoall_base(self, *args: Any, **kwargs: Any) -> Any:
         return self._backend_for(*args, **kwargs).alltoall_base(*args, **kwargs)
 
-    def barrier(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).barrier(*args, **kwargs)
+    def barrier(self, opts: Any = None) -> Any:
+        """gloo's barrier, which waits for the collectives gloo runs, and, as gloo's does, for every collective
+        of this group issued before it that is ours (both lanes, and our callbacks that finish gloo's outputs):
+        once it returns their outputs are written; it fails with the first of them that failed. gloo's is
+        issued here and now, in issue order with the group's other gloo calls."""
+        opts = dist.BarrierOptions() if opts is None else opts
+        prior = [w for w in self._finishing if not w.ran.is_set()]
+        for runner in (self._runner, self.gather_lane.runner if self.gather_lane is not None else None):
+            prior += runner.pending() if runner is not None else []
+        barrier = self._get_backend(torch.device("cpu")).barrier(opts)
+        if not prior:
+            return barrier
+        timeout = self.timeout.total_seconds()
+
+        def finish() -> list[torch.Tensor]:
+            wait_ran(prior, timeout)
+            barrier.wait()
+            return []
+
+        if self._runner is not None:  # after the lane's prior collectives, in issue order
+            work = PassingWork(self._runner)
+            self._runner.submit(work, finish, caller_waits=not opts.asyncOp)
+            return work
+        work = PassingWork()
+        if not opts.asyncOp:
+            try:
+                work.complete(finish())
+            except BaseException as e:
+                work.fail(e)
+            return work
+
+        def then(_: torch.futures.Future) -> None:
+            try:
+                work.complete(finish())
+            except BaseException as e:  # handed to whoever waits on the work
+                work.fail(e)
+
+        barrier.get_future().then(then)
+        return work
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
         return self._backend_for(*args, **kwargs).send(*args, **kwargs)
@@ -309,6 +359,18 @@ class ProcessGroupPassing(ProcessGroup):
         return self._get_backend(inputs[0].device if inputs else torch.device("cpu"))
 
 
+def _close(runner: InOrder | None, gather_lane: GatherLane | None, membership: Membership | None,
+           embedded: Embedded | None, store: dist.Store | None) -> None:
+    """A process group's end: its collectives run, then it leaves its groups (and rank 0 stops its embedded
+    controller once the others have left)."""
+    if runner is not None:
+        runner.shutdown()
+    if gather_lane is not None:
+        gather_lane.runner.shutdown()
+    if membership is not None:
+        leave(membership, embedded, gather_lane, store)
+
+
 def _first_tensor(args: Any) -> torch.Tensor | None:
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -323,14 +385,14 @@ def _first_tensor(args: Any) -> torch.Tensor | None:
 class _EveryWork(dist.Work):
     """The single-tensor calls of one coalesced call: done when each of them is."""
 
-    def __init__(self, works: list[Any]) -> None:
+    def __init__(self, works: list[Any], outputs: list[Tensor]) -> None:
         super().__init__()
-        self.works = works
+        self.works, self.outputs = works, outputs
 
     @classmethod
     def of(cls, single: Any, outputs: list[Tensor], inputs: list[Tensor], opts: Any) -> _EveryWork:
         """A coalesced collective a Backend has no binding for: ``single`` (its binding) once a pair."""
-        return cls([single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)])
+        return cls([single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)], outputs)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         for w in self.works:
@@ -342,6 +404,17 @@ class _EveryWork(dist.Work):
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
+
+    def get_future(self) -> torch.futures.Future:
+        """Done when every call is, with the outputs (as gloo's coalesced works), or the first call's error.
+        A call whose work has no future makes this raise, as gloo's own coalesced work then does (its
+        reduce_scatter's: "not implemented")."""
+        def outputs(done: torch.futures.Future) -> list[Tensor]:
+            for f in done.value():
+                f.value()  # raises its error
+            return self.outputs
+
+        return torch.futures.collect_all([w.get_future() for w in self.works]).then(outputs)
 
 
 _inherited_options: Options | None = None  # the default group's, for subgroups made without pg_options
@@ -361,6 +434,6 @@ def create(backend_options: Any, pg_options: Any) -> ProcessGroupPassing:
                           f"not {type(pg_options).__name__}")
     if pg_options is not None and not backend_options.global_ranks_in_group:  # the default group
         _inherited_options = options
-    resolved = options.resolve()
+    resolved = options.resolve(limit=backend_options.timeout.total_seconds())
     return ProcessGroupPassing(backend_options.store, backend_options.group_rank, backend_options.group_size,
                                backend_options.timeout, str(backend_options.group_id), resolved)

@@ -19,10 +19,12 @@ import fcntl
 import ipaddress
 import json
 import logging
+import os
 import socket
 import struct
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -37,11 +39,11 @@ STORE_KEY = "passing/embedded"  # in the group's store: ``announcement()`` or {"
 LINGER = 30.0  # s rank 0 waits at shutdown for the other workers to leave (their last RESULTs need the PS)
 
 
-def store_host(store: dist.Store) -> str | None:
-    """The host of the TCPStore under ``store`` (torchrun's MASTER_ADDR), if it is one."""
+def tcp_store(store: dist.Store) -> dist.TCPStore | None:
+    """The TCPStore under ``store`` (torchrun's, at MASTER_ADDR:MASTER_PORT), if it is one."""
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
-    return store.host if isinstance(store, dist.TCPStore) else None
+    return store if isinstance(store, dist.TCPStore) else None
 
 
 def _source_toward(host: str) -> str | None:
@@ -58,9 +60,10 @@ def rank0_address(store: dist.Store) -> str:
     host (rank 0 is on that host, or faces it on the cluster's network). A store on loopback
     means one machine; a host name that resolves to loopback here (Debian's 127.0.1.1 for the
     machine's own name) gives way to the address of the default route."""
-    host = store_host(store)
-    if host is None:
+    tcp = tcp_store(store)
+    if tcp is None:
         return "127.0.0.1"  # no TCP store (file:// init): one machine unless PASSING_HOST says otherwise
+    host = tcp.host
     source = _source_toward(host)
     if source is not None and not ipaddress.ip_address(source).is_loopback:
         return source
@@ -179,3 +182,55 @@ def endpoint(store: dist.Store) -> tuple[str, ClientKeys]:
         raise OptionError(f"rank 0 could not start the embedded controller: {info['error']}")
     keys = ClientKeys(info["controller_key"].encode(), info["worker_public"].encode(), info["worker_secret"].encode())
     return str(info["controller"]), keys
+
+
+ENDED_KEY = "passing/embedded/ended"
+TCP_ESTABLISHED = "01"  # the state column of /proc/net/tcp
+
+
+def end(store: dist.Store, rank0: bool, timeout: float) -> None:
+    """The end of an embedded-mode group, at destroy_process_group. Rank 0 ends last (its controller waits
+    for the others to leave), and its TCPStore server, on MASTER_PORT, with it: a rank that ended earlier
+    and calls init_process_group again at once would meet that old store, find the previous run's keys in
+    it, and wait for peers that are gone. So rank 0 says when its services have stopped, and every other
+    rank waits for that, then until its connections to the old store are closed (rank 0's side closes
+    them when its group is gone), ``timeout`` s at most. Closed connections are read from the kernel's
+    table: a store call on one would fail, but torch logs each such failure with a stack trace."""
+    if rank0:
+        store.set(ENDED_KEY, "1")
+        return
+    deadline = time.monotonic() + timeout
+    tcp = tcp_store(store)
+    port = tcp.port if tcp is not None else None
+    try:
+        store.wait([ENDED_KEY], timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError):  # rank 0 is gone already
+        return
+    while port is not None and _established_to(port):
+        if time.monotonic() > deadline:
+            log.info("passing: rank 0's store still open %g s after its embedded controller stopped", timeout)
+            return
+        time.sleep(0.01)
+
+
+def _established_to(port: int) -> bool:
+    """Whether this process holds an open TCP connection to ``port`` (of any host)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == TCP_ESTABLISHED and fields[9] in inodes and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False

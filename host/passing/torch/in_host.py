@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import mmap
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
 import torch
@@ -54,6 +54,16 @@ class CpuInHostStage(InHostStage, Protocol):
 
     def all_gather(self, block: torch.Tensor, out: torch.Tensor) -> None:
         """Row k of ``out`` (n x B uint8, contiguous) = local rank k's ``block`` (B uint8), on every rank."""
+        ...
+
+    def all_or_none(self) -> AbstractContextManager[None]:
+        """Around a collective's parts on this rank: an error in them fails the collective on every local rank
+        (and the stage with it), never only on this one."""
+        ...
+
+    def agree(self) -> None:
+        """Return once every local rank has come here: a collective's last step, after its network stage, so that
+        one rank's failure there reaches the others (inside ``all_or_none``)."""
         ...
 
 
@@ -111,7 +121,7 @@ class SharedMemoryInHost:
         return length
 
     @contextmanager
-    def _all_or_none(self) -> Iterator[None]:
+    def all_or_none(self) -> Iterator[None]:
         """A collective that fails on this rank (its network stage raised, say) fails on every rank of
         the server: the barrier is poisoned (ServerBarrier.poison), so none waits or reads out of phase."""
         try:
@@ -120,8 +130,11 @@ class SharedMemoryInHost:
             self.barrier.poison()
             raise
 
+    def agree(self) -> None:
+        self.barrier.wait()
+
     def allreduce(self, flat: torch.Tensor, network: NetworkStage) -> torch.Tensor:
-        with self._all_or_none():
+        with self.all_or_none():
             return self._allreduce(flat, network)
 
     def _allreduce(self, flat: torch.Tensor, network: NetworkStage) -> torch.Tensor:
@@ -146,7 +159,7 @@ class SharedMemoryInHost:
     # piece's first barrier and read before its second; neither writes a region (i, i).
 
     def reduce_scatter(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        with self._all_or_none():
+        with self.all_or_none():
             width = self.regions.shape[2]
             for start in range(0, rows.shape[1], width):
                 end = min(start + width, rows.shape[1])
@@ -154,7 +167,7 @@ class SharedMemoryInHost:
                 self.barrier.wait()
 
     def all_gather(self, block: torch.Tensor, out: torch.Tensor) -> None:
-        with self._all_or_none():
+        with self.all_or_none():
             n, j = self.n, self.j
             regions = self.regions.view(torch.uint8)  # n x n x 4·region bytes
             width = regions.shape[2]
@@ -180,7 +193,7 @@ class RingInHost:
         self.failed = False
 
     @contextmanager
-    def _all_or_none(self) -> Iterator[None]:
+    def all_or_none(self) -> Iterator[None]:
         if self.failed:
             raise PassingError("the in-host stage failed earlier (on this local rank or another): it is unusable")
         try:
@@ -194,6 +207,9 @@ class RingInHost:
             if isinstance(e, RuntimeError) and not isinstance(e, PassingError):  # gloo's, from an aborted peer
                 raise PassingError(f"the in-host stage failed on this local rank or another: {e}") from e
             raise
+
+    def agree(self) -> None:
+        self.group.barrier(dist.BarrierOptions()).wait()
 
     def _exchange(self, outgoing: torch.Tensor, to: int, incoming: torch.Tensor, source: int) -> None:
         sent = self.group.send([outgoing], to, IN_HOST_TAG)
@@ -229,7 +245,7 @@ class RingInHost:
             self._exchange(rows[(r - step) % n], (r + 1) % n, rows[(r - step - 1) % n], (r - 1) % n)
 
     def allreduce(self, flat: torch.Tensor, network: NetworkStage) -> torch.Tensor:
-        with self._all_or_none():
+        with self.all_or_none():
             n = self.group.size()
             padded, rows = _rows(flat, n)
             mine = self.reduce_scatter_rows(rows)
@@ -238,11 +254,11 @@ class RingInHost:
             return padded[:flat.numel()]
 
     def reduce_scatter(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        with self._all_or_none():
+        with self.all_or_none():
             out.copy_(self.reduce_scatter_rows(rows))
 
     def all_gather(self, block: torch.Tensor, out: torch.Tensor) -> None:
-        with self._all_or_none():
+        with self.all_or_none():
             out[self.group.rank()].copy_(block)
             self.allgather_rows(out)
 

@@ -34,7 +34,7 @@ from .embedded import Embedded
 from .hierarchy import Layout, NetworkStage, PeerStage
 from .in_host import CollectiveInHost, CpuInHostStage, InHostStage, ThroughHostMemory, cpu_in_host
 from .network import GATHER_GROUP, FailoverStage, GatherLane, Membership, device_group, gather_pool, gloo_group
-from .options import SCHEMES, OptionError, Options, route_source
+from .options import ALL_GATHER, SCHEMES, OptionError, Options, route_source
 from .work import InOrder
 
 log = logging.getLogger("passing.torch")
@@ -72,6 +72,7 @@ class Stages:
     embedded: Embedded | None = None  # rank 0's services in embedded mode
     keys: ClientKeys | None = None  # this rank's key toward the controller
     embedded_mode: bool = False  # PASSING_EMBEDDED=ps, no controller: rank 0's embedded one serves the group
+    store: dist.Store | None = None  # embedded mode: the group's, for its end (passing.torch.embedded.end)
 
 
 def set_up(store: dist.Store, rank: int, size: int, timeout: timedelta, name: str, options: Options,
@@ -93,13 +94,18 @@ def set_up(store: dist.Store, rank: int, size: int, timeout: timedelta, name: st
         raise
 
 
-def leave(membership: Membership, services: Embedded | None, gather_lane: GatherLane | None = None) -> None:
-    """Leave the groups; rank 0 then stops its embedded controller once the others have left too."""
+def leave(membership: Membership, services: Embedded | None, gather_lane: GatherLane | None = None,
+          store: dist.Store | None = None) -> None:
+    """Leave the groups; rank 0 then stops its embedded controller once the others have left too. ``store``
+    (embedded mode): the group's, where rank 0 says its services have stopped and the others wait for its
+    end (passing.torch.embedded.end)."""
     if gather_lane is not None:
         gather_lane.membership.close()
     membership.close()
     if services is not None:
         services.close()
+    if store is not None:
+        embedded.end(store, services is not None, membership.stream.timeout)
 
 
 # ---- no controller ------------------------------------------------------------------------------
@@ -235,13 +241,16 @@ def _connect(store: dist.Store, rank: int, size: int, timeout: timedelta, name: 
     if embedded_mode:
         reason = f"embedded controller in rank 0 (PASSING_EMBEDDED=ps): {reason}"
     membership = job.membership(group, worker, stream, answer)
-    gather_lane = _open_gather_lane(job, store, timeout, name, layout, group, worker, workers,
-                                    gather_pool(int(answer["pool"]), workers), in_host)
+    gather_lane = None  # all_gathers kept on gloo need no lane (a second group, socket, segment and threads)
+    if ALL_GATHER not in options.keep_on_gloo:
+        gather_lane = _open_gather_lane(job, store, timeout, name, layout, group, worker, workers,
+                                        gather_pool(int(answer["pool"]), workers), in_host)
     runner = InOrder(f"passing-pg{name}")
     log.info("passing: rank %d: job %s group %d worker %d of %d on %s (%s)", rank, job.name, group, worker, workers,
              mode, reason)
     return Stages(mode, reason, options, in_host=in_host, network=network, stream=stream, gather_lane=gather_lane,
-                  runner=runner, membership=membership, embedded=services, keys=keys, embedded_mode=embedded_mode)
+                  runner=runner, membership=membership, embedded=services, keys=keys, embedded_mode=embedded_mode,
+                  store=store if embedded_mode else None)
 
 
 def _open_gather_lane(job: _Job, store: dist.Store, timeout: timedelta, name: str, layout: Layout, group: int,

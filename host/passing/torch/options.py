@@ -31,7 +31,7 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 
-SHARDED_COLLECTIVES = ("reduce_scatter", "all_gather")  # what keep_on_gloo may name
+REDUCE_SCATTER, ALL_GATHER = SHARDED_COLLECTIVES = ("reduce_scatter", "all_gather")  # what keep_on_gloo may name
 # With no controller configured: "off", the network stage is a collective among the peers (no
 # aggregator, so as fast as gloo); "ps", rank 0 runs an embedded controller and software aggregator.
 EMBEDDED = ("off", "ps")
@@ -53,8 +53,10 @@ class Options:
     scale: str | float | None = None  # PASSING_SCALE: "auto" or a fixed scale such as 1e8
     on_overflow: str | None = None  # PASSING_ON_OVERFLOW: raise | auto (redo an overflowing call in auto)
     pool: int | None = None  # PASSING_POOL: slots per group (default: the controller's)
-    timeout: float | None = None  # PASSING_TIMEOUT: seconds a packet may stay unanswered
-    join_timeout: float | None = None  # PASSING_JOIN_TIMEOUT: seconds to wait for the group to join
+    timeout: float | None = None  # PASSING_TIMEOUT: seconds a packet may stay unanswered (at most the process
+    # group's timeout)
+    join_timeout: float | None = None  # PASSING_JOIN_TIMEOUT: seconds to wait for the group to join (at most the
+    # process group's timeout)
     rto: float | None = None  # PASSING_RTO: the least a silent stream waits before it resends on a loss-free path
     host: str | None = None  # PASSING_HOST: this rank's IP for PASSING traffic
     server: str | None = None  # PASSING_SERVER: which server this rank is on
@@ -77,8 +79,10 @@ class Options:
                 "job": None, "engine": "auto", "failover_after": None, "report_interval": 10.0, "mtu": None,
                 "keep_on_gloo": (), "shared_memory": "/dev/shm", "device_backend": "auto"}
 
-    def resolve(self, environ: dict[str, str] | None = None) -> Options:
-        """A copy with every field filled in, checked."""
+    def resolve(self, environ: dict[str, str] | None = None, limit: float | None = None) -> Options:
+        """A copy with every field filled in, checked. ``limit``: the process group's timeout in seconds, which
+        bounds every wait of the network stage as it bounds gloo's collectives: ``timeout`` and ``join_timeout``
+        are at most that (and ``failover_after`` below ``timeout``)."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in fields(self):
@@ -90,6 +94,11 @@ class Options:
         keep = values["keep_on_gloo"]
         values["keep_on_gloo"] = tuple(v.strip() for v in (keep.split(",") if isinstance(keep, str) else keep)
                                        if v.strip())
+        if limit is not None and limit > 0:
+            values["timeout"] = min(values["timeout"], limit)
+            values["join_timeout"] = min(values["join_timeout"], limit)
+            if values["failover_after"] is not None and values["failover_after"] >= values["timeout"]:
+                values["failover_after"] = values["timeout"] / 2
         if values["failover_after"] is None:
             values["failover_after"] = min(5.0, values["timeout"] / 2)
         if values["server"] is None:

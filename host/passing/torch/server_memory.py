@@ -7,16 +7,20 @@ it is ever in a file system, so nothing outlives the processes however they end.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import socket
 import struct
 import tempfile
+import time
 import uuid
 
 import torch.distributed as dist
 
 from ..errors import PassingError
+
+log = logging.getLogger("passing.torch")
 
 SHM_DIR = "/dev/shm"
 
@@ -34,6 +38,7 @@ class ServerBarrier:
 
     def __init__(self, rank: int, peers: list[socket.socket]) -> None:
         self.rank, self.peers = rank, peers  # rank 0: one socket per other rank, in rank order; else: rank 0's
+        self.strangers_dropped = 0  # rank 0: connections to the hand-over that were none of the ranks
 
     def wait(self) -> None:
         if not self.peers:
@@ -66,6 +71,7 @@ class ServerBarrier:
         self.peers = []
 
 
+STRANGERS = 16  # room in the listening queue beyond the ranks, for connections the hand-over drops
 GO, FAILED = b".", b"x"  # a barrier's marks: here / this rank's collective failed
 
 
@@ -73,7 +79,22 @@ def _send_mark(peer: socket.socket, who: str) -> None:
     try:
         peer.sendall(GO)
     except OSError as e:  # its end closed: it exited, or failed and poisoned the barrier
+        if _pending_mark(peer) == FAILED:  # it said so before it closed
+            raise _failed_on(who) from None
         raise PassingError(f"the in-host stage: {who} is gone or failed ({e.strerror})") from None
+
+
+def _pending_mark(peer: socket.socket) -> bytes:
+    """A mark already received on ``peer`` (b"" when none)."""
+    try:
+        return peer.recv(1, socket.MSG_DONTWAIT)
+    except OSError:
+        return b""
+
+
+def _failed_on(who: str) -> PassingError:
+    return PassingError(f"the in-host stage: a collective failed on {who} (or a rank it heard from); it fails "
+                        f"on every local rank, and so will every later one of this process group")
 
 
 def _receive_mark(peer: socket.socket, who: str) -> None:
@@ -87,8 +108,7 @@ def _receive_mark(peer: socket.socket, who: str) -> None:
     if not mark:
         raise PassingError(f"the in-host stage: {who} left it (exited, or failed and gave up)")
     if mark == FAILED:
-        raise PassingError(f"the in-host stage: a collective failed on {who} (or a rank it heard from); it fails "
-                           f"on every local rank, and so will every later one of this process group")
+        raise _failed_on(who)
 
 
 def _anonymous_segment(directory: str, nbytes: int) -> int:
@@ -122,6 +142,7 @@ def shared_memory(store: dist.Store, prefix: str, rank: int, size: int, nbytes: 
     segment: mmap.mmap | None = None
     sockets: list[socket.socket] = []
     fd = -1
+    dropped = 0
     error = ""
     try:  # 1. rank 0 makes the segment and the listening socket; the others connect
         if rank == 0:
@@ -132,7 +153,7 @@ def shared_memory(store: dist.Store, prefix: str, rank: int, size: int, nbytes: 
                 sockets.append(listener)
                 name = f"passing-{uuid.uuid4().hex}"
                 listener.bind("\0" + name)
-                listener.listen(size)
+                listener.listen(size + STRANGERS)
             except OSError as e:
                 store.set(prefix + "path", "")
                 raise OSError(f"cannot set up {nbytes} bytes in {directory}: {e.strerror}") from e
@@ -153,7 +174,7 @@ def shared_memory(store: dist.Store, prefix: str, rank: int, size: int, nbytes: 
         error = ""
         if not failures:
             if rank == 0:
-                sockets = _accept(sockets.pop(), size, timeout)
+                sockets, dropped = _accept(sockets.pop(), size, timeout)
                 for peer in sockets:
                     socket.send_fds(peer, [b"s"], [fd])
             else:
@@ -178,7 +199,9 @@ def shared_memory(store: dist.Store, prefix: str, rank: int, size: int, nbytes: 
             segment.close()
         return failures
     assert segment is not None
-    return segment, ServerBarrier(rank, sockets)
+    barrier = ServerBarrier(rank, sockets)
+    barrier.strangers_dropped = dropped
+    return segment, barrier
 
 
 def _agree(store: dist.Store, prefix: str, rank: int, size: int, error: str) -> str:
@@ -188,33 +211,48 @@ def _agree(store: dist.Store, prefix: str, rank: int, size: int, error: str) -> 
     return "; ".join(f"local rank {r}: {o}" for r, o in enumerate(outcomes) if o != "ok")
 
 
-def _accept(listener: socket.socket, size: int, timeout: float) -> list[socket.socket]:
-    """Local rank 0's ends of the barrier: one connection from each other rank, which names itself,
-    from a process of this user (the abstract namespace has no permissions of its own)."""
-    accepted: list[socket.socket] = []  # closed, all of them, if the barrier cannot be made
-    by_rank: dict[int, socket.socket] = {}
+def _accept(listener: socket.socket, size: int, timeout: float) -> tuple[list[socket.socket], int]:
+    """Local rank 0's ends of the barrier: one connection from each other rank, which names itself, from a
+    process of this user (the abstract namespace has no permissions of its own, and its names are in
+    /proc/net/unix for anyone to see). Any other connection (another user's, or one that does not name a rank
+    still missing) is dropped, logged and counted, and the hand-over goes on waiting for the ranks until
+    ``timeout``. Returns the ranks' sockets in rank order and how many strangers were dropped."""
+    by_rank: dict[int, socket.socket] = {}  # closed, all of them, if the barrier cannot be made
+    dropped = 0
+    deadline = time.monotonic() + timeout
     try:
-        listener.settimeout(timeout)
-        for _ in range(size - 1):
+        while len(by_rank) < size - 1:
+            listener.settimeout(max(deadline - time.monotonic(), 1e-3))
             peer, _ = listener.accept()
-            accepted.append(peer)
-            peer.settimeout(timeout)
-            _, uid, _ = struct.unpack("3i", peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                            struct.calcsize("3i")))
-            if uid != os.getuid():
-                raise PassingError(f"the in-host stage: a process of user {uid} connected to its barrier")
-            said = peer.recv(1)
-            if not said or not 1 <= said[0] < size or said[0] in by_rank:
-                raise PassingError(f"the in-host stage: a local rank's barrier connection said {said!r}, "
-                                   f"not a rank of 1..{size - 1} not yet connected")
-            by_rank[said[0]] = peer
-    except (OSError, PassingError) as e:
-        for peer in accepted:
+            why = _stranger(peer, size, by_rank, deadline)
+            if why:
+                dropped += 1
+                log.warning("passing: the in-host stage's hand-over dropped a connection (%d so far): %s", dropped,
+                            why)
+                peer.close()
+                continue
+            peer.settimeout(timeout)  # the barrier's waits
+    except OSError as e:
+        for peer in by_rank.values():
             peer.close()
-        if isinstance(e, PassingError):
-            raise
         raise PassingError(f"the in-host stage: the other local ranks did not all connect to its barrier "
                            f"({type(e).__name__}: {e})") from None
     finally:
         listener.close()
-    return [by_rank[k] for k in range(1, size)]
+    return [by_rank[k] for k in range(1, size)], dropped
+
+
+def _stranger(peer: socket.socket, size: int, by_rank: dict[int, socket.socket], deadline: float) -> str:
+    """Why ``peer`` is not one of the local ranks ("" when it is: it is then in ``by_rank``)."""
+    _, uid, _ = struct.unpack("3i", peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.getuid():
+        return f"a process of user {uid}"
+    peer.settimeout(max(deadline - time.monotonic(), 1e-3))
+    try:
+        said = peer.recv(1)
+    except OSError as e:
+        return f"it said nothing ({type(e).__name__})"
+    if not said or not 1 <= said[0] < size or said[0] in by_rank:
+        return f"it said {said!r}, not a rank of 1..{size - 1} not yet connected"
+    by_rank[said[0]] = peer
+    return ""

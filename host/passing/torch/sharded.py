@@ -39,12 +39,11 @@ from .hierarchy import Layout
 from .in_host import CpuInHostStage
 from .modes import Stages
 from .network import FailoverStage, GatherLane, Membership
-from .options import SHARDED_COLLECTIVES
+from .options import ALL_GATHER, REDUCE_SCATTER
 from .work import InOrder, PassingWork
 
 log = logging.getLogger("passing.torch")
 
-REDUCE_SCATTER, ALL_GATHER = SHARDED_COLLECTIVES  # the names keep_on_gloo takes
 REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -213,8 +212,10 @@ class ShardedCollectives:
             # local rank j's part: the chunks of the ranks with local index j, in server order
             order = torch.from_numpy(self.grid.T.reshape(-1).copy())
             mine = torch.empty(servers * chunk, dtype=torch.float32)
-            self.in_host.reduce_scatter(chunks.index_select(0, order).view(n, servers * chunk), mine)
-            summed = self.network.reduce_scatter(mine.numpy())  # network worker = server: its block is this rank's
+            with self.in_host.all_or_none():  # a local rank's network error fails every local rank's call
+                self.in_host.reduce_scatter(chunks.index_select(0, order).view(n, servers * chunk), mine)
+                summed = self.network.reduce_scatter(mine.numpy())  # network worker = server: its block is ours
+                self.in_host.agree()
         result = torch.from_numpy(summed)
         if avg:
             result /= self.size
@@ -234,9 +235,10 @@ class ShardedCollectives:
             return
         servers, n = self.grid.shape
         network = torch.empty(servers * size, dtype=torch.uint8)  # the pieces of the ranks of this local index
-        stage.allgather(piece.numpy(), network.numpy())
         gathered = torch.empty(n * servers * size, dtype=torch.uint8)  # local rank j's network block at j
-        in_host.all_gather(network, gathered.view(n, servers * size))
+        with in_host.all_or_none():  # a local rank's network error fails every local rank's call
+            stage.allgather(piece.numpy(), network.numpy())
+            in_host.all_gather(network, gathered.view(n, servers * size))
         # block (j, s) is the piece of rank grid[s, j]
         order = torch.from_numpy(np.argsort(self.grid.T.reshape(-1), kind="stable"))
         out.view(self.size, size).copy_(gathered.view(n * servers, size).index_select(0, order))

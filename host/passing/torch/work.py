@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import PassingError
+
 log = logging.getLogger("passing.torch")
 
 
@@ -95,10 +97,14 @@ class PassingWork(dist.Work):
         self.error: BaseException | None = None
         self.runner = runner  # where it is queued, if it is
         self.stream: torch.cuda.Stream | None = None  # CUDA: the stream its result is ready on, set by its job
+        # set once the collective has run: its outputs are written and ``error`` is known, though its future
+        # may be completed later (on a completion thread): what a barrier waits for (passing.torch.work.ran)
+        self.ran = threading.Event()
 
     def complete(self, value: Any = None, error: BaseException | None = None) -> None:
         """Publish the outcome; the future's callbacks run in this thread, now. A CUDA result is marked
         ready on ``stream`` (torch records an event on the current stream of each of the devices)."""
+        self.finished(error)
         if error is not None:
             self.error = error
             self.future.set_exception(error)
@@ -107,6 +113,12 @@ class PassingWork(dist.Work):
                 self.future.set_result(value)
         else:
             self.future.set_result(value)
+
+    def finished(self, error: BaseException | None) -> None:
+        """The collective ran (its outputs are written), with ``error`` if it failed."""
+        if error is not None:
+            self.error = error
+        self.ran.set()
 
     def fail(self, error: BaseException) -> None:
         self.complete(error=error)
@@ -155,6 +167,7 @@ class Completions:
         self._idle = 0  # threads waiting for a completion
         self._busy = 0  # threads completing one
         self._started = 0
+        self._closed = False  # no more completions: the idle thread ends
 
     def put(self, work: PassingWork, value: Any, error: BaseException | None) -> None:
         with self._changed:
@@ -169,14 +182,16 @@ class Completions:
         while True:
             with self._changed:
                 if not self._queue:
-                    if self._idle:  # one idle thread is enough
+                    if self._idle or self._closed:  # one idle thread is enough; none once closed
                         return
                     self._idle += 1
                     try:
-                        while not self._queue:
+                        while not self._queue and not self._closed:
                             self._changed.wait()
                     finally:
                         self._idle -= 1
+                    if not self._queue:
+                        return
                 work, value, error = self._queue.popleft()
                 self._busy += 1
             try:
@@ -194,6 +209,12 @@ class Completions:
         with self._changed:
             return self._changed.wait_for(lambda: not self._queue and not self._busy, timeout)
 
+    def close(self) -> None:
+        """The idle thread ends; a completion still being made finishes on its own thread, which then ends."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
 
 class InOrder:
     """One process group's collectives, one at a time in issue order: each is taken by the
@@ -205,7 +226,7 @@ class InOrder:
     def __init__(self, name: str) -> None:
         self._changed = threading.Condition()
         self._queue: deque[tuple[PassingWork, Callable[[], Any]]] = deque()
-        self._running = False
+        self._running: PassingWork | None = None
         self._closed = False
         self._completions = Completions(name)
         # a daemon, so that a group never shut down does not hold the interpreter at exit;
@@ -229,33 +250,41 @@ class InOrder:
     def run_here(self, work: PassingWork) -> bool:
         """Run ``work`` in this thread if it is next and nothing runs, and complete it here; whether it did."""
         with self._changed:
-            if self._running or not self._queue or self._queue[0][0] is not work:
+            if self._running is not None or not self._queue or self._queue[0][0] is not work:
                 return False
             _, job = self._queue.popleft()
-            self._running = True
-        work.complete(*self._run(job))
+            self._running = work
+        work.complete(*self._run(work, job))
         return True
 
-    def _run(self, job: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    def pending(self) -> list[PassingWork]:
+        """The works issued and not yet run: the one running, then the queued ones in issue order."""
+        with self._changed:
+            return ([self._running] if self._running is not None else []) + [w for w, _ in self._queue]
+
+    def _run(self, work: PassingWork, job: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+        value: Any = None
+        error: BaseException | None = None
         try:
-            return job(), None
+            value = job()
         except BaseException as e:  # handed to whoever waits on the work
-            return None, e
-        finally:
-            with self._changed:
-                self._running = False
-                self._changed.notify_all()
+            error = e
+        work.finished(error)
+        with self._changed:
+            self._running = None
+            self._changed.notify_all()
+        return value, error
 
     def _serve(self) -> None:
         while True:
             with self._changed:
-                while self._running or (not self._queue and not self._closed):
+                while self._running is not None or (not self._queue and not self._closed):
                     self._changed.wait()
                 if not self._queue:  # closed, and everything queued has run
                     return
                 work, job = self._queue.popleft()
-                self._running = True
-            self._completions.put(work, *self._run(job))
+                self._running = work
+            self._completions.put(work, *self._run(work, job))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Run what is queued, stop the thread, and complete what ran (callbacks given ``timeout`` s)."""
@@ -266,3 +295,16 @@ class InOrder:
             self._thread.join()
         if not self._completions.drain(timeout):
             log.warning("passing: a callback of a collective's future still runs at shutdown, after %g s", timeout)
+        self._completions.close()
+
+
+def wait_ran(works: list[PassingWork], timeout: float) -> None:
+    """Wait until each of ``works`` has run, ``timeout`` s at most in all, and raise the first one's error:
+    what gloo's barrier does with the collectives issued before it (it waits on each, and fails with it)."""
+    deadline = time.monotonic() + timeout
+    for w in works:
+        if not w.ran.wait(max(0.0, deadline - time.monotonic())):
+            raise PassingError(f"barrier: a collective issued before it did not finish within {timeout:g} s "
+                               f"(the process group's timeout)")
+        if w.error is not None:
+            raise w.error
