@@ -65,6 +65,7 @@ import math
 import os
 import pickle
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -394,12 +395,18 @@ def compare(reference: Launch, candidate: Launch, notes: list[str] | None = None
     out: list[Divergence] = []
     for index, entry in enumerate(candidate.programs):
         out += compare_program(reference, candidate, index, entry["seed"], notes)
+    for rank in candidate.ranks:  # a launch that ended early: said once, where it ended
+        if rank.status != "done" and not rank.status.startswith("hung"):
+            missing = [e["seed"] for i, e in enumerate(candidate.programs) if i not in rank.programs]
+            out.append(Divergence(candidate.mode, candidate.layout, missing[0] if missing else None, None, rank.rank,
+                                  "launch ended", f"{rank.status} (exit {rank.returncode}); {len(missing)} programs "
+                                  f"not run; stderr: {rank.stderr[-1500:]}"))
     out += compare_leftovers(reference, candidate)
     return out
 
 
-def compare_program(reference: Launch, candidate: Launch, index: int, seed: int, notes: list[str],
-                    clean: bool = True) -> list[Divergence]:
+def compare_program(reference: Launch, candidate: Launch, index: int, seed: int, notes: list[str]
+                    ) -> list[Divergence]:
     program = candidate.program(index)
     world = program.world
     out: list[Divergence] = []
@@ -414,11 +421,18 @@ def compare_program(reference: Launch, candidate: Launch, index: int, seed: int,
         if refs[r] is None:
             notes.append(f"seed {seed}: the gloo run has no result of rank {r} ({reference.ranks[r].status})")
             return out
-        if cands[r] is None:
-            div(None, r, "no result", f"rank {r} wrote none for this program: {candidate.ranks[r].status}; "
-                                      f"stderr: {candidate.ranks[r].stderr[-1500:]}")
+        if cands[r] is None and candidate.ranks[r].status == "done":
+            div(None, r, "no result", f"rank {r} wrote none for this program; stderr: "
+                                      f"{candidate.ranks[r].stderr[-1500:]}")
     if any(c is None for c in cands):
         return out
+    for r in range(world):
+        if cands[r]["stopped"] == "hung":  # the watchdog ended it: its status says where
+            status = candidate.ranks[r].status
+            match = re.search(r"op (\d+) \(", status)
+            div(int(match.group(1)) if match else None, r, "hang",
+                f"{status} (past the process group's timeout {candidate.timeout:g} s + {SLACK:g} s); the stacks' "
+                f"end: {candidate.ranks[r].stderr[-2500:]}")
     for r in range(world):
         if refs[r]["stopped"] is not None:
             notes.append(f"seed {seed}: the gloo run stopped at op {refs[r]['stopped']} on rank {r}: "
@@ -429,11 +443,7 @@ def compare_program(reference: Launch, candidate: Launch, index: int, seed: int,
             if rr is None:
                 continue  # the reference never got there
             if cr is None:
-                stopped = cands[r]["stopped"]
-                if stopped == "hung" or (stopped is None and not clean):
-                    div(op.id, r, "hang", f"rank {r} never finished op {op.id} ({op.kind}): "
-                                          f"{candidate.ranks[r].status}")
-                continue  # stopped earlier: reported there
+                continue  # it stopped earlier (an error, reported there) or hung (below)
             _compare_op(program, op, r, rr, cr, refs, cands, div, notes, candidate.mode)
         _compare_among_ranks(program, op, cands, div)
     return out
@@ -516,15 +526,23 @@ def _short(value: Any) -> str:
 
 
 def _flat(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """A future's value as one record: its tensors' bytes in order (gloo's all_gather_into_tensor hands
-    its chunks, passing the whole output: the same bytes)."""
+    """A future's value as one record: every element of its tensors, sorted. Backends shape a value
+    their own way (gloo's coalesced all_gather gives each rank's chunks of every output, passing the
+    outputs; gloo's all_gather_into_tensor its chunks): what must agree is what it holds. Sorting keeps
+    two values that agree element by element within a tolerance within it."""
+    import torch
+
     if not recs:
         return None
     dtypes = {r["dtype"] for r in recs}
     if len(dtypes) != 1:
         return {"dtype": "mixed:" + ",".join(sorted(dtypes)), "shape": (len(recs),), "data": b""}
-    count = sum(math.prod(r["shape"]) for r in recs)
-    return {"dtype": recs[0]["dtype"], "shape": (count,), "data": b"".join(r["data"] for r in recs)}
+    flat = torch.cat([decode(r).reshape(-1) for r in recs])
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    flat = flat.sort().values.contiguous()
+    return {"dtype": str(flat.dtype).removeprefix("torch."), "shape": (flat.numel(),),
+            "data": flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""}
 
 
 def _compare_aux(op: Op, r: int, rr: dict[str, Any], cr: dict[str, Any], members: list[int], refs: list,
@@ -570,7 +588,9 @@ def _compare_aux(op: Op, r: int, rr: dict[str, Any], cr: dict[str, Any], members
 def _matches_flat(op: Op, got: dict[str, Any], want: dict[str, Any], members: list[int], refs: list) -> bool:
     if got["dtype"] != want["dtype"] or math.prod(got["shape"]) != math.prod(want["shape"]):
         return False
-    return _matches(op, "tensor", got, {**want, "shape": got["shape"]}, members, refs)
+    tol = tolerance(op, "tensor" if "tensor" in op.args else "output", len(members), max(
+        (refs[m]["records"][op.id].get("absmax", 0.0) for m in members), default=0.0))
+    return within(got, want, *tol)[0] if tol is not None else within(got, want, 0.0, 0.0)[0]
 
 
 def independent(program: Program, op: Op, rank: int, members: list[int]) -> dict[str, dict[str, Any]]:

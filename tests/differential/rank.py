@@ -668,6 +668,8 @@ def main() -> None:
             current["stopped"] = "hung"
             write(f"rank{rank}-{current['index']}.pkl", current)
         write(f"rank{rank}.pkl", summary)
+        if current and fault is None:  # the others need not wait for this rank's word any longer
+            side.set(f"status/{current['index']}/{rank}", "hung")
 
     watchdog = Watchdog(on_fire)
     side = dist.TCPStore("127.0.0.1", spec["side_port"], world, False, timedelta(seconds=timeout + slack))
@@ -736,6 +738,10 @@ def main() -> None:
             os._exit(0)
         finally:
             watchdog.disarm()
+        if "hung" in statuses:  # a rank is gone: no init_process_group can meet it again
+            summary["status"] = f"peers lost after seed {seed}: rank {statuses.index('hung')} hung"
+            write(f"rank{rank}.pkl", summary)
+            os._exit(0)
         if "error" in statuses:
             reinit()
     if fault is not None:  # the group may have lost a rank: gloo cannot shut down cleanly then
