@@ -434,6 +434,13 @@ def compare_program(reference: Launch, candidate: Launch, index: int, seed: int,
                 f"{status} (past the process group's timeout {candidate.timeout:g} s + {SLACK:g} s); the stacks' "
                 f"end: {candidate.ranks[r].stderr[-2500:]}")
     for r in range(world):
+        slowest = max(cands[r].get("destroy_seconds", []), default=0.0)
+        if slowest > SLACK:  # gloo's destroy_process_group of a subgroup is local: milliseconds
+            div(None, r, "slow destroy", f"destroy_process_group of a subgroup took {slowest:.1f} s on rank {r} "
+                                         f"(gloo's: {max(refs[r].get('destroy_seconds', []), default=0.0):.2f} s)")
+        for e in cands[r].get("destroy_errors", []):
+            div(None, r, "destroy raises", f"destroy_process_group of a subgroup raised {_error_text(e)}")
+    for r in range(world):
         if refs[r]["stopped"] is not None:
             notes.append(f"seed {seed}: the gloo run stopped at op {refs[r]['stopped']} on rank {r}: "
                          f"{refs[r]['records'][refs[r]['stopped']].get('error')}")

@@ -419,12 +419,14 @@ class Runner:
         """The program's own groups go with it (a launch runs many programs)."""
         for g in self.made:
             self.watchdog.arm(self.timeout + self.slack, f"seed {self.program.seed}: destroy a subgroup")
+            start = time.monotonic()
             try:
                 dist.destroy_process_group(g)
             except Exception as e:  # recorded: a destroy that fails is a finding too
-                self.result.setdefault("destroy_errors", []).append(erec(e, 0.0, "destroy"))
+                self.result.setdefault("destroy_errors", []).append(erec(e, time.monotonic() - start, "destroy"))
             finally:
                 self.watchdog.disarm()
+            self.result.setdefault("destroy_seconds", []).append(time.monotonic() - start)
         self.made.clear()
 
     # -- collectives: each returns (handle, how, outputs) or None --
@@ -728,9 +730,11 @@ def main() -> None:
             continue  # a fault launch: no agreement with a rank that may be gone
         # every rank learns whether any had an error outside the deliberately invalid calls
         side.set(f"status/{index}/{rank}", "error" if result["stopped"] is not None else "ok")
-        watchdog.arm(timeout + 2 * slack, f"the ranks' agreement after seed {seed}")
+        # a peer still busy finishes, or its watchdog ends it and says so here: wait long
+        agreement = 5 * (timeout + slack)
+        watchdog.arm(agreement + slack, f"the ranks' agreement after seed {seed}")
         try:
-            side.wait([f"status/{index}/{r}" for r in range(world)], timedelta(seconds=timeout + slack))
+            side.wait([f"status/{index}/{r}" for r in range(world)], timedelta(seconds=agreement))
             statuses = [side.get(f"status/{index}/{r}").decode() for r in range(world)]
         except Exception as e:  # a rank is gone (its watchdog ended it): the launch ends here
             summary["status"] = f"peers lost after seed {seed}: {e}"
