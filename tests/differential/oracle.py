@@ -131,6 +131,7 @@ class Launch:
     ranks: list[RankOutcome] = field(default_factory=list)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # the launch's own settings beyond its mode's
 
     def program(self, index: int) -> Program:
         entry = self.programs[index]
@@ -167,22 +168,23 @@ def services_for(mode: str) -> Iterator[LocalServices | None]:
 
 def run_launch(mode: str, seeds: Sequence[int] | Sequence[dict[str, Any]], layout: Layout,
                fault: dict[str, Any] | None = None, *, plain: bool | None = None,
-               timeout: float | None = None) -> Launch:
+               timeout: float | None = None, env: dict[str, str] | None = None) -> Launch:
     """Run the programs of ``seeds`` (or program entries {"seed", "keep"}) in one launch of mode
     ``mode`` at ``layout``; ``fault``: {"kind": "raise" | "skip" | "kill", "rank", "seed", "op"} or
-    {"kind": "aggregator", "how": "kill" | "stop", "seed", "op"} (mode "ps" only)."""
+    {"kind": "aggregator", "how": "kill" | "stop", "seed", "op"} (mode "ps" only); ``env``: settings
+    of the ranks beyond the mode's (PASSING_KEEP_ON_GLOO, say)."""
     from tests.zygote import torch_ranks
 
     programs = [s if isinstance(s, dict) else {"seed": int(s), "keep": None} for s in seeds]
     plain = fault is not None if plain is None else plain
     timeout = timeout or (FAULT_TIMEOUT if fault is not None else TIMEOUT)
-    launch = Launch(mode, tuple(layout), programs, fault, plain, timeout)
+    launch = Launch(mode, tuple(layout), programs, fault, plain, timeout, env=dict(env or {}))
     servers, ranks = layout
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="passing-differential-") as tmp, services_for(mode) as services:
         out = Path(tmp) / "out"
         out.mkdir()
-        env = mode_env(mode)
+        env = {**mode_env(mode), **launch.env}
         if services is not None:
             env["PASSING_CONTROLLER"] = services.controller
         rank_fault = fault
@@ -375,6 +377,7 @@ class Divergence:
     detail: str
     keep: list[int] | None = None  # the program's kept ops, where it was shrunk
     fault: dict[str, Any] | None = None  # the fault of a fault launch
+    env: dict[str, str] | None = None  # the launch's own settings (Launch.env)
 
     def line(self) -> str:
         where = f"seed {self.seed}" if self.seed is not None else "launch"
@@ -402,6 +405,12 @@ def compare(reference: Launch, candidate: Launch, notes: list[str] | None = None
                                   "launch ended", f"{rank.status} (exit {rank.returncode}); {len(missing)} programs "
                                   f"not run; stderr: {rank.stderr[-1500:]}"))
     out += compare_leftovers(reference, candidate)
+    for rank in candidate.ranks:
+        for group in (rank.summary or {}).get("groups", []):
+            if "all_gather" in group["keep_on_gloo"] and group["gather_lane"]:
+                out.append(Divergence(candidate.mode, candidate.layout, None, None, rank.rank, "keep_on_gloo",
+                                      "keep_on_gloo names all_gather, yet the process group set up a gather lane"))
+                break
     return out
 
 
@@ -413,7 +422,7 @@ def compare_program(reference: Launch, candidate: Launch, index: int, seed: int,
 
     def div(op: int | None, rank: int | None, what: str, detail: str) -> None:
         out.append(Divergence(candidate.mode, candidate.layout, seed, op, rank, what, detail,
-                              candidate.programs[index].get("keep")))
+                              candidate.programs[index].get("keep"), env=candidate.env))
 
     refs = [reference.result(r, seed) for r in range(world)]
     cands = [candidate.ranks[r].programs.get(index) for r in range(world)]
@@ -792,8 +801,10 @@ def _fault_text(fault: dict[str, Any]) -> str:
 # ---- reporting and shrinking --------------------------------------------------------------------
 
 
-def replay_command(seed: int, mode: str, layout: Layout, fault: dict[str, Any] | None = None) -> str:
-    command = f"make fuzz-torch SEED={seed} MODE={mode} LAYOUT={layout[0]}x{layout[1]}"
+def replay_command(seed: int, mode: str, layout: Layout, fault: dict[str, Any] | None = None,
+                   env: dict[str, str] | None = None) -> str:
+    command = "".join(f"{k}={v} " for k, v in (env or {}).items())
+    command += f"make fuzz-torch SEED={seed} MODE={mode} LAYOUT={layout[0]}x{layout[1]}"
     return command + (f" FAULT={fault_arg(fault)}" if fault is not None else "")
 
 
@@ -815,7 +826,7 @@ def report(divergences: list[Divergence], plain: bool = False) -> str:
             if first.keep is not None:
                 program = program.keeping(set(first.keep))
             lines.append(format(program))
-            lines.append(f"replay: {replay_command(seed, mode, layout, first.fault)}")
+            lines.append(f"replay: {replay_command(seed, mode, layout, first.fault, first.env)}")
     return "\n".join(lines)
 
 
@@ -834,7 +845,7 @@ def shrink(reference: Launch, divergence: Divergence, budget: float) -> Program 
         if time.monotonic() > deadline:
             return False
         cand = run_launch(divergence.mode, [{"seed": divergence.seed, "keep": keep}], divergence.layout,
-                          plain=reference.plain)
+                          plain=reference.plain, env=divergence.env)
         found = compare_program(ref, cand, 0, divergence.seed, [])
         return any(d.what == divergence.what and d.op == divergence.op for d in found)
 

@@ -686,6 +686,11 @@ def main() -> None:
         finally:
             watchdog.disarm()
         summary["init_seconds"].append(time.monotonic() - start)
+        pg = dist.distributed_c10d._get_default_group()
+        if spec["backend"] == "passing":  # what the driver holds to the options (keep_on_gloo: no gather lane)
+            summary.setdefault("groups", []).append({
+                "mode": pg.mode, "gather_lane": pg.gather_lane is not None,
+                "keep_on_gloo": list(pg.options.keep_on_gloo)})
 
     def destroy(settle: float) -> None:
         watchdog.arm(timeout + slack, "destroy_process_group")
