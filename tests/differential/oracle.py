@@ -831,10 +831,11 @@ def report(divergences: list[Divergence], plain: bool = False) -> str:
 
 
 def shrink(reference: Launch, divergence: Divergence, budget: float) -> Program | None:
-    """A smaller program of the divergence's seed that still diverges the same way: first cut after the
-    diverging op, then drop earlier ops one at a time while it still does, within ``budget`` seconds.
-    The gloo launch's records stand in for a reference of every smaller program (an op's inputs
-    depend on the seed, its id and the rank alone)."""
+    """A smaller program of the divergence's seed that still diverges the same way (the same kind, at the
+    same op): first cut after the diverging op (after the barrier that reads it, for a read after a
+    barrier), then drop earlier ops, halves first, then smaller pieces, while it still does, within
+    ``budget`` seconds. The gloo launch's records stand in for a reference of every smaller program
+    (an op's inputs depend on the seed, its id and the rank alone)."""
     if divergence.seed is None or divergence.op is None:
         return None
     deadline = time.monotonic() + budget
@@ -849,20 +850,31 @@ def shrink(reference: Launch, divergence: Divergence, budget: float) -> Program 
         found = compare_program(ref, cand, 0, divergence.seed, [])
         return any(d.what == divergence.what and d.op == divergence.op for d in found)
 
-    keep = [op.id for op in full.ops if op.id <= divergence.op]
+    last = divergence.op
+    if divergence.what == "barrier":
+        last = next((o.id for o in full.ops if o.kind == "barrier" and divergence.op in o.args.get("read", [])), last)
+    keep = [op.id for op in full.ops if op.id <= last]
     if len(keep) < len(full.ops) and not still(keep):
         keep = [op.id for op in full.ops]
-    for op_id in reversed([i for i in keep if i != divergence.op]):
-        if time.monotonic() > deadline:
-            break
-        op = full.op(op_id)
-        if op.kind in ("new_group", "mesh") and any(
-                o.args.get("group", "").startswith((f"g{op_id}", f"m{op_id}.")) for o in full.ops if o.id in keep):
-            continue  # a group the kept ops still use
-        trial = [i for i in keep if i != op_id]
-        if still(trial):
-            keep = trial
+    needed = {divergence.op, last}
+    chunk = max(1, len(keep) // 2)
+    while chunk >= 1 and time.monotonic() < deadline:
+        removable = [i for i in keep if i not in needed and not _used(full, i, keep)]
+        for start in range(0, len(removable), chunk):
+            trial = [i for i in keep if i not in removable[start:start + chunk]]
+            if trial != keep and not any(_used(full, i, trial) for i in set(keep) - set(trial)) and still(trial):
+                keep = trial
+        chunk //= 2
     return full.keeping(set(keep))
+
+
+def _used(program: Program, op_id: int, keep: list[int]) -> bool:
+    """Whether op ``op_id`` makes a group that a kept op still uses."""
+    op = program.op(op_id)
+    if op.kind not in ("new_group", "mesh"):
+        return False
+    return any(o.args.get("group", "").startswith((f"g{op_id}", f"m{op_id}.")) and o.args.get("group") in (
+        f"g{op_id}", f"m{op_id}.0", f"m{op_id}.1") for o in program.ops if o.id in keep and o.id != op_id)
 
 
 def _as_single(launch: Launch, seed: int) -> Launch:
