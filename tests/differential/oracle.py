@@ -702,12 +702,26 @@ def plan_faults(seed: int, count: int, layout: Layout, modes: Sequence[str] = MO
         rank = 0 if kind == "aggregator" else r.randrange(program.world)
         ops = [op for op in program.ops if op.kind not in ("wait", "poll", "new_group", "mesh", "reinit")
                and group_members(program, op.args["group"], rank) is not None]
+        # where PASSING's own stages are in the way, the others blocked in them (a call that waits)
+        ops = [op for op in ops if streamed(op) and not op.args["async"]] or [op for op in ops if streamed(op)] or ops
         op = r.choice(ops[len(ops) // 3:] or ops)
         fault = {"kind": kind, "rank": rank, "seed": seed + i, "op": op.id}
         if kind == "aggregator":
             fault["how"] = ("kill", "stop")[(i // len(kinds)) % 2]
         faults.append(fault)
     return faults
+
+
+def streamed(op: Op) -> bool:
+    """Whether PASSING's own stages (not gloo's) run ``op`` on the whole group: a float SUM/AVG all_reduce
+    or reduce_scatter, an all_gather (docs/torch.md)."""
+    a = op.args
+    if a.get("group") != "world":
+        return False
+    if op.kind in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter"):
+        spec = a.get("tensor", a.get("input"))
+        return a["op"] in ("SUM", "AVG") and spec["dtype"] in PASSING_FLOATS
+    return op.kind in ("all_gather", "all_gather_into_tensor", "coalesced")
 
 
 def parse_fault(text: str, seed: int) -> dict[str, Any]:
