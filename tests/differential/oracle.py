@@ -677,12 +677,14 @@ def compare_leftovers(reference: Launch, candidate: Launch) -> list[Divergence]:
         lefts = (rank.summary or {}).get("leftovers", [])
         for i, left in enumerate(lefts):
             over = {k: v for k, v in _counts(left).items() if v > worst.get(k, 0)}
-            if over:
+            if over:  # the first destroy that leaks says it, and how it grows over the launch's cycles
+                growth = [{k: _counts(x).get(k, 0) for k in over} for x in lefts]
                 out.append(Divergence(candidate.mode, candidate.layout, None, None, rank.rank, "leak",
                                       f"after destroy_process_group #{i + 1} of {len(lefts)}: {over}, where gloo "
-                                      f"leaves at most { {k: worst.get(k, 0) for k in over} }; threads "
-                                      f"{left['threads']}, fds {left['fds'][:8]}, maps {left['maps'][:4]}"))
-                break  # the first destroy that leaks says it
+                                      f"leaves at most { {k: worst.get(k, 0) for k in over} } (after each destroy: "
+                                      f"{growth}); threads {left['threads']}, fds {left['fds'][:8]}, "
+                                      f"maps {left['maps'][:4]}", env=candidate.env))
+                break
     return out
 
 
