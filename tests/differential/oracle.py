@@ -785,7 +785,11 @@ def compare_fault(reference: Launch | None, candidate: Launch, clean: Launch) ->
         if ended - moment > bound + SLACK:
             div(None, r, "slow", f"rank {r} ended its program {ended - moment:.1f} s after the fault "
                                  f"(bound {bound:.0f} s + {SLACK:.0f} s)")
-        clean_records = clean.result(r, seed)["records"]
+        clean_result = clean.result(r, seed)
+        if clean_result is None:
+            div(None, r, "no reference", f"gloo's fault-free run has no result of rank {r}: {clean.ranks[r].status}")
+            continue
+        clean_records = clean_result["records"]
         for op in program.ops:
             rec = result["records"].get(op.id)
             want = clean_records.get(op.id)
