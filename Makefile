@@ -60,7 +60,7 @@ demo: $(STAMP)
 
 # The emulated-cluster comparison of the schemes of docs/torch.md ("Schemes") (root: network namespaces;
 # docs/benchmarks.md). bench-quick: under 10 minutes; bench: every configuration. SWITCH_KIND: the switch the
-# emulated one stands for, tofino (64 lanes, the default) or tofino2 (128): a software aggregator at that lane count.
+# emulated one stands for, tofino (64 lanes, the default) or tofino2 (72): a software aggregator at that lane count.
 SWITCH_KIND ?= tofino
 bench: $(STAMP)
 	$(INSTALL) -e protocol -e 'host[bench]'

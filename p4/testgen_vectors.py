@@ -761,7 +761,7 @@ def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int
              log_file: Path | None = None, source: Path | None = None, out: Path | None = None,
              only_sequences: bool = False) -> dict:
     """Every run of the program, then (Tofino) its sequences, into its vector file; ``source`` and ``out``: a
-    variant of the program (a mutant, p4/mutants.py) and where its vectors go."""
+    variant of the program (a mutant, tests/conformance/mutants.py) and where its vectors go."""
     runs: dict[str, dict] = {}
     tests: list[dict] = []
     if only_sequences:  # the runs' vectors as they are in the file, the sequences made again

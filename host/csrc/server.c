@@ -24,7 +24,7 @@
 #define OUT_CAP 4096          /* RESULTs per engine call: bounds memory whatever a GRO batch holds */
 #define SEND_TIMEOUT_MS 1000  /* a send buffer full this long: the rest of the batch is lost (counted) */
 
-/* Seeded drop / duplicate / reorder, as passing.aggregator.Impairment does it. */
+/* Seeded drop / duplicate / reorder, as passing.aggregator.server.Impairment does it. */
 typedef struct {
     double drop, duplicate;
     int reorder;
