@@ -79,6 +79,13 @@ typedef struct {
     float scale_f, inverse_f;
 } shard_state;
 
+/* The sends of one loop iteration, both loops': queued, then flushed as one sendmmsg. */
+typedef struct {
+    const uint8_t **packets;
+    int64_t *dest;
+    uint32_t count, cap;
+} send_queue;
+
 typedef struct {
     const pn_stream_call *c;
     pn_stream_report *r;
@@ -88,9 +95,7 @@ typedef struct {
     double srtt, rttvar;
     double last_loss;             /* when the group last saw evidence of loss (< 0: never) */
     uint64_t xmit;                /* transmissions so far */
-    const uint8_t **send_packets; /* sends queued in one loop iteration */
-    int64_t *send_dest;
-    uint32_t send_count, send_cap;
+    send_queue sends;
 } stream_state;
 
 static double now_s(void) {
@@ -143,6 +148,56 @@ static double uniform(uint64_t *state) {
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     z ^= z >> 31;
     return (double)(z >> 11) * 0x1.0p-53;
+}
+
+static int send_queue_init(send_queue *q, uint32_t cap) {
+    q->cap = cap;
+    q->packets = malloc(cap * sizeof *q->packets);
+    q->dest = malloc(cap * sizeof *q->dest);
+    return q->packets && q->dest;
+}
+
+static void send_queue_free(send_queue *q) {
+    free(q->packets);
+    free(q->dest);
+}
+
+/* A queue is sized for every send of a loop iteration; were it ever full, the packet would be resent
+ * as if it were lost. */
+static void send_queue_add(send_queue *q, const uint8_t *packet, int64_t dest) {
+    if (q->count == q->cap) return;
+    q->packets[q->count] = packet;
+    q->dest[q->count] = dest;
+    q->count++;
+}
+
+/* Send what is queued (less what the test impairment `drop` loses on the way out, drawn from rng) and
+ * empty the queue; the bytes and packets that left are counted in the report. */
+static int send_queue_flush(send_queue *q, pn_udp *udp, size_t packet_size, double drop, uint64_t *rng,
+                            pn_stream_report *r) {
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < q->count; i++) {
+        if (drop > 0 && uniform(rng) < drop) continue;
+        q->packets[n] = q->packets[i];
+        q->dest[n] = q->dest[i];
+        n++;
+    }
+    q->count = 0;
+    if (n == 0) return PN_OK;
+    uint64_t bytes = 0;
+    int rc = pn_udp_send(udp, q->packets, q->dest, n, (uint32_t)packet_size, SEND_TIMEOUT_MS, &bytes, NULL);
+    r->bytes_sent += bytes;
+    r->packets_sent += bytes / packet_size;
+    if (rc < 0) {
+        r->error_errno = -rc;
+        snprintf(r->error_call, sizeof r->error_call, "sendmmsg");
+        return PN_ESYS;
+    }
+    return PN_OK;
+}
+
+static int flush_sends(stream_state *st) {
+    return send_queue_flush(&st->sends, &st->udp, st->packet_size, st->c->drop, st->c->rng, st->r);
 }
 
 static int scale_is_f32_exact(double scale) {
@@ -278,44 +333,6 @@ static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) 
     return p;
 }
 
-static void queue_send(stream_state *st, const uint8_t *packet, int64_t dest) {
-    /* A slot is queued at most twice per loop iteration (its first transmission, then
-     * never again until flushed), so this cannot fill up; if it ever did, the packet's timer
-     * would resend it. */
-    if (st->send_count == st->send_cap) return;
-    st->send_packets[st->send_count] = packet;
-    st->send_dest[st->send_count] = dest;
-    st->send_count++;
-}
-
-static int flush_sends(stream_state *st) {
-    uint32_t n = 0;
-    if (st->c->drop > 0) { /* test impairment: lose some on the way out */
-        for (uint32_t i = 0; i < st->send_count; i++) {
-            if (uniform(st->c->rng) >= st->c->drop) {
-                st->send_packets[n] = st->send_packets[i];
-                st->send_dest[n] = st->send_dest[i];
-                n++;
-            }
-        }
-    } else {
-        n = st->send_count;
-    }
-    st->send_count = 0;
-    if (n == 0) return PN_OK;
-    uint64_t bytes = 0;
-    int r = pn_udp_send(&st->udp, st->send_packets, st->send_dest, n, (uint32_t)st->packet_size, SEND_TIMEOUT_MS,
-                        &bytes, NULL);
-    st->r->bytes_sent += bytes;
-    st->r->packets_sent += bytes / st->packet_size;
-    if (r < 0) {
-        st->r->error_errno = -r;
-        snprintf(st->r->error_call, sizeof st->r->error_call, "sendmmsg");
-        return PN_ESYS;
-    }
-    return PN_OK;
-}
-
 /* First transmission of packet `offset` of the shard (its window slot is free), if it exists. */
 static void send_first(stream_state *st, shard_state *s, uint64_t offset, double now) {
     if (offset >= s->count) return;
@@ -323,7 +340,7 @@ static void send_first(stream_state *st, shard_state *s, uint64_t offset, double
     s->last_activity = now;
     window_slot *w = &s->slots[offset % s->pool];
     *w = (window_slot){.offset = offset, .xmit = ++st->xmit, .first_sent = now, .last_sent = now, .inflight = 1};
-    queue_send(st, build_packet(st, s, offset), s->aggregator);
+    send_queue_add(&st->sends, build_packet(st, s, offset), s->aggregator);
 }
 
 /* Resend a packet: early (RACK: a later packet was answered, evidence of loss) or as a probe (silence). */
@@ -337,7 +354,7 @@ static void retransmit(stream_state *st, shard_state *s, window_slot *w, double 
     s->last_activity = now;
     st->r->retransmissions++;
     if (early) st->r->early_retransmissions++;
-    queue_send(st, p, s->aggregator);
+    send_queue_add(&st->sends, p, s->aggregator);
 }
 
 /* Two smoothed round trips (RFC 8985's PTO; rto_min before one is measured), 1 ms at least. */
@@ -483,8 +500,7 @@ static void free_state(stream_state *st) {
         }
     }
     free(st->shards);
-    free(st->send_packets);
-    free(st->send_dest);
+    send_queue_free(&st->sends);
     pn_udp_free(&st->udp);
 }
 
@@ -545,11 +561,10 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
         }
         window += s->pool;
     }
-    st.send_cap = (uint32_t)(2 * window + 2);
-    st.send_packets = malloc(st.send_cap * sizeof *st.send_packets);
-    st.send_dest = malloc(st.send_cap * sizeof *st.send_dest);
+    /* a slot is queued at most twice per loop iteration (its first transmission, then a resend) */
+    int queued = send_queue_init(&st.sends, (uint32_t)(2 * window + 2));
     int u = pn_udp_init(&st.udp, c->fd, (uint32_t)st.packet_size, RECV_BATCH, c->gso);
-    if (!st.send_packets || !st.send_dest || u < 0) {
+    if (!queued || u < 0) {
         free_state(&st);
         return u == -ENOMEM || u == 0 ? PN_ENOMEM : PN_EINVAL;
     }
@@ -600,7 +615,7 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
         rc = flush_sends(&st);
     }
     if (rc == PN_OK) {
-        if (st.send_count) rc = flush_sends(&st);
+        if (st.sends.count) rc = flush_sends(&st);
         for (uint32_t k = 0; k < c->shards; k++) c->next_psn[k] = st.shards[k].base + st.shards[k].count;
     }
     free(got);
@@ -626,35 +641,15 @@ typedef struct {
     uint32_t completion_psn;
     double *resent_at;            /* per packet of mine: when last sent again for a NACK */
     uint8_t *nacks;               /* one NACK per origin */
-    const uint8_t **send_packets;
-    int64_t *send_dest;
-    uint32_t send_count, send_cap;
+    send_queue sends;             /* everything goes to the first aggregator */
 } gather_state;
 
 static void gather_queue(gather_state *g, const uint8_t *packet) {
-    if (g->send_count == g->send_cap) return;  /* sized for every packet of a loop iteration */
-    g->send_packets[g->send_count] = packet;
-    g->send_dest[g->send_count] = g->c->aggregator;
-    g->send_count++;
+    send_queue_add(&g->sends, packet, g->c->aggregator);
 }
 
 static int gather_flush(gather_state *g) {
-    uint32_t n = 0;
-    for (uint32_t i = 0; i < g->send_count; i++)  /* test impairment: lose some on the way out */
-        if (!(g->c->drop > 0) || uniform(g->c->rng) >= g->c->drop) g->send_packets[n++] = g->send_packets[i];
-    g->send_count = 0;
-    if (n == 0) return PN_OK;
-    uint64_t bytes = 0;
-    int r = pn_udp_send(&g->udp, g->send_packets, g->send_dest, n, (uint32_t)g->packet_size, SEND_TIMEOUT_MS,
-                        &bytes, NULL);
-    g->r->bytes_sent += bytes;
-    g->r->packets_sent += bytes / g->packet_size;
-    if (r < 0) {
-        g->r->error_errno = -r;
-        snprintf(g->r->error_call, sizeof g->r->error_call, "sendmmsg");
-        return PN_ESYS;
-    }
-    return PN_OK;
+    return send_queue_flush(&g->sends, &g->udp, g->packet_size, g->c->drop, g->c->rng, g->r);
 }
 
 /* Send this worker's packets up to a window ahead of the slowest peer's prefix. */
@@ -732,8 +727,7 @@ static void gather_free(gather_state *g) {
     free(g->prefix);
     free(g->resent_at);
     free(g->nacks);
-    free(g->send_packets);
-    free(g->send_dest);
+    send_queue_free(&g->sends);
     pn_udp_free(&g->udp);
 }
 
@@ -766,10 +760,8 @@ int pn_gather_run(pn_gather_call *c, pn_stream_report *r) {
                        (uint32_t)c->completion[14] << 8 | c->completion[15];
     g.resent_at = malloc((g.mine ? g.mine : 1) * sizeof *g.resent_at);
     g.nacks = malloc((size_t)c->workers * g.packet_size);
-    g.send_cap = (uint32_t)(2 * g.mine + c->workers + 2);
-    g.send_packets = malloc(g.send_cap * sizeof *g.send_packets);
-    g.send_dest = malloc(g.send_cap * sizeof *g.send_dest);
-    int u = g.base && g.prefix && g.resent_at && g.nacks && g.send_packets && g.send_dest
+    int queued = send_queue_init(&g.sends, (uint32_t)(2 * g.mine + c->workers + 2));
+    int u = g.base && g.prefix && g.resent_at && g.nacks && queued
                 ? pn_udp_init(&g.udp, c->fd, (uint32_t)g.packet_size, RECV_BATCH, c->gso) : -ENOMEM;
     if (u < 0) {
         gather_free(&g);
