@@ -40,16 +40,20 @@ def dry_run(target: str) -> list[str]:
 
 
 def standard_library_only(module: str | None, script: str | None) -> bool:
-    """Whether ``-m module`` or ``script`` (a path in the repository) needs nothing but the standard library."""
+    """Whether ``-m module`` or ``script`` (a path in the repository) needs nothing but the standard library: a
+    script's imports are the standard library's or modules beside it that need nothing more."""
     if module is not None:
         return module.split(".")[0] in sys.stdlib_module_names
+    path = REPO / script
     names: set[str] = set()
-    for node in ast.walk(ast.parse((REPO / script).read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             names.add(node.module.split(".")[0] if node.level == 0 and node.module else ".")
-    return names <= set(sys.stdlib_module_names) | {"__future__"}
+    beside = {name for name in names if (path.parent / f"{name}.py").is_file()}
+    return names - beside <= set(sys.stdlib_module_names) | {"__future__"} and all(
+        standard_library_only(None, str((path.parent / f"{name}.py").relative_to(REPO))) for name in beside)
 
 
 def violations(commands: list[str], setup: list[str]) -> list[str]:
@@ -74,6 +78,7 @@ def test_the_rule_sees_a_system_python_running_project_code():
     assert violations([f"{VENV_PYTHON} -m tests.conformance.mutants"], setup)  # no set-up before it
     assert not violations([*setup, f"{VENV_PYTHON} -m tests.conformance.mutants"], setup)
     assert not violations(["python3 p4/testgen_vectors.py check", "python3 -m venv .venv"], setup)
+    assert standard_library_only(None, "p4/testgen_vectors.py")  # with the modules beside it it imports
     assert violations(["python3 bench/core.py"], setup)  # imports numpy and passing
 
 

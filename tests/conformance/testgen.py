@@ -44,7 +44,7 @@ from passing.aggregator.engine import JobSpec
 
 from . import vector_tool
 
-tool = vector_tool.load()  # p4/testgen_vectors.py: the P4 header layout is defined there once
+tool = vector_tool.load()  # p4/testgen_vectors.py: the P4 header layout is defined there once (testgen_programs.py)
 
 SLOTS = 1024  # PASSING_SLOTS
 MAX_JOBS = 1024  # PASSING_MAX_JOBS
