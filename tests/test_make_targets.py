@@ -10,6 +10,7 @@ library (making the venv; the P4 tools' scripts, which run where PASSING need no
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -33,8 +34,9 @@ def documented_targets() -> list[str]:
 
 def dry_run(target: str) -> list[str]:
     """The commands `make TARGET` runs where the venv is out of date (its set-up recipe included)."""
-    done = subprocess.run(["make", "-n", "-W", "host/setup.py", target, "PIP_FIND_LINKS_ARGS="], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # under make test
+    done = subprocess.run(["make", "--no-print-directory", "-n", "-W", "host/setup.py", target,
+                           "PIP_FIND_LINKS_ARGS="], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"make -n {target}: {done.stderr[-2000:]}"
     return done.stdout.splitlines()
 
