@@ -1,4 +1,7 @@
 # PASSING: one Makefile for setup, tests, demo and benchmarks.
+# PYTHON makes the venv and runs the scripts that need the standard library alone (p4/testgen_vectors.py,
+# p4/tna/resources.py: they run where the P4 tools are and PASSING need not be); whatever runs the project's
+# code is the venv's $(PY), after $(STAMP) (tests/test_make_targets.py holds every documented target to that).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -60,7 +63,7 @@ demo: $(STAMP)
 
 # The emulated-cluster comparison of the schemes of docs/torch.md ("Schemes") (root: network namespaces;
 # docs/benchmarks.md). bench-quick: under 10 minutes; bench: every configuration. SWITCH_KIND: the switch the
-# emulated one stands for, tofino (64 lanes, the default) or tofino2 (128): a software aggregator at that lane count.
+# emulated one stands for, tofino (64 lanes, the default) or tofino2 (72): a software aggregator at that lane count.
 SWITCH_KIND ?= tofino
 bench: $(STAMP)
 	$(INSTALL) -e protocol -e 'host[bench]'
@@ -151,9 +154,9 @@ p4-testgen:
 # The mutation score of the vector checks (docs/tofino.md, "Mutation score"): bugs planted one at a time in the
 # reference engine (the vectors in the repository checked against each; seconds, no P4 tool) and, with
 # P4MUTANTS=1, in the TNA program (P4Testgen makes each mutant's vectors at 4 lanes, minutes each; results
-# recorded in p4/tna/mutants.json). Fails below 90 % killed.
-p4-mutants:
-	$(PYTHON) -m tests.conformance.mutants $(if $(P4MUTANTS),--p4 --record p4/tna/mutants.json)
+# recorded in p4/tna/mutants.json). Fails below 90 % killed. It runs the project's code: the venv's Python.
+p4-mutants: $(STAMP)
+	$(PY) -m tests.conformance.mutants $(if $(P4MUTANTS),--p4 --record p4/tna/mutants.json)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -6,7 +6,7 @@ extended with what the wire really carries and with the self-clocked window:
 * every 256-byte payload (64 int32 lanes) travels in a 314-byte frame
   (14 Ethernet + 20 IPv4 + 8 UDP + 16 PASSING header), so a link of B bit/s moves
   B / (8·314) PASSING packets per second; with another lane count L (``Setup.lanes``: a
-  Tofino 2's program has 128) the frame is 58 + 4·L bytes (570 for 512 of payload, 1.11x);
+  Tofino 2's program has 72) the frame is 58 + 4·L bytes (346 for 288 of payload, 1.20x);
 * a worker keeps at most ``pool`` packets in flight, so G windows sharing a link move
   at most G·pool packets per round-trip time: rate = min(B/(8·314), G·pool/RTT);
 * gloo's ring runs over TCP: 1448 bytes of payload per 1514-byte frame (timestamps on),
@@ -50,7 +50,7 @@ def payload(lanes: int = LANES) -> int:
 
 
 def frame(lanes: int = LANES) -> int:
-    """Bytes on the wire per PASSING packet: 314 at 64 lanes, 570 at 128."""
+    """Bytes on the wire per PASSING packet: 314 at 64 lanes, 346 at 72."""
     return FRAME_OVERHEAD + payload(lanes)
 
 
@@ -74,7 +74,7 @@ class Setup:
     rtt_s: float = 0.002  # unloaded round trip rank -> aggregator -> rank
     fixed_s: float = 0.0  # per-call cost independent of size (measured: a one-packet all_reduce)
     in_host_s: float = 0.0  # in-host reduce-scatter + all-gather of this size (measured), in-host schemes only
-    lanes: int = LANES  # int32 values per PASSING packet: the aggregator's program (128 for a Tofino 2)
+    lanes: int = LANES  # int32 values per PASSING packet: the aggregator's program (72 for a Tofino 2)
 
 
 @dataclass(frozen=True)
@@ -146,11 +146,13 @@ def bottleneck_packets_per_s(scheme: str, setup: Setup) -> float:
 
 def main() -> None:
     """Print the model's table for the paper's configurations at 10 Gbit/s, full size, at each lane count
-    (``--lanes``, default 64 and 128: a Tofino 1's and a Tofino 2's program), with Ring / PASSING."""
+    (``--lanes``, default 64 and 72: a Tofino 1's and a Tofino 2's program), with Ring / PASSING."""
     import argparse
 
+    from passing_controller.topology import CHIP_LANES
+
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--lanes", type=int, nargs="+", default=[LANES, 2 * LANES])
+    parser.add_argument("--lanes", type=int, nargs="+", default=[CHIP_LANES["tofino"], CHIP_LANES["tofino2"]])
     args = parser.parse_args()
     sizes = {"resnet50": 25_557_032, "vgg19-cifar": 20_035_018}
     for lanes in args.lanes:

@@ -248,7 +248,8 @@ def tbf_env(net: Any, name: str) -> dict[str, str]:
 
 def run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO / "bench"))
-    import emulated
+    import emulated_cluster
+    import emulated_run
 
     from cluster import netns
     from cluster.local import collect, launch_ranks
@@ -258,12 +259,12 @@ def run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit(f"fsdp_comm: cannot make network namespaces ({why}); run as root")
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs]
     rate = 10_000 / args.factor  # the paper's 10 Gbit/s link
-    params = args.params or round(emulated.MODELS["resnet50"][0] / args.factor)
-    lanes = emulated.CHIP_LANES[args.switch_kind]
-    pool = args.pool or emulated.pool_for(rate, lanes)
+    params = args.params or round(emulated_run.MODELS["resnet50"][0] / args.factor)
+    lanes = emulated_cluster.CHIP_LANES[args.switch_kind]
+    pool = args.pool or emulated_cluster.pool_for(rate, lanes)
     results = []
     with tempfile.TemporaryDirectory(prefix="passing-fsdp-") as tmp:
-        cluster = emulated.Cluster(max(s for s, _ in configs), rate, Path(tmp), args.nice, args.switch_kind)
+        cluster = emulated_cluster.Cluster(max(s for s, _ in configs), rate, Path(tmp), args.nice, args.switch_kind)
         try:
             for servers, ranks in configs:
                 env = {"PASSING_CONTROLLER": cluster.controllers["switch"], "PASSING_TIMEOUT": "120",
@@ -277,8 +278,9 @@ def run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
                     raise SystemExit(f"fsdp_comm: the ranks used {r['lanes']} lanes, switch kind "
                                      f"{args.switch_kind} {lanes}")
                 r.update({"factor": args.factor, "rate_mbit": rate, "pool": pool, "switch_kind": args.switch_kind,
-                          "switch": emulated.switch_kind_label(args.switch_kind),
-                          "aggregator": emulated.SWITCH_LABEL, "loadavg": open("/proc/loadavg").read().split()[:3]})
+                          "switch": emulated_cluster.switch_kind_label(args.switch_kind),
+                          "aggregator": emulated_cluster.SWITCH_LABEL,
+                          "loadavg": open("/proc/loadavg").read().split()[:3]})
                 print(line(r), flush=True)
                 results.append(r)
         finally:
@@ -295,7 +297,8 @@ def main() -> None:
     parser.add_argument("--emulated", action="store_true", help="servers in network namespaces behind tbf links (root)")
     parser.add_argument("--factor", type=float, default=100.0, help="emulated: divides the 10 Gbit/s link rate")
     parser.add_argument("--configs", nargs="+", default=["4x2", "8x1"], help="emulated: servers x ranks")
-    parser.add_argument("--pool", type=int, help="emulated: slots per group (default: bench/emulated.py's pool_for)")
+    parser.add_argument("--pool", type=int,
+                        help="emulated: slots per group (default: bench/emulated_cluster.py's pool_for)")
     parser.add_argument("--nice", type=int, default=-10, help="emulated: nice level of ranks and aggregators")
     parser.add_argument("--switch-kind", choices=("tofino", "tofino2"), default="tofino",
                         help="emulated: the switch the software aggregator stands for, by its program's lanes "

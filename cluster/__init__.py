@@ -2,4 +2,6 @@
 
 ``local``: software aggregators and a controller on one machine, and rank processes
 laid out as s servers × n ranks the way torchrun would start them.
+``netns``: an emulated cluster in network namespaces (root).
+``processes``: how both stop what they started.
 """

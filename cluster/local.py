@@ -16,6 +16,8 @@ from typing import Any
 
 from passing.launch import start_aggregator
 
+from .processes import stop_processes
+
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,13 +88,7 @@ class LocalServices:
             raise
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs)
         self._tmp.cleanup()
 
     def __enter__(self) -> LocalServices:

@@ -16,6 +16,8 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .processes import stop_processes
+
 PREFIX = "psg"  # every namespace this module makes: psg<pid>-<name>
 SUBNET = "10.55"  # hosts 10.55.0.1.., the switch namespace's bridge 10.55.0.254
 
@@ -151,14 +153,7 @@ class EmulatedNetwork:
         return proc
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs)
         for ns in reversed(self._namespaces):
             _delete_namespace(ns)
         self._namespaces.clear()

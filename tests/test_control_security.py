@@ -18,8 +18,9 @@ import zmq
 from cluster.local import BIN, free_tcp_port
 from passing import Group
 from passing.aggregator.control_channel import ControlClient
-from passing.control import PROTOCOL_VERSION, ControllerError, join, leave, request
+from passing.control import ControllerError, join, leave, request
 from passing.launch import free_udp_ports
+from passing_protocol import rpc
 from passing_protocol.keys import ClientKeys, KeysError
 from tests.cluster import run_threads, start_aggregator, start_controller
 from tests.keys import ask
@@ -229,7 +230,7 @@ def test_forged_heartbeats_and_stuck_reports_change_nothing(services):
         ClientKeys.load(role="worker").apply(sock)
         sock.connect(endpoint)
         for i in range(2000):
-            sock.send_json({"version": PROTOCOL_VERSION, "cmd": "alive", "job": f"made-up-{i}", "group": 0,
+            sock.send_json({"version": rpc.CONTROLLER_VERSION, "cmd": "alive", "job": f"made-up-{i}", "group": 0,
                             "worker": 0, "token": "56" * 16, "every": 1.0})
             assert sock.poll(10_000), f"heartbeat {i} unanswered"
             reply = sock.recv_json()

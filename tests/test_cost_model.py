@@ -1,4 +1,4 @@
-"""The emulated cluster's cost model and switch kinds (bench/cost_model.py, bench/emulated.py): a switch
+"""The emulated cluster's cost model and switch kinds (bench/cost_model.py, bench/emulated_cluster.py): a switch
 kind's packets are its program's lanes (passing_controller.topology.CHIP_LANES), and the model counts
 their frames."""
 
@@ -12,7 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import cost_model  # noqa: E402
-import emulated  # noqa: E402
+import emulated_cluster  # noqa: E402
+import emulated_run  # noqa: E402
 
 from passing import wire  # noqa: E402
 from passing_controller.topology import CHIP_LANES  # noqa: E402
@@ -41,10 +42,11 @@ def test_128_lanes_halve_the_packets_and_shrink_the_frames_overhead():
 
 
 def test_the_emulated_switch_kinds_are_the_programs_lane_counts():
-    assert {kind: CHIP_LANES[kind] for kind in emulated.SWITCH_KINDS} == {"tofino": 64, "tofino2": 72}
-    assert emulated.switch_kind_label("tofino2") == ("emulated Tofino 2 (tofino2, 72 lanes): a software aggregator "
-                                                     "at that lane count, nothing more")
+    assert {kind: CHIP_LANES[kind] for kind in emulated_cluster.SWITCH_KINDS} == {"tofino": 64, "tofino2": 72}
+    assert emulated_cluster.switch_kind_label("tofino2") == ("emulated Tofino 2 (tofino2, 72 lanes): a software "
+                                                             "aggregator at that lane count, nothing more")
     # the 10G-equivalent link: the same bytes in flight at either lane count
-    assert (emulated.pool_for(100.0, 64), emulated.pool_for(100.0, 128)) == (256, 128)
-    assert (emulated.pool_for(10.0, 64), emulated.pool_for(10.0, 128)) == (128, 64)  # the 1G-equivalent: the queue
-    assert emulated.Bandwidth("10G", 100.0, 128).lanes == 128
+    assert (emulated_cluster.pool_for(100.0, 64), emulated_cluster.pool_for(100.0, 128)) == (256, 128)
+    # the 1G-equivalent: the queue
+    assert (emulated_cluster.pool_for(10.0, 64), emulated_cluster.pool_for(10.0, 128)) == (128, 64)
+    assert emulated_run.Bandwidth("10G", 100.0, 128).lanes == 128

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from passing import Group, native, wire
-from passing.aggregator.control_channel import CONTROL_VERSION
 from passing.aggregator.engine import JobSpec
 from passing.aggregator.server import SoftwareAggregator
 from passing.launch import free_udp_ports
 from passing.transport import SOL_UDP, UDP_GRO, UDP_SEGMENT, BatchSocket, SendError, pack_address
+from passing_protocol import rpc
 
 ENGINES = ["numpy", pytest.param("native", marks=pytest.mark.skipif(not native.available(),
                                                                      reason="the native library is not built"))]
@@ -314,9 +314,9 @@ def test_admission_refuses_an_origin_no_result_can_be_sent_to(worker, why):
     and nothing is admitted."""
     agg = SoftwareAggregator(listen=("127.0.0.1", 0), control=None, engine="numpy")
     try:
-        reply = agg.handle({"version": CONTROL_VERSION, "cmd": "add_job",
+        reply = agg.handle({"version": rpc.AGGREGATOR_VERSION, "cmd": "add_job",
                             "job": {"job": 1, "pool": 4, "workers": ["127.0.0.1:20001", worker]}})
         assert reply["ok"] is False and why in reply["error"], reply
-        assert agg.handle({"version": CONTROL_VERSION, "cmd": "jobs"})["jobs"] == []
+        assert agg.handle({"version": rpc.AGGREGATOR_VERSION, "cmd": "jobs"})["jobs"] == []
     finally:
         agg.close()

@@ -18,7 +18,7 @@ import pytest
 
 from passing import Group, wire
 from passing.aggregator.server import SoftwareAggregator
-from passing.control import Failover, join, request
+from passing.control import HEARTBEAT_SECONDS, Failover, join, request
 from passing.errors import GroupFailed
 from passing.launch import free_udp_ports
 from passing_controller.topology import Topology
@@ -26,6 +26,13 @@ from tests.cluster import run_threads, start_aggregator
 from tests.test_controller_ps_fallback import Running
 
 AFTER = 0.5  # failover_after of these tests: silence this long starts a move
+# The workers' heartbeats are the product's (HEARTBEAT_SECONDS, 1 s: a worker is presumed dead after 3 s without
+# one). Each beat is a fresh CURVE connection and request whose round trip, here, runs through the threads of
+# this process (the workers', numpy's included, and the in-process controller's serving and ZAP threads), all
+# sharing its GIL: on a loaded machine it took longer than the 0.2 s these tests once beat at, the beat was
+# dropped at its own timeout (the interval), and after 0.6 s a live worker was declared dead and its group
+# ended ("worker N (no heartbeat)": test_lanes' move to another lane count, the SIGSTOP runs below). Nothing here
+# times how fast a dead worker is found but in a bound (test_a_dead_worker_is_named_to_its_peers...).
 # The controller's liveness check of a silent group's PS (--check-timeout, 2 s by default): the tests
 # that kill a PS wait it out once per move, and the killed PS never answers, however long the wait.
 CHECK = 1.0
@@ -66,7 +73,7 @@ def run_group(endpoint: str, job: str, data: list[list[np.ndarray]], on_call=Non
 
     def work(w: int) -> tuple:
         answer = join(endpoint, job, w, workers, host="127.0.0.1", udp_port=ports[w], timeout=30)
-        line = Failover(endpoint, job, 0, w, answer["token"], after=AFTER, heartbeat=0.2)
+        line = Failover(endpoint, job, 0, w, answer["token"], after=AFTER, heartbeat=HEARTBEAT_SECONDS)
         results: list = []
         with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=60, engine=engine,
                                failover=line) as g:
@@ -284,7 +291,8 @@ def test_a_dead_worker_is_named_to_its_peers_and_its_slots_are_freed(one_ps, tmp
         assert "slots freed" in str(results[4])
     assert status["jobs"] == [] and status["pending"] == []
     assert took < 20  # AFTER + 3 missed heartbeats, not the 60 s timeout
-    print(f"dead worker: its peers' error after {took:.1f} s (failover_after {AFTER} s, heartbeat 0.2 s)")
+    print(f"dead worker: its peers' error after {took:.1f} s (failover_after {AFTER} s, heartbeat "
+          f"{HEARTBEAT_SECONDS:g} s)")
 
 
 @pytest.mark.timeout(60)

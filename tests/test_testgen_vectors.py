@@ -147,6 +147,20 @@ def test_each_sequence_runs_its_packets_through_the_registers_the_earlier_ones_l
         assert got.startswith(rule), rules
 
 
+def test_the_sequences_give_as_batches_what_they_give_one_packet_at_a_time(tofino):
+    """The sequences' packets, interleaved, through one engine in batches and through another one at a time
+    (testgen.check_batches); a bug in what only a batch reaches (the engine's waves, a wave of SUM and MAX rounds
+    together: the "batches" mutants, which no vector of one packet shows) is a divergence there."""
+    from tests.conformance import mutants
+
+    testgen.check_batches(tofino, lanes_of(tofino))
+    batch_mutants = [m for m in mutants.ENGINE_MUTANTS if m.area == "batches"]
+    assert len(batch_mutants) == 2
+    for mutant in batch_mutants:
+        with mutants.engine_with(mutant), pytest.raises(testgen.Divergence, match="batch"):
+            testgen.check_batches(tofino, lanes_of(tofino))
+
+
 def test_a_chain_with_a_register_the_sequence_did_not_leave_is_a_divergence(vectors):
     chain = copy.deepcopy(sorted((v for v in vectors["tests"] if v.get("sequence") == "round"),
                                  key=lambda v: v["step"]))

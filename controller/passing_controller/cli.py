@@ -17,7 +17,7 @@ from passing_protocol.metrics import MetricsServer, parse_address
 from . import keys, metrics, top
 from .p4runtime import Pipeline
 from .ps_control import CHECK_TIMEOUT, REQUEST_TIMEOUT
-from .service import PROTOCOL_VERSION, Controller
+from .service import Controller
 from .store import StoreError
 from .topology import Topology, TopologyError
 
@@ -86,7 +86,7 @@ def controller_main(argv: list[str] | None = None) -> int:
 
 
 def request(endpoint: str, cmd: str, client: ClientKeys, timeout: float = 10.0, **fields) -> dict:
-    return rpc.call(endpoint, {"version": PROTOCOL_VERSION, "cmd": cmd, **fields}, timeout, client)
+    return rpc.call(endpoint, {"version": rpc.CONTROLLER_VERSION, "cmd": cmd, **fields}, timeout, client)
 
 
 def ctl_main(argv: list[str] | None = None) -> int:

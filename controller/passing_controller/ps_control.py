@@ -12,7 +12,6 @@ from .keys import ServerKeys
 from .schema import RequestError
 from .topology import PsEndpoint, Topology
 
-PS_CONTROL_VERSION = 3  # the software aggregator's control channel (docs/protocol.md)
 CHECK_TIMEOUT = 2.0  # seconds a PS may take to answer the liveness check of a silent group, or a counter read
 REQUEST_TIMEOUT = 5.0  # seconds a PS may take to answer any other request (ping at placement, add_job, remove_job)
 
@@ -45,7 +44,7 @@ class PsControl:
     def request(self, control: str, cmd: str, timeout: float | None = None, **fields: Any) -> dict:
         """One request to a software aggregator's control channel (docs/protocol.md), answered
         within ``timeout`` seconds (default: ``request_timeout``)."""
-        reply = rpc.call(control, {"version": PS_CONTROL_VERSION, "cmd": cmd, **fields},
+        reply = rpc.call(control, {"version": rpc.AGGREGATOR_VERSION, "cmd": cmd, **fields},
                          self.request_timeout if timeout is None else timeout, self.client_keys(control))
         if not reply.get("ok"):
             raise RequestError(f"software aggregator {control} refused {cmd}: {reply.get('error')}")

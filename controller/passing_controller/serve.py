@@ -33,7 +33,6 @@ from .topology import TopologyError
 
 log = logging.getLogger("passing_controller")
 
-PROTOCOL_VERSION = 3  # 3: authenticated (CURVE), job secrets and worker tokens; 2: generations
 POOL_THREADS = 8  # requests that wait on aggregators at once
 
 Handle = Callable[[bytes, dict, str], None]  # (identity, request, role): answers through Server.reply
@@ -168,9 +167,9 @@ class Server:
             return
         try:
             request = schema.parse(body.bytes)
-            if request.get("version") != PROTOCOL_VERSION:
+            if request.get("version") != rpc.CONTROLLER_VERSION:
                 raise RequestError(f"unsupported protocol version {rpc.show(request.get('version'))} "
-                                   f"(this controller speaks {PROTOCOL_VERSION})")
+                                   f"(this controller speaks {rpc.CONTROLLER_VERSION})")
             self.handle(identity, request, role)
         except (RequestError, TopologyError) as e:
             self.refused["unauthorized" if isinstance(e, Unauthorized) else "invalid"] += 1

@@ -33,12 +33,12 @@ from .placement import MAX_POOL, Placement
 from .ps_control import CHECK_TIMEOUT, REQUEST_TIMEOUT, PsControl
 from .readout import Readout
 from .schema import RequestError, Unauthorized
-from .serve import PROTOCOL_VERSION, Server
+from .serve import Server
 from .state import PendingGroup, State
 from .switch import SwitchLink
 from .topology import Topology, TopologyError
 
-__all__ = ["CHECK_TIMEOUT", "PROTOCOL_VERSION", "Controller"]
+__all__ = ["CHECK_TIMEOUT", "Controller"]
 
 # who may send what: a worker acts on its own group only (with its token)
 WORKER_COMMANDS = frozenset({"join", "leave", "alive", "stuck", "report"})

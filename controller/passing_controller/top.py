@@ -17,14 +17,12 @@ from typing import Any
 from passing_protocol import rpc
 from passing_protocol.keys import ClientKeys
 
-from .service import PROTOCOL_VERSION
-
 HEADER = (f"{'JOB':<24} {'GROUP':>5} {'ID':>4} {'MODE':<6} {'SLOTS':>6} {'WORKERS':>7} {'PKT/S':>10} "
           f"{'ROUNDS/S':>9} {'RETX/S':>8} {'CALLS/S':>8} {'MS/CALL':>8}  STATE")
 
 
 def fetch(controller: str, keys: ClientKeys, timeout: float = 5.0) -> dict[str, Any]:
-    reply = rpc.call(controller, {"version": PROTOCOL_VERSION, "cmd": "metrics"}, timeout, keys)
+    reply = rpc.call(controller, {"version": rpc.CONTROLLER_VERSION, "cmd": "metrics"}, timeout, keys)
     if not reply.get("ok"):
         raise RuntimeError(f"controller refused metrics: {reply.get('error')}")
     return reply

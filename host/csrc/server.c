@@ -24,7 +24,10 @@
 #define OUT_CAP 4096          /* RESULTs per engine call: bounds memory whatever a GRO batch holds */
 #define SEND_TIMEOUT_MS 1000  /* a send buffer full this long: the rest of the batch is lost (counted) */
 
-/* Seeded drop / duplicate / reorder, as passing.aggregator.Impairment does it. */
+/* Seeded drop / duplicate / reorder, as passing.aggregator.server.Impairment does it: one for the
+ * datagrams received, one for the RESULTs sent (pn_server_impair's directions). */
+enum { INGRESS = 0, EGRESS = 1 };
+
 typedef struct {
     double drop, duplicate;
     int reorder;
@@ -94,10 +97,9 @@ static uint64_t below(uint64_t s[4], uint64_t n) {
     return x % n;
 }
 
-static int impairment_active(const impairment *im) { return im->drop > 0 || im->duplicate > 0 || im->reorder; }
-
 /* Indices of the `count` items that go on, in the order they go on, into keep (room for
- * 2 * count): the survivors, then the duplicates of some of them, all shuffled if asked. */
+ * 2 * count): the survivors, then the duplicates of some of them, all shuffled if asked (an
+ * impairment that does nothing keeps them all, in order, and draws no number). */
 static uint32_t impairment_apply(impairment *im, uint32_t count, uint32_t *keep, uint64_t *dropped,
                                  uint64_t *duplicated) {
     uint32_t kept = 0;
@@ -190,7 +192,7 @@ void pn_server_free(pn_server *s) {
 
 int pn_server_impair(pn_server *s, int direction, double drop, double duplicate, int reorder, uint64_t seed) {
     /* written so that NaN fails too */
-    if (!s || (direction != 0 && direction != 1) || !(drop >= 0 && drop < 1) || !(duplicate >= 0 && duplicate < 1))
+    if (!s || (direction != INGRESS && direction != EGRESS) || !(drop >= 0 && drop < 1) || !(duplicate >= 0 && duplicate < 1))
         return PN_EINVAL;
     impairment im = {.drop = drop, .duplicate = duplicate, .reorder = reorder != 0};
     for (int i = 0; i < 4; i++) im.rng[i] = splitmix64(&seed);
@@ -217,18 +219,20 @@ void pn_server_get_stats(pn_server *s, pn_server_stats *out) {
 
 /* ---- serving ------------------------------------------------------------------------ */
 
+/* Which of `count` items (datagrams in, RESULTs out) go on through the direction's impairment, into
+ * keep; what it drops and duplicates is counted in the direction's stats. */
+static uint32_t impair(pn_server *s, int direction, uint32_t count, uint32_t *keep) {
+    pthread_mutex_lock(&s->lock);
+    uint64_t *dropped = direction == INGRESS ? &s->stats.ingress_dropped : &s->stats.egress_dropped;
+    uint64_t *duplicated = direction == INGRESS ? &s->stats.ingress_duplicated : &s->stats.egress_duplicated;
+    uint32_t n = impairment_apply(&s->impair[direction], count, keep, dropped, duplicated);
+    pthread_mutex_unlock(&s->lock);
+    return n;
+}
+
 /* Send the engine call's `emitted` RESULTs through the egress impairment. */
 static void send_results(pn_server *s, uint32_t emitted) {
-    pthread_mutex_lock(&s->lock);
-    uint32_t n;
-    if (impairment_active(&s->impair[1])) {
-        n = impairment_apply(&s->impair[1], emitted, s->tx_keep, &s->stats.egress_dropped,
-                             &s->stats.egress_duplicated);
-    } else {
-        for (uint32_t i = 0; i < emitted; i++) s->tx_keep[i] = i;
-        n = emitted;
-    }
-    pthread_mutex_unlock(&s->lock);
+    uint32_t n = impair(s, EGRESS, emitted, s->tx_keep);
     /* by destination: one run per worker, which leaves as one GSO message */
     memcpy(s->tx_sort_a, s->tx_keep, n * sizeof *s->tx_keep);
     const uint32_t *rows = pn_stable_order(s->out_dest, s->tx_sort_a, s->tx_sort_b, n);
@@ -279,16 +283,7 @@ static void send_results(pn_server *s, uint32_t emitted) {
 static void serve_batch(pn_server *s, uint32_t received) {
     uint64_t bytes = 0;
     for (uint32_t i = 0; i < received; i++) bytes += s->rx[i].length;
-    pthread_mutex_lock(&s->lock);
-    uint32_t n;
-    if (impairment_active(&s->impair[0])) {
-        n = impairment_apply(&s->impair[0], received, s->in_keep, &s->stats.ingress_dropped,
-                             &s->stats.ingress_duplicated);
-    } else {
-        for (uint32_t i = 0; i < received; i++) s->in_keep[i] = i;
-        n = received;
-    }
-    pthread_mutex_unlock(&s->lock);
+    uint32_t n = impair(s, INGRESS, received, s->in_keep);
     for (uint32_t i = 0; i < n; i++) {
         const pn_datagram *d = &s->rx[s->in_keep[i]];
         s->in_packet[i] = d->data;

@@ -1,5 +1,7 @@
 /* The host streaming engine: one allreduce pass of a group's array through its
- * aggregators (passing/reduce_stream.py's ReduceStream is the specification).
+ * aggregators (passing/reduce_stream.py's ReduceStream is the specification). What it shares
+ * with the all_gather loop (gather.c) is stream_loop.c's: time, the send queue, failover's
+ * silence rule and loss recovery's estimates and waits; quantizing is quantize.c's.
  *
  * Per shard a self-clocked window: packet offset o of the shard is at stream position
  * p = next_psn + o (64 bits, unwrapped: psn = p mod 2^32, slot = p mod pool, set =
@@ -34,25 +36,13 @@
  *    nothing, and the first loss after a quiet spell costs at most that, once. */
 #define _GNU_SOURCE
 #include <errno.h>
-#include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "passing_native.h"
+#include "quantize.h"
+#include "stream_loop.h"
 #include "udp.h"
-
-/* Loss recovery's rules (RACK, probes, the RTT estimate, the silence rule) and constants: passing/recovery.py
- * mirrors them for the numpy streams, and a change to one is a change to the other. */
-#define REORDER_FRACTION 0.25 /* reordering allowance: a quarter of the round trip (RFC 8985) */
-#define REORDER_MIN_S 200e-6 /* and at least this: RESULTs come in batches */
-#define PROBE_MIN_S 1e-3     /* a probe waits at least this */
-#define MAX_WAIT_S 0.05      /* the longest single wait: timers are checked at least this often */
-#define RECV_BATCH 64        /* messages per recvmmsg */
-#define SEND_TIMEOUT_MS 5000 /* a send buffer full this long is an error */
-#define LOSS_MEMORY_S 10.0    /* evidence of loss this recent makes a probe wait what the estimates say */
-#define MAX_PROBE_DOUBLINGS 6 /* unanswered probes double the wait, up to 64 x (and max_rto): a dead aggregator is told by `timeout` */
 
 typedef struct {
     uint64_t offset;   /* packet offset within the shard */
@@ -74,9 +64,7 @@ typedef struct {
     int64_t aggregator;
     uint8_t *packets;          /* pool packets */
     window_slot *slots;
-    double scale;
-    int scale_f32;             /* scale is a power of two that float32 applies exactly */
-    float scale_f, inverse_f;
+    pn_scale scale;            /* float32 input: the shard's */
 } shard_state;
 
 typedef struct {
@@ -85,167 +73,13 @@ typedef struct {
     shard_state *shards;
     size_t packet_size;
     pn_udp udp;
-    double srtt, rttvar;
-    double last_loss;             /* when the group last saw evidence of loss (< 0: never) */
+    pn_recovery rec;              /* the group's estimates: read from the call, written back to it */
     uint64_t xmit;                /* transmissions so far */
-    const uint8_t **send_packets; /* sends queued in one loop iteration */
-    int64_t *send_dest;
-    uint32_t send_count, send_cap;
+    pn_send_queue sends;
 } stream_state;
 
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-/* Both loops' one blocking step: wait up to `wait` seconds (at most MAX_WAIT_S) for the socket, then take
- * what has arrived. Returns the datagrams received (0 when the wait ran out) or -1 with the failed call in
- * the report. */
-static int wait_and_receive(pn_udp *udp, double wait, pn_datagram *got, uint32_t capacity, pn_stream_report *r) {
-    if (wait > 0) {
-        int w = pn_udp_wait(udp, (int)ceil((wait < MAX_WAIT_S ? wait : MAX_WAIT_S) * 1000.0), -1);
-        if (w < 0) {
-            r->error_errno = -w;
-            snprintf(r->error_call, sizeof r->error_call, "poll");
-            return -1;
-        }
-    }
-    int n = pn_udp_recv(udp, got, capacity);
-    if (n < 0) {
-        r->error_errno = -n;
-        snprintf(r->error_call, sizeof r->error_call, "recvmmsg");
-        return -1;
-    }
-    return n;
-}
-
-/* Failover, the same rule for the reduce and the all_gather loops (docs/control.md): once nothing
- * has been heard for `silence` seconds since `last_heard`, ask on_silence(ctx), then every
- * `silence_every` seconds while it says wait. *check is when to ask next. Returns nonzero when
- * on_silence gave the call up. */
-static int silence_gives_up(double silence, double silence_every, int (*on_silence)(void *), void *ctx, double now,
-                            double last_heard, double *check) {
-    if (now - last_heard < silence) {
-        *check = last_heard + silence;
-        return 0;
-    }
-    if (now < *check) return 0;
-    if (on_silence(ctx)) return 1;
-    *check = now_s() + silence_every;
-    return 0;
-}
-
-/* splitmix64: the test impairment's generator; its state lives with the caller. */
-static double uniform(uint64_t *state) {
-    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return (double)(z >> 11) * 0x1.0p-53;
-}
-
-static int scale_is_f32_exact(double scale) {
-    int exponent;
-    double mantissa = frexp(scale, &exponent);
-    return mantissa == 0.5 && exponent > -120 && exponent < 120;
-}
-
-/* Round x * scale to int32, saturating (passing/quantize.py: the same arithmetic, bit for
- * bit). A NaN or an infinity becomes 0 and counts as saturated (the stream restores IEEE
- * semantics from a class round). Returns 1 when the value saturated. */
-static int quantize(float x, const shard_state *s, int32_t *out) {
-    if (!isfinite(x)) {
-        *out = 0;
-        return 1;
-    }
-    if (s->scale_f32) {
-        float v = rintf(x * s->scale_f);
-        if (v >= 2147483648.0f || v < -2147483648.0f || isnan(v)) {
-            *out = isnan(v) ? 0 : (v > 0 ? INT32_MAX : INT32_MIN);
-            return 1;
-        }
-        *out = (int32_t)v;
-        return 0;
-    }
-    double v = rint((double)x * s->scale);
-    if (v >= 2147483648.0 || v < -2147483648.0 || isnan(v)) {
-        *out = isnan(v) ? 0 : (v > 0 ? INT32_MAX : INT32_MIN);
-        return 1;
-    }
-    *out = (int32_t)v;
-    return 0;
-}
-
-static uint32_t float_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-/* The common case: x * scale (exact in float32: scale is a power of two), rounded half to
- * even, to big-endian int32 lanes, without a branch or a libm call. Adding and taking away
- * 2^23 rounds |v| < 2^23 in the default rounding mode (IEEE: no compiler may fold it); from
- * 2^23 on every float32 is an integer. The selects are on bits, so the loop has no control
- * flow to keep it from vectorizing. Returns 0 when a value is not finite or falls outside
- * int32 (converted as 0 here, never out of range): the caller then redoes the packet with
- * quantize(), which saturates and flags. */
-PN_LANE_LOOP static int quantize_f32_fast(const float *restrict x, uint32_t n, float scale, uint8_t *restrict packet) {
-    uint32_t bad = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        float v = x[i] * scale;
-        float a = fabsf(v);
-        float rounded = (a + 8388608.0f) - 8388608.0f;
-        uint32_t small = -(uint32_t)(a < 8388608.0f);
-        uint32_t fits = -(uint32_t)(a < 2147483648.0f); /* 0 for NaN too */
-        uint32_t magnitude = (float_bits(rounded) & small) | (float_bits(a) & ~small);
-        uint32_t bits = (magnitude | (float_bits(v) & 0x80000000u)) & fits;
-        float r;
-        memcpy(&r, &bits, sizeof r);
-        bad |= ~fits;
-        pn_lane_set(packet, i, (int32_t)r);
-    }
-    return bad == 0;
-}
-
-PN_LANE_LOOP uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only) {
-    uint32_t most = 0;
-    if (finite_only) {
-        for (size_t i = 0; i < n; i++) {
-            uint32_t b = float_bits(x[i]) & 0x7FFFFFFFu;
-            b = b < 0x7F800000u ? b : 0;
-            most = b > most ? b : most;
-        }
-    } else {
-        for (size_t i = 0; i < n; i++) {
-            uint32_t b = float_bits(x[i]) & 0x7FFFFFFFu;
-            most = b > most ? b : most;
-        }
-    }
-    return most > 0x7F800000u ? 0x7FC00000u : most;
-}
-
-PN_LANE_LOOP static int saturated_lanes(const uint8_t *packet, uint32_t n) {
-    int saturated = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        int32_t v = pn_lane_get(packet, i);
-        saturated |= (v == INT32_MAX) | (v == INT32_MIN);
-    }
-    return saturated;
-}
-
-/* Lanes to floats: one rounding either way (passing/quantize.py's dequantize). */
-PN_LANE_LOOP static void dequantize_lanes(const uint8_t *restrict packet, uint32_t n, const shard_state *s,
-                                       float *restrict out) {
-    if (s->scale_f32) {
-        for (uint32_t i = 0; i < n; i++) out[i] = (float)pn_lane_get(packet, i) * s->inverse_f;
-    } else {
-        for (uint32_t i = 0; i < n; i++) out[i] = (float)((double)pn_lane_get(packet, i) / s->scale);
-    }
-}
-
-PN_LANE_LOOP static void read_lanes(const uint8_t *restrict packet, uint32_t n, int32_t *restrict out) {
-    for (uint32_t i = 0; i < n; i++) out[i] = pn_lane_get(packet, i);
+static int flush_sends(stream_state *st) {
+    return pn_send_queue_flush(&st->sends, &st->udp, st->packet_size, st->c->drop, st->c->rng, st->r);
 }
 
 /* Build packet `offset` of shard s into its window slot. */
@@ -256,11 +90,11 @@ static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) 
     uint64_t first = row * c->lanes;
     uint32_t full = first + c->lanes <= c->elements ? c->lanes : (uint32_t)(c->elements - first);
     int saturated = 0;
-    if (c->kind != PN_IN_F32 || !s->scale_f32 ||
-        !quantize_f32_fast((const float *)c->input + first, full, s->scale_f, p)) {
+    if (c->kind != PN_IN_F32 || !s->scale.f32 ||
+        !pn_quantize_f32_fast((const float *)c->input + first, full, s->scale.f, p)) {
         for (uint32_t i = 0; i < full; i++) {
             int32_t q;
-            if (c->kind == PN_IN_F32) saturated |= quantize(((const float *)c->input)[first + i], s, &q);
+            if (c->kind == PN_IN_F32) saturated |= pn_quantize(((const float *)c->input)[first + i], &s->scale, &q);
             else q = ((const int32_t *)c->input)[first + i];
             pn_lane_set(p, i, q);
         }
@@ -278,44 +112,6 @@ static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) 
     return p;
 }
 
-static void queue_send(stream_state *st, const uint8_t *packet, int64_t dest) {
-    /* A slot is queued at most twice per loop iteration (its first transmission, then
-     * never again until flushed), so this cannot fill up; if it ever did, the packet's timer
-     * would resend it. */
-    if (st->send_count == st->send_cap) return;
-    st->send_packets[st->send_count] = packet;
-    st->send_dest[st->send_count] = dest;
-    st->send_count++;
-}
-
-static int flush_sends(stream_state *st) {
-    uint32_t n = 0;
-    if (st->c->drop > 0) { /* test impairment: lose some on the way out */
-        for (uint32_t i = 0; i < st->send_count; i++) {
-            if (uniform(st->c->rng) >= st->c->drop) {
-                st->send_packets[n] = st->send_packets[i];
-                st->send_dest[n] = st->send_dest[i];
-                n++;
-            }
-        }
-    } else {
-        n = st->send_count;
-    }
-    st->send_count = 0;
-    if (n == 0) return PN_OK;
-    uint64_t bytes = 0;
-    int r = pn_udp_send(&st->udp, st->send_packets, st->send_dest, n, (uint32_t)st->packet_size, SEND_TIMEOUT_MS,
-                        &bytes, NULL);
-    st->r->bytes_sent += bytes;
-    st->r->packets_sent += bytes / st->packet_size;
-    if (r < 0) {
-        st->r->error_errno = -r;
-        snprintf(st->r->error_call, sizeof st->r->error_call, "sendmmsg");
-        return PN_ESYS;
-    }
-    return PN_OK;
-}
-
 /* First transmission of packet `offset` of the shard (its window slot is free), if it exists. */
 static void send_first(stream_state *st, shard_state *s, uint64_t offset, double now) {
     if (offset >= s->count) return;
@@ -323,12 +119,12 @@ static void send_first(stream_state *st, shard_state *s, uint64_t offset, double
     s->last_activity = now;
     window_slot *w = &s->slots[offset % s->pool];
     *w = (window_slot){.offset = offset, .xmit = ++st->xmit, .first_sent = now, .last_sent = now, .inflight = 1};
-    queue_send(st, build_packet(st, s, offset), s->aggregator);
+    pn_send_queue_add(&st->sends, build_packet(st, s, offset), s->aggregator);
 }
 
 /* Resend a packet: early (RACK: a later packet was answered, evidence of loss) or as a probe (silence). */
 static void retransmit(stream_state *st, shard_state *s, window_slot *w, double now, int early) {
-    if (early) st->last_loss = now;
+    if (early) st->rec.last_loss = now;
     uint8_t *p = s->packets + (size_t)(w->offset % s->pool) * st->packet_size;
     p[3] |= PN_FLAG_RETRANSMIT;
     w->retries++;
@@ -337,32 +133,7 @@ static void retransmit(stream_state *st, shard_state *s, window_slot *w, double 
     s->last_activity = now;
     st->r->retransmissions++;
     if (early) st->r->early_retransmissions++;
-    queue_send(st, p, s->aggregator);
-}
-
-/* Two smoothed round trips (RFC 8985's PTO; rto_min before one is measured), 1 ms at least. */
-static double probe_timeout(const stream_state *st) {
-    double pto = st->srtt < 0 ? st->c->rto_min : 2.0 * st->srtt;
-    return pto > PROBE_MIN_S ? pto : PROBE_MIN_S;
-}
-
-/* How long a shard may stay silent before a probe: a probe's wait where the path has lately
- * shown loss, else rto_min at least (a late peer, not a loss). */
-static double silence_timeout(const stream_state *st, double now) {
-    double wait = probe_timeout(st);
-    int quiet = st->last_loss < 0 || now - st->last_loss > LOSS_MEMORY_S;
-    return quiet && wait < st->c->rto_min ? st->c->rto_min : wait;
-}
-
-/* RFC 6298 smoothing of the round-trip estimate; the first sample (srtt < 0: none yet) sets it. */
-static void smooth(double *srtt, double *rttvar, double sample) {
-    if (*srtt < 0) {
-        *srtt = sample;
-        *rttvar = sample / 2;
-        return;
-    }
-    *rttvar = 0.75 * *rttvar + 0.25 * fabs(*srtt - sample);
-    *srtt = 0.875 * *srtt + 0.125 * sample;
+    pn_send_queue_add(&st->sends, p, s->aggregator);
 }
 
 /* A datagram from the socket: a RESULT of this call goes into the output, and the window
@@ -398,7 +169,7 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
         if (!w->inflight || w->offset != offset) return 0; /* answered already */
         w->inflight = 0;
         /* answered right after a resend: the resend was (most likely) needed, evidence of loss */
-        if (w->retries > 0 && now - w->last_sent <= probe_timeout(st)) st->last_loss = now;
+        if (w->retries > 0 && now - w->last_sent <= pn_probe_timeout(&st->rec)) st->rec.last_loss = now;
         s->done++;
         s->last_activity = now;
         s->probes = 0;
@@ -406,7 +177,7 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
             s->rack_xmit = w->xmit;
             s->rack_rtt = now - w->last_sent;
         }
-        if (w->retries == 0) smooth(&st->srtt, &st->rttvar, now - w->first_sent); /* Karn: unambiguous samples only */
+        if (w->retries == 0) pn_smooth(&st->rec, now - w->first_sent); /* Karn: unambiguous samples only */
         if (h.flags & PN_FLAG_OVERFLOW) st->r->overflow[k] = 1;
         if (!ack) {
             uint64_t first = (s->start + offset) * c->lanes;
@@ -415,9 +186,9 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
              * (docs/tofino.md), so every target's is read as overflow (padding lanes too). Not in
              * OWNER_ONLY rounds: only the owner sees the sums, and the workers must agree on an
              * overflow, so there the flag alone tells (as in passing/reduce_stream.py). */
-            if (c->op == PN_OP_SUM && !c->owner_packets && saturated_lanes(d->data, c->lanes)) st->r->overflow[k] = 1;
-            if (c->kind == PN_IN_F32) dequantize_lanes(d->data, n, s, (float *)c->output + first);
-            else read_lanes(d->data, n, (int32_t *)c->output + first);
+            if (c->op == PN_OP_SUM && !c->owner_packets && pn_saturated_lanes(d->data, c->lanes)) st->r->overflow[k] = 1;
+            if (c->kind == PN_IN_F32) pn_dequantize_lanes(d->data, n, &s->scale, (float *)c->output + first);
+            else pn_read_lanes(d->data, n, (int32_t *)c->output + first);
         }
         send_first(st, s, offset + s->pool, now); /* self-clocking: this answer releases offset + pool */
         return 1;
@@ -458,10 +229,7 @@ static int check_timers(stream_state *st, double now, double *next_deadline) {
          * ever be answered (the peers cannot send past it), so only resending it unblocks them.
          * The latest one's answer lets RACK judge the ones before it. A peer that is only slow
          * makes a shard silent too: each unanswered probe doubles the wait. */
-        double wait = silence_timeout(st, now);
-        double pto = wait * (double)(1u << (s->probes < MAX_PROBE_DOUBLINGS ? s->probes : MAX_PROBE_DOUBLINGS));
-        double most = wait > c->max_rto ? wait : c->max_rto; /* the doublings stop at max_rto */
-        if (pto > most) pto = most;
+        double pto = pn_probe_wait(&st->rec, now, s->probes);
         double probe_at = s->last_activity + pto;
         if (latest && now >= probe_at) {
             if (oldest != latest) retransmit(st, s, oldest, now, 0);
@@ -483,8 +251,7 @@ static void free_state(stream_state *st) {
         }
     }
     free(st->shards);
-    free(st->send_packets);
-    free(st->send_dest);
+    pn_send_queue_free(&st->sends);
     pn_udp_free(&st->udp);
 }
 
@@ -517,8 +284,9 @@ static int validate(const pn_stream_call *c, const pn_stream_report *r) {
 int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     int rc = validate(c, r);
     if (rc != PN_OK) return rc;
-    stream_state st = {.c = c, .r = r, .packet_size = pn_packet_size(c->lanes), .srtt = *c->srtt,
-                       .rttvar = *c->rttvar, .last_loss = *c->last_loss};
+    stream_state st = {.c = c, .r = r, .packet_size = pn_packet_size(c->lanes),
+                       .rec = {.srtt = *c->srtt, .rttvar = *c->rttvar, .last_loss = *c->last_loss,
+                               .rto_min = c->rto_min, .max_rto = c->max_rto}};
     st.udp.fd = -1;
     uint64_t window = 0;
     st.shards = calloc(c->shards, sizeof *st.shards);
@@ -530,12 +298,7 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
         s->count = c->count[k];
         s->base = c->next_psn[k];
         s->aggregator = c->aggregator[k];
-        if (c->kind == PN_IN_F32) {
-            s->scale = c->scale[k];
-            s->scale_f32 = scale_is_f32_exact(s->scale);
-            s->scale_f = (float)s->scale;
-            s->inverse_f = (float)(1.0 / s->scale);
-        }
+        if (c->kind == PN_IN_F32) s->scale = pn_scale_of(c->scale[k]);
         if (s->count == 0) continue;
         s->packets = malloc((size_t)s->pool * st.packet_size);
         s->slots = calloc(s->pool, sizeof *s->slots);
@@ -545,16 +308,15 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
         }
         window += s->pool;
     }
-    st.send_cap = (uint32_t)(2 * window + 2);
-    st.send_packets = malloc(st.send_cap * sizeof *st.send_packets);
-    st.send_dest = malloc(st.send_cap * sizeof *st.send_dest);
+    /* a slot is queued at most twice per loop iteration (its first transmission, then a resend) */
+    int queued = pn_send_queue_init(&st.sends, (uint32_t)(2 * window + 2));
     int u = pn_udp_init(&st.udp, c->fd, (uint32_t)st.packet_size, RECV_BATCH, c->gso);
-    if (!st.send_packets || !st.send_dest || u < 0) {
+    if (!queued || u < 0) {
         free_state(&st);
         return u == -ENOMEM || u == 0 ? PN_ENOMEM : PN_EINVAL;
     }
 
-    double now = now_s();
+    double now = pn_now();
     uint64_t remaining = 0;
     for (uint32_t k = 0; k < c->shards; k++) {
         shard_state *s = &st.shards[k];
@@ -571,16 +333,16 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     double last_answer = now; /* the latest RESULT that answered a packet (or the call's start) */
     double silence_check = now + c->silence;
     while (rc == PN_OK && remaining) {
-        int n = wait_and_receive(&st.udp, next_deadline - now_s(), got, capacity, r);
+        int n = pn_wait_and_receive(&st.udp, next_deadline - pn_now(), got, capacity, r);
         if (n < 0) {
             rc = PN_ESYS;
             break;
         }
-        now = now_s();
+        now = pn_now();
         for (int i = 0; i < n; i++) {
             r->packets_received++;
             r->bytes_received += got[i].length;
-            if (c->drop > 0 && uniform(c->rng) < c->drop) continue; /* test impairment: lost on the way in */
+            if (c->drop > 0 && pn_uniform(c->rng) < c->drop) continue; /* test impairment: lost on the way in */
             if (process_datagram(&st, &got[i], now)) {
                 remaining--;
                 last_answer = now;
@@ -590,7 +352,7 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
         rc = check_timers(&st, now, &next_deadline);
         if (rc != PN_OK) break;
         if (c->silence > 0) {
-            if (silence_gives_up(c->silence, c->silence_every, c->on_silence, c->silence_ctx, now, last_answer,
+            if (pn_silence_gives_up(c->silence, c->silence_every, c->on_silence, c->silence_ctx, now, last_answer,
                                  &silence_check)) {
                 rc = PN_ESILENT;
                 break;
@@ -600,258 +362,15 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
         rc = flush_sends(&st);
     }
     if (rc == PN_OK) {
-        if (st.send_count) rc = flush_sends(&st);
+        if (st.sends.count) rc = flush_sends(&st);
         for (uint32_t k = 0; k < c->shards; k++) c->next_psn[k] = st.shards[k].base + st.shards[k].count;
     }
     free(got);
-    *c->last_loss = st.last_loss;
-    *c->srtt = st.srtt;
-    *c->rttvar = st.rttvar;
+    *c->last_loss = st.rec.last_loss;
+    *c->srtt = st.rec.srtt;
+    *c->rttvar = st.rec.rttvar;
     c->gso = st.udp.gso;
     r->gso_fallbacks += st.udp.gso_fallbacks;
     free_state(&st);
-    return rc;
-}
-
-/* ---- the all_gather stream (docs/protocol.md, All-gather; passing/gather_stream.py) ---- */
-
-typedef struct {
-    pn_gather_call *c;
-    pn_stream_report *r;
-    size_t packet_size;
-    pn_udp udp;
-    uint64_t *base;               /* per origin: its first row in staged */
-    uint64_t *prefix;             /* per origin: how many of its packets, from its first, are held */
-    uint64_t mine, sent, lacking, largest;
-    uint32_t completion_psn;
-    double *resent_at;            /* per packet of mine: when last sent again for a NACK */
-    uint8_t *nacks;               /* one NACK per origin */
-    const uint8_t **send_packets;
-    int64_t *send_dest;
-    uint32_t send_count, send_cap;
-} gather_state;
-
-static void gather_queue(gather_state *g, const uint8_t *packet) {
-    if (g->send_count == g->send_cap) return;  /* sized for every packet of a loop iteration */
-    g->send_packets[g->send_count] = packet;
-    g->send_dest[g->send_count] = g->c->aggregator;
-    g->send_count++;
-}
-
-static int gather_flush(gather_state *g) {
-    uint32_t n = 0;
-    for (uint32_t i = 0; i < g->send_count; i++)  /* test impairment: lose some on the way out */
-        if (!(g->c->drop > 0) || uniform(g->c->rng) >= g->c->drop) g->send_packets[n++] = g->send_packets[i];
-    g->send_count = 0;
-    if (n == 0) return PN_OK;
-    uint64_t bytes = 0;
-    int r = pn_udp_send(&g->udp, g->send_packets, g->send_dest, n, (uint32_t)g->packet_size, SEND_TIMEOUT_MS,
-                        &bytes, NULL);
-    g->r->bytes_sent += bytes;
-    g->r->packets_sent += bytes / g->packet_size;
-    if (r < 0) {
-        g->r->error_errno = -r;
-        snprintf(g->r->error_call, sizeof g->r->error_call, "sendmmsg");
-        return PN_ESYS;
-    }
-    return PN_OK;
-}
-
-/* Send this worker's packets up to a window ahead of the slowest peer's prefix. */
-static void gather_send_ahead(gather_state *g) {
-    const pn_gather_call *c = g->c;
-    uint64_t slowest = UINT64_MAX;
-    for (uint32_t o = 0; o < c->workers; o++) {
-        while (g->prefix[o] < c->counts[o] && c->have[g->base[o] + g->prefix[o]]) g->prefix[o]++;
-        if (g->prefix[o] < c->counts[o] && g->prefix[o] < slowest) slowest = g->prefix[o];
-    }
-    uint64_t limit = slowest == UINT64_MAX ? g->mine : slowest + c->window;
-    if (limit > g->mine) limit = g->mine;
-    for (; g->sent < limit; g->sent++) gather_queue(g, c->packets + g->sent * g->packet_size);
-}
-
-/* One NACK per origin this worker lacks packets of: its first missing run, up to a window. */
-static void gather_nack(gather_state *g) {
-    const pn_gather_call *c = g->c;
-    for (uint32_t o = 0; o < c->workers; o++) {
-        if (g->prefix[o] >= c->counts[o]) continue;
-        uint64_t first = g->prefix[o], run = 0;
-        while (first + run < c->counts[o] && run < c->window && run < 0xFFFF && !c->have[g->base[o] + first + run]) run++;
-        uint8_t *p = g->nacks + (size_t)o * g->packet_size;
-        memset(p, 0, g->packet_size);
-        pn_header h = {.version = PN_VERSION, .type = PN_NACK, .job = (uint16_t)c->job, .slot = (uint16_t)run,
-                       .worker = (uint8_t)c->worker, .owner = (uint8_t)o, .generation = (uint16_t)c->generation,
-                       .psn = (uint32_t)(c->start + first)};
-        pn_header_write(p, &h);
-        gather_queue(g, p);
-    }
-}
-
-/* A datagram during the call: a GATHER of this call (held), of the next (kept), a NACK to this
- * worker (its packets sent again), the completion round's RESULT (returns 1). */
-static int gather_datagram(gather_state *g, const pn_datagram *d, double now, double pto, int *progress) {
-    pn_gather_call *c = g->c;
-    if (d->length != g->packet_size || d->source != c->aggregator) return 0;
-    pn_header h;
-    pn_header_read(d->data, &h);
-    if (h.version != PN_VERSION || h.job != c->job || h.generation != c->generation || h.worker != c->worker)
-        return 0;
-    uint32_t offset = h.psn - (uint32_t)c->start;
-    if (h.type == PN_GATHER) {
-        if (h.owner < c->workers && h.owner != c->worker && offset < c->counts[h.owner]) {
-            uint64_t row = g->base[h.owner] + offset;
-            if (!c->have[row]) {
-                memcpy(c->staged + row * 4 * (size_t)c->lanes, d->data + PN_HEADER_SIZE, 4 * (size_t)c->lanes);
-                c->have[row] = 1;
-                g->lacking--;
-                *progress = 1;
-            }
-        } else if ((uint32_t)(offset - (uint32_t)g->largest) < UINT32_C(1) << 31 && *c->early_count < c->early_cap) {
-            memcpy(c->early + (size_t)*c->early_count * g->packet_size, d->data, g->packet_size);  /* the next call's */
-            c->early_source[*c->early_count] = d->source;
-            (*c->early_count)++;
-        }
-    } else if (h.type == PN_NACK && h.owner == c->worker) {
-        for (uint64_t i = offset; i < (uint64_t)offset + h.slot && i < g->sent; i++) {
-            if (now - g->resent_at[i] <= pto / 2) continue;  /* several receivers may ask for one loss */
-            uint8_t *p = c->packets + i * g->packet_size;
-            p[3] |= PN_FLAG_RETRANSMIT;
-            gather_queue(g, p);
-            g->resent_at[i] = now;
-            g->r->retransmissions++;
-        }
-    } else if (h.type == PN_RESULT && h.psn == g->completion_psn) {
-        c->completion_sum = pn_lane_get(d->data, 0);
-        return 1;
-    }
-    return 0;
-}
-
-static void gather_free(gather_state *g) {
-    free(g->base);
-    free(g->prefix);
-    free(g->resent_at);
-    free(g->nacks);
-    free(g->send_packets);
-    free(g->send_dest);
-    pn_udp_free(&g->udp);
-}
-
-int pn_gather_run(pn_gather_call *c, pn_stream_report *r) {
-    if (!c || !r || c->fd < 0 || c->lanes == 0 || c->lanes > 16000 || c->job > 0xFFFF ||
-        c->generation >= PN_GENERATIONS || c->workers == 0 || c->workers > PN_MAX_WORKERS || c->worker >= c->workers ||
-        c->window == 0 || !c->counts || !c->staged || !c->have || !c->completion || !c->srtt || !c->rttvar ||
-        !c->last_loss || !c->rng || !(c->timeout > 0) || !(c->rto_min > 0) || !(c->max_rto >= c->rto_min) ||
-        c->drop < 0 || c->drop >= 1 || !c->early_count || (c->early_cap && (!c->early || !c->early_source)) ||
-        *c->early_count > c->early_cap || (c->counts[c->worker] && !c->packets) || !(c->silence >= 0) ||
-        (c->silence > 0 && (!c->on_silence || !(c->silence_every > 0))))
-        return PN_EINVAL;
-    gather_state g = {.c = c, .r = r, .packet_size = pn_packet_size(c->lanes)};
-    g.udp.fd = -1;
-    g.base = calloc(c->workers, sizeof *g.base);
-    g.prefix = calloc(c->workers, sizeof *g.prefix);
-    uint64_t rows = 0;
-    for (uint32_t o = 0; g.base && o < c->workers; o++) {
-        if (c->counts[o] > 0x7FFFFFFF) {  /* positions of one call stay in serial-number range */
-            gather_free(&g);
-            return PN_EINVAL;
-        }
-        g.base[o] = rows;
-        rows += c->counts[o];
-        if (c->counts[o] > g.largest) g.largest = c->counts[o];
-    }
-    g.mine = c->counts[c->worker];
-    for (uint64_t i = 0; i < rows; i++) g.lacking += !c->have[i];
-    g.completion_psn = (uint32_t)c->completion[12] << 24 | (uint32_t)c->completion[13] << 16 |
-                       (uint32_t)c->completion[14] << 8 | c->completion[15];
-    g.resent_at = malloc((g.mine ? g.mine : 1) * sizeof *g.resent_at);
-    g.nacks = malloc((size_t)c->workers * g.packet_size);
-    g.send_cap = (uint32_t)(2 * g.mine + c->workers + 2);
-    g.send_packets = malloc(g.send_cap * sizeof *g.send_packets);
-    g.send_dest = malloc(g.send_cap * sizeof *g.send_dest);
-    int u = g.base && g.prefix && g.resent_at && g.nacks && g.send_packets && g.send_dest
-                ? pn_udp_init(&g.udp, c->fd, (uint32_t)g.packet_size, RECV_BATCH, c->gso) : -ENOMEM;
-    if (u < 0) {
-        gather_free(&g);
-        return u == -ENOMEM ? PN_ENOMEM : PN_EINVAL;
-    }
-    for (uint64_t i = 0; i < g.mine; i++) g.resent_at[i] = -INFINITY;
-    stream_state timing = {.srtt = *c->srtt, .last_loss = *c->last_loss};  /* the probe rule's inputs */
-    pn_stream_call rule = {.rto_min = c->rto_min, .max_rto = c->max_rto};
-    timing.c = &rule;
-
-    uint32_t capacity = pn_udp_capacity(&g.udp);
-    pn_datagram *got = malloc(capacity * sizeof *got);
-    int rc = got ? PN_OK : PN_ENOMEM;
-    double now = now_s(), last_activity = now, last_progress = now;
-    double silence_check = now + c->silence;
-    uint32_t probes = 0;
-    int completion_sent = 0, done = 0;
-    gather_send_ahead(&g);
-    if (rc == PN_OK) rc = gather_flush(&g);
-    while (rc == PN_OK && !done) {
-        double wait = silence_timeout(&timing, now);
-        double pto = wait * (double)(1u << (probes < MAX_PROBE_DOUBLINGS ? probes : MAX_PROBE_DOUBLINGS));
-        double most = wait > c->max_rto ? wait : c->max_rto;
-        if (pto > most) pto = most;
-        double due = last_activity + pto;
-        if (c->silence > 0 && silence_check < due) due = silence_check;
-        int n = wait_and_receive(&g.udp, due - now_s(), got, capacity, r);
-        if (n < 0) {
-            rc = PN_ESYS;
-            break;
-        }
-        now = now_s();
-        int progress = 0;
-        /* every datagram of the batch, also those after the completion RESULT: a faster peer's GATHERs
-         * of the next call come right behind it (the aggregator sends in order), and dropped here they
-         * would wait for a NACK, a probe's wait later (a second, at rto, on loss-free links) */
-        for (int i = 0; i < n; i++) {
-            r->packets_received++;
-            r->bytes_received += got[i].length;
-            if (c->drop > 0 && uniform(c->rng) < c->drop) continue;  /* test impairment: lost on the way in */
-            int completed = gather_datagram(&g, &got[i], now, probe_timeout(&timing), &progress);
-            done = done || (completed && completion_sent);
-        }
-        if (done) break;
-        if (progress) {
-            last_activity = last_progress = now;
-            probes = 0;
-            gather_send_ahead(&g);
-        }
-        if (g.lacking == 0 && !completion_sent) {
-            gather_queue(&g, c->completion);
-            completion_sent = 1;
-            last_activity = last_progress = now;
-            probes = 0;
-        }
-        if (now - last_progress > c->timeout) {
-            r->error_psn = (uint32_t)c->start;
-            rc = PN_ETIMEOUT;
-            break;
-        }
-        if (c->silence > 0 && silence_gives_up(c->silence, c->silence_every, c->on_silence, c->silence_ctx, now,
-                                               last_progress, &silence_check)) {
-            rc = PN_ESILENT;
-            break;
-        }
-        if (now >= last_activity + pto) {
-            if (completion_sent) {  /* its RESULT is lost, or a peer still lacks something */
-                c->completion[3] |= PN_FLAG_RETRANSMIT;
-                gather_queue(&g, c->completion);
-                r->retransmissions++;
-            } else {
-                gather_send_ahead(&g);  /* brings the prefixes up to date */
-                gather_nack(&g);
-            }
-            probes++;
-            last_activity = now;
-        }
-        rc = gather_flush(&g);
-    }
-    free(got);
-    c->gso = g.udp.gso;
-    r->gso_fallbacks += g.udp.gso_fallbacks;
-    gather_free(&g);
     return rc;
 }

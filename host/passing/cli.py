@@ -26,7 +26,7 @@ from .aggregator.control_channel import ControlClient, job_from_json, load_confi
 from .aggregator.engine import ConfigError
 from .aggregator.server import DEFAULT_MAX_LANES, DEFAULT_SLOTS, Impairment, SoftwareAggregator
 from .errors import PassingError
-from .keys import ClientKeys, ServerKeys
+from .keys import AggregatorKeys, ClientKeys
 from .launch import free_udp_ports
 from .stream import Group
 from .transport import parse_endpoint
@@ -116,7 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
         egress=Impairment(args.drop_egress, args.duplicate, args.reorder, rng),
         offload=not args.no_offload,
         engine=args.engine,
-        keys=None if args.control == "none" else ServerKeys.aggregator(args.keys),
+        keys=None if args.control == "none" else AggregatorKeys.load(args.keys),
     )
     exporter = None
     if args.metrics:

@@ -22,7 +22,6 @@ from passing_protocol.keys import ClientKeys, KeysError
 
 from .errors import PassingError
 
-PROTOCOL_VERSION = 3  # 3: CURVE keys, job secrets and worker tokens; 2: the allocation's generation
 SECRET_ENV = "PASSING_JOB_SECRET"  # where the CLI finds the job's secret (never on a command line)
 HEARTBEAT_SECONDS = 1.0  # a worker with failover says it is alive this often
 REPORT_TIMEOUT = 10.0  # a 'stuck' report not answered in this long: keep waiting, ask again (a move
@@ -56,7 +55,8 @@ def worker_keys(keys: ClientKeys | None) -> ClientKeys:
 def request(controller: str, cmd: str, timeout: float = 10.0, keys: ClientKeys | None = None,
             **fields: Any) -> dict[str, Any]:
     try:
-        reply = rpc.call(controller, {"version": PROTOCOL_VERSION, "cmd": cmd, **fields}, timeout, worker_keys(keys))
+        reply = rpc.call(controller, {"version": rpc.CONTROLLER_VERSION, "cmd": cmd, **fields}, timeout,
+                         worker_keys(keys))
     except (TimeoutError, ConnectionError) as e:
         raise ControllerError(f"controller {e}") from None
     if not reply.get("ok"):

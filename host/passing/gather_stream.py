@@ -2,7 +2,7 @@
 packets that the aggregator relays to the others, receivers ask for what they lack with NACKs, and a
 one-packet completion round through the reduce path ends the call. GatherStream builds the call's
 packets and buffers for either engine and runs the numpy loop, the executable specification of the C
-one (host/csrc/stream.c's pn_gather_run, through passing.native_stream)."""
+one (host/csrc/gather.c's pn_gather_run, through passing.native_stream)."""
 
 from __future__ import annotations
 

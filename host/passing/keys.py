@@ -27,7 +27,7 @@ AGGREGATOR_DOMAIN = "passing-aggregator"  # the ZAP domain of an aggregator's co
 
 
 @dataclass(frozen=True)
-class ServerKeys:
+class AggregatorKeys:
     """An aggregator's own key pair and the one client key it admits (the controller's)."""
 
     public: bytes
@@ -35,13 +35,13 @@ class ServerKeys:
     controller: bytes
 
     @classmethod
-    def aggregator(cls, directory: Path | None = None) -> ServerKeys:
+    def load(cls, directory: Path | None = None) -> AggregatorKeys:
         directory = directory or default_dir()
         public, secret = load_secret(directory / "aggregator.key_secret")
         return cls(public, secret, load_public(directory / "controller.key"))
 
 
-def serve_curve(context: zmq.Context, sock: zmq.Socket, keys: ServerKeys) -> ThreadAuthenticator:
+def serve_curve(context: zmq.Context, sock: zmq.Socket, keys: AggregatorKeys) -> ThreadAuthenticator:
     """Make ``sock`` a CURVE server that admits the controller's key only (a ZAP handler in
     ``context``, which the aggregator owns)."""
     return protocol.serve_curve(context, sock, keys.public, keys.secret, (keys.controller,), AGGREGATOR_DOMAIN)
@@ -60,6 +60,6 @@ class Ephemeral:
         public, secret = self.pairs[name]
         return ClientKeys(self.pairs[server][0], public, secret)
 
-    def aggregator(self) -> ServerKeys:
+    def aggregator(self) -> AggregatorKeys:
         public, secret = self.pairs["aggregator"]
-        return ServerKeys(public, secret, self.pairs["controller"][0])
+        return AggregatorKeys(public, secret, self.pairs["controller"][0])

@@ -1,5 +1,5 @@
-"""The C engine's calls (host/csrc/stream.c, through passing.native): a reduce pass (pn_stream_run) and
-an all_gather (pn_gather_run) marshalled from a group's state through ctypes, and what they report taken
+"""The C engine's calls (host/csrc/stream.c and gather.c, through passing.native): a reduce pass (pn_stream_run)
+and an all_gather (pn_gather_run) marshalled from a group's state through ctypes, and what they report taken
 back into it. Their numpy twins, the specifications the C loops are tested against, are
 passing.reduce_stream.ReduceStream and passing.gather_stream.GatherStream."""
 

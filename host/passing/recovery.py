@@ -1,7 +1,7 @@
 """Loss recovery of the numpy streams: the round-trip estimate, RACK's reordering allowance, the
-probe's wait, and failover's silence rule. They mirror the C engine's (host/csrc/stream.c: smooth,
-probe_timeout, silence_timeout, check_timers, silence_gives_up, and the constants of the same names):
-a change to a rule here is a change there, since the engines are tested against each other.
+probe's wait, and failover's silence rule. They mirror the C engine's (host/csrc/stream_loop.c: pn_smooth,
+pn_probe_timeout, pn_probe_wait, pn_silence_gives_up and the constants of stream_loop.h; stream.c's
+check_timers): a change to a rule here is a change there, since the engines are tested against each other.
 
 Loss recovery keeps the window moving under random loss, and resends nothing while the stream only
 waits for a late peer (a RESULT comes when every worker has sent its packet, so a peer that starts
@@ -85,8 +85,8 @@ class LossRecovery:
 
 
 class SilenceWatch:
-    """Failover's rule, the same for the reduce and the all_gather loops (host/csrc/stream.c's
-    silence_gives_up): once nothing has been heard for ``after`` s, ask (``ask``: the group's question to
+    """Failover's rule, the same for the reduce and the all_gather loops (host/csrc/stream_loop.c's
+    pn_silence_gives_up): once nothing has been heard for ``after`` s, ask (``ask``: the group's question to
     the controller, True when it decided), then every SILENCE_EVERY s while the answer is to wait."""
 
     def __init__(self, after: float, ask: Callable[[], bool]) -> None:

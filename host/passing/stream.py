@@ -11,13 +11,13 @@ stream (passing.stream_state holds them between calls). The parts, by object:
   - passing.gather_stream: the all_gather, GATHER packets the aggregator relays, NACKs from the
     receivers and a completion round;
   - passing.recovery: loss recovery (RTT estimate, RACK, probes) and failover's silence rule;
-  - passing.native_stream: the same two loops in C (host/csrc/stream.c, through passing.native);
+  - passing.native_stream: the same two loops in C (host/csrc/stream.c, gather.c, through passing.native);
   - passing.errors, passing.replay: what a call raises, and its replay record.
 
 ``reduce_scatter`` is the reduce stream with OWNER_ONLY rounds (a packet's sums come back to the
 worker whose block it is, the others get a header-only ACK); ``allgather`` sends each worker's bytes
 once as GATHER packets (docs/protocol.md, Kinds; docs/architecture.md). Both run in either engine: the
-native one (host/csrc/stream.c) and the numpy one, the executable specification it is tested against.
+native one (host/csrc/stream.c, gather.c) and the numpy one, the executable specification it is tested against.
 ``engine="auto"`` takes the native one where it loads.
 """
 

@@ -21,6 +21,13 @@ import zmq
 
 from .keys import ClientKeys
 
+# The two control channels' versions, which both ends stamp on and check in every request (the one place
+# each is written):
+CONTROLLER_VERSION = 3  # the controller's (docs/control.md): 3: CURVE keys, job secrets and worker tokens;
+# 2: the allocation's generation
+AGGREGATOR_VERSION = 3  # a software aggregator's (docs/protocol.md): 3: CURVE, the controller's key only;
+# 2: a job object carries its generation
+
 MAX_MESSAGE_BYTES = 64 * 1024  # zmq.MAXMSGSIZE of a control socket: a join or an add_job of 32 workers is < 2 KiB
 MAX_REPLY_BYTES = 16 * 1024 * 1024  # a status or metrics answer of thousands of groups fits
 MAX_DEPTH = 8  # nesting of objects and lists a control message may have (reports need 2)

@@ -3,10 +3,10 @@
 Each mutant is one plausible bug planted in one place: in the reference engine
 (``host/passing/aggregator/engine.py``, the side every vector is compared with), or in the TNA program itself.
 A mutant is *killed* when a vector check fails on it: for the engine, the checks of the vectors in the
-repository (the TNA vectors one by one and their sequences as chains, the v1model vectors) run against the
-mutated engine; for the TNA program, P4Testgen makes the vectors of the mutated program (both runs and the
-sequences, at 4 lanes to keep each mutant to minutes) and the same checks run on them against the engine as it
-is. A mutant no vector sees *survives*; docs/tofino.md says why for each.
+repository (the Tofino vectors one by one, their sequences as chains and as batches, the v1model vectors) run
+against the mutated engine; for the TNA program, P4Testgen makes the vectors of the mutated program (both runs
+and the sequences, at 4 lanes to keep each mutant to minutes) and the same checks run on them against the engine
+as it is. A mutant no vector sees *survives*; docs/tofino.md says why for each.
 
     python -m tests.conformance.mutants             # the engine's mutants (seconds; `make p4-mutants`)
     python -m tests.conformance.mutants --p4        # and the TNA program's (needs p4testgen; minutes each)
@@ -128,6 +128,11 @@ ENGINE_MUTANTS = (
            'key = slot[idx] * 2 + (hdr["set"][idx] & 1)'),
     Mutant("a new round adds onto the slot's old sums", "set/slot addressing",
            "acc[fk] = payload[fresh]", "acc[fk] = acc[fk] + payload[fresh]"),
+    # batches: what only several packets in one engine call reach (testgen.check_batches)
+    Mutant("a batch's packets of one slot/set in one wave", "batches",
+           "rank[order] = position - np.maximum.accumulate(np.where(first, position, 0))", "rank[order] = 0"),
+    Mutant("a MAX contribution in a wave with SUM ones summed", "batches",
+           "combined[is_max] = np.maximum(current[is_max], incoming[is_max])", "combined[is_max] = combined[is_max]"),
 )
 
 TNA = ROOT / "p4" / "tna" / "passing.p4"
@@ -190,7 +195,8 @@ def engine_with(mutant: Mutant) -> Iterator[None]:
 
 def first_failure(tofino: list[dict], v1model: dict | None) -> str | None:
     """The first vector check that fails (a divergence, or the checker failing on a mutated engine), or None:
-    the vectors of each Tofino program one by one and their sequences as chains, then the v1model ones."""
+    the vectors of each Tofino program one by one, their sequences as chains and as batches, then the v1model
+    ones."""
     for vectors in tofino:
         lanes, chip = int(vectors["defines"]["PASSING_LANES"]), vectors.get("target", "tofino")
         sequences: dict[str, list[dict]] = {}
@@ -210,6 +216,10 @@ def first_failure(tofino: list[dict], v1model: dict | None) -> str | None:
                 testgen.check_chain(sorted(chain, key=lambda v: v["step"]), lanes)
             except testgen.Divergence as e:
                 return f"{chip} sequence {name}: {e}"
+        try:
+            testgen.check_batches(vectors, lanes)
+        except Exception as e:  # noqa: BLE001
+            return f"{chip} sequences as batches: {type(e).__name__}: {e}"
     for vector in (v1model or {}).get("tests", []):
         try:
             testgen.v1model_check(vector, int(v1model["defines"]["PASSING_LANES"]))

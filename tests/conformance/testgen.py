@@ -20,7 +20,10 @@ For each vector, ``expect`` works out what the protocol makes of it:
    as the reference leaves its own, through the same abstraction (``compare_registers``); a packet with no slot/set
    writes none;
 5. the vectors of a sequence (pinned P4Testgen runs, one per packet) chain: each starts from the registers the
-   earlier ones left (``check_chain``).
+   earlier ones left (``check_chain``);
+6. the sequences' packets, interleaved, give as batches of one engine what they give one at a time
+   (``check_batches``): the engine's waves and its waves of SUM and MAX rounds together, which no vector of one
+   packet reaches.
 
 A vector whose registers are no state the protocol reaches (a round's bitmap without the bit of a worker that
 started it, a contributors' psn that is not the round's, ...) is *outside*: counted with the reason and not
@@ -41,7 +44,7 @@ from passing.aggregator.engine import JobSpec
 
 from . import vector_tool
 
-tool = vector_tool.load()  # p4/testgen_vectors.py: the P4 header layout is defined there once
+tool = vector_tool.load()  # p4/testgen_vectors.py: the P4 header layout is defined there once (testgen_programs.py)
 
 SLOTS = 1024  # PASSING_SLOTS
 MAX_JOBS = 1024  # PASSING_MAX_JOBS
@@ -600,6 +603,100 @@ def check_chain(vectors: list[dict], lanes: int) -> None:
             state[key] = tool.written(w["register"], state.get(key, tool.unwritten(w["register"])), w["fields"])
         got = v["ingress"]
         emitted = {e["header"]: e["fields"] for e in got["emit"]} if got and not got["dropped"] else None
+
+
+# ---- batches: the sequences' packets several at a time through one engine -----------------------------------
+
+
+def _allocation(a: dict) -> tuple[int, int, int, int, tuple[int, ...]]:
+    return a["job"], a["generation"], a["base"], a["pool"], tuple(a["ports"])
+
+
+def sequence_stream(vectors: dict) -> list[tuple[bytes, int, frozenset]]:
+    """The frames the sequences of a vector file send from the workers' ports (a Tofino 1's second passes are the
+    switch's own), the sequences interleaved: the first packet of each, then the second of each, and so on. Each
+    with its port and the allocations live then, those of every sequence (as ``_allocation`` tuples)."""
+    chains: dict[str, list[dict]] = {}
+    for v in vectors["tests"]:
+        if v.get("run") == "sequence" and int(v["input"]["port"]) & 0x7F != RECIRCULATION_PORT:
+            chains.setdefault(v["sequence"], []).append(v)
+    for chain in chains.values():
+        chain.sort(key=lambda v: v["step"])
+    # a sequence's allocations are live from the start (its first packet's) until it changes them
+    live = {name: frozenset(_allocation(a) for a in chain[0]["allocations"]) for name, chain in chains.items()}
+    out = []
+    for i in range(max(map(len, chains.values()), default=0)):
+        for name in sorted(chains):
+            if i < len(chains[name]):
+                v = chains[name][i]
+                live[name] = frozenset(_allocation(a) for a in v["allocations"])
+                everyone = frozenset().union(*live.values())
+                out.append((bytes.fromhex(v["input"]["packet"]), int(v["input"]["port"]), everyone))
+    return out
+
+
+def _admit(engine: reference.AggregationEngine, allocations: frozenset) -> None:
+    """The engine's jobs made ``allocations``: the others removed, the missing ones admitted."""
+    for spec in engine.jobs():
+        if (spec.job, spec.generation, spec.base, spec.pool, tuple(spec.sources)) not in allocations:
+            engine.remove_job(spec.job)
+    admitted = {spec.job for spec in engine.jobs()}
+    for job, generation, base, pool, ports in sorted(allocations):
+        if job not in admitted:
+            engine.add_job(JobSpec(job, base, pool, list(ports), generation=generation, lanes=None))
+
+
+def _process(engine: reference.AggregationEngine, frames: list[tuple[bytes, int]], lanes: int) -> list[tuple]:
+    """``frames`` (frame, port) as one batch of datagrams; what the engine emits: (origin, bytes, multicast) each."""
+    batch = np.zeros(len(frames), wire.packet_dtype(lanes))
+    rows, lengths = batch.view(np.uint8).reshape(len(frames), -1), []
+    for row, (raw, _) in zip(rows, frames):
+        datagram = raw[ETH + IPV4 + UDP:ETH + IPV4 + UDP + wire.packet_size(lanes)]
+        row[:len(datagram)] = np.frombuffer(datagram, dtype=np.uint8)
+        lengths.append(len(datagram))
+    out = engine.process(batch, np.array([port for _, port in frames]), np.array(lengths))
+    return [(int(d), p.tobytes()[:n], bool(m)) for d, p, n, m in zip(out.dest, out.packets, out.lengths, out.multicast)]
+
+
+def _shown(emissions: list[tuple], at: int) -> str:
+    if at >= len(emissions):
+        return "none"
+    origin, datagram, multicast = emissions[at]
+    h = unpack("passing_h", datagram)
+    return (f"type {h['type']} of job {h['job']} psn {h['psn']} to origin {origin} "
+            f"({'multicast' if multicast else 'unicast'}, lanes {datagram[wire.HEADER_SIZE:][:8].hex()}...)")
+
+
+def check_batches(vectors: dict, lanes: int) -> None:
+    """The sequences' packets, interleaved (``sequence_stream``), through two reference engines: one packet at a
+    time, and in batches (every packet from one change of the live allocations to the next in one). One at a time
+    is what each vector holds the program to (``check``, ``check_chain``); a batch runs what no single packet
+    reaches: the engine's waves (the k-th packet of a slot/set goes to wave k) and a wave that holds SUM and MAX
+    contributions (the "max" sequence's beside the others'). Each batch must give what its packets give one at a
+    time: the same emissions in the same order, and the same slot/sets and counters after it."""
+    single = reference.AggregationEngine(SLOTS, lanes, MAX_JOBS)
+    batched = reference.AggregationEngine(SLOTS, lanes, MAX_JOBS)
+    stream = sequence_stream(vectors)
+    starts = [i for i in range(len(stream)) if i == 0 or stream[i][2] != stream[i - 1][2]]
+    for number, (start, end) in enumerate(zip(starts, starts[1:] + [len(stream)])):
+        frames = [(raw, port) for raw, port, _ in stream[start:end]]
+        for engine in (single, batched):
+            _admit(engine, stream[start][2])
+        one = [emitted for frame in frames for emitted in _process(single, [frame], lanes)]
+        together = _process(batched, frames, lanes)
+        what = f"batch {number} ({len(frames)} packets)"
+        if together != one:
+            at = next((i for i, (a, b) in enumerate(zip(together, one)) if a != b), min(len(one), len(together)))
+            raise Divergence(f"{what}: emission {at} is {_shown(together, at)}, one packet at a time "
+                             f"{_shown(one, at)} ({len(together)} emissions against {len(one)})")
+        for name in ("state_epoch", "tag", "bitmap", "overflow", "acc"):
+            if not np.array_equal(getattr(batched, name), getattr(single, name)):
+                raise Divergence(f"{what}: the slot/sets' {name} after the batch is not what one packet at a time "
+                                 "leaves")
+        for spec in single.jobs():
+            if batched.counters(spec.job) != single.counters(spec.job):
+                raise Divergence(f"{what}: job {spec.job}'s counters {batched.counters(spec.job)}, one packet at a "
+                                 f"time {single.counters(spec.job)}")
 
 
 # ---- the v1model program's vectors (P4Testgen's bmv2 target) --------------------------------------------------

@@ -1,5 +1,5 @@
 """The software aggregator's control channel (docs/protocol.md, "Software aggregator control
-channel"): its version, job objects as JSON, the configuration file, and the client the CLI, the
+channel"): job objects as JSON, the configuration file, and the client the CLI, the
 controller's tests and the benchmarks use."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from .. import wire
 from ..transport import pack_address, parse_endpoint, unpack_address
 from .engine import ConfigError, JobSpec
 
-CONTROL_VERSION = 3  # 3: CURVE, the controller's key only; 2: a job object carries its generation
 MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4
 
 
@@ -86,7 +85,8 @@ class ControlClient:
         self.keys = keys or ClientKeys.load(role="controller", server="aggregator")
 
     def request(self, cmd: str, **fields: Any) -> dict[str, Any]:
-        reply = rpc.call(self.endpoint, {"version": CONTROL_VERSION, "cmd": cmd, **fields}, self.timeout, self.keys)
+        reply = rpc.call(self.endpoint, {"version": rpc.AGGREGATOR_VERSION, "cmd": cmd, **fields}, self.timeout,
+                         self.keys)
         if not reply.get("ok"):
             raise ConfigError(f"aggregator refused {cmd}: {reply.get('error')}")
         return reply

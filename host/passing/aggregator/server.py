@@ -37,9 +37,9 @@ import zmq
 from passing_protocol import rpc
 
 from .. import native, wire
-from ..keys import ServerKeys, serve_curve
+from ..keys import AggregatorKeys, serve_curve
 from ..transport import BatchSocket, SendError, TransportStats, parse_endpoint
-from .control_channel import CONTROL_VERSION, MAX_DATAGRAM, job_from_json, job_to_json
+from .control_channel import MAX_DATAGRAM, job_from_json, job_to_json
 from .engine import ConfigError, Emission, JobSpec
 from .native_engine import NativeAggregationEngine, make_engine
 
@@ -161,7 +161,7 @@ class SoftwareAggregator:
         egress: Impairment | None = None,
         offload: bool = True,
         engine: str = "auto",
-        keys: ServerKeys | None = None,
+        keys: AggregatorKeys | None = None,
         max_lanes: int = DEFAULT_MAX_LANES,
     ) -> None:
         """``keys``: the control socket's CURVE key pair and the controller's public key, the only
@@ -170,7 +170,7 @@ class SoftwareAggregator:
             raise ConfigError(f"lanes {lanes}, max_lanes {max_lanes}: a packet must fit one UDP datagram "
                               f"({MAX_DATAGRAM} bytes: at most {(MAX_DATAGRAM - wire.HEADER_SIZE) // 4} lanes)")
         if control and keys is None:
-            keys = ServerKeys.aggregator()  # before anything is bound: a clear error, nothing to undo
+            keys = AggregatorKeys.load()  # before anything is bound: a clear error, nothing to undo
         self.lanes = lanes
         self.engine = make_engine(slots, max(lanes, max_lanes), engine=engine)
         for spec in jobs or []:
@@ -404,9 +404,9 @@ class SoftwareAggregator:
     def _handle(self, request: Any) -> dict[str, Any]:
         if not isinstance(request, dict):
             raise ConfigError("a request must be a JSON object")
-        if request.get("version") != CONTROL_VERSION:
+        if request.get("version") != rpc.AGGREGATOR_VERSION:
             raise ConfigError(f"unsupported control version {str(request.get('version'))[:20]!r} "
-                              f"(want {CONTROL_VERSION})")
+                              f"(want {rpc.AGGREGATOR_VERSION})")
         cmd = request.get("cmd")
         if cmd == "ping":
             # max_lanes: the largest packet it takes (a controller sizes groups by it)

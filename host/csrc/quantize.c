@@ -1,0 +1,108 @@
+/* float32 <-> int32 lanes for the host's reduce stream (quantize.h; passing/quantize.py: the same arithmetic, bit
+ * for bit), and the MAX round's input (pn_max_abs_bits). */
+#include "quantize.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "passing_native.h"
+
+static int scale_is_f32_exact(double scale) {
+    int exponent;
+    double mantissa = frexp(scale, &exponent);
+    return mantissa == 0.5 && exponent > -120 && exponent < 120;
+}
+
+pn_scale pn_scale_of(double scale) {
+    return (pn_scale){.scale = scale, .f32 = scale_is_f32_exact(scale), .f = (float)scale,
+                      .inverse = (float)(1.0 / scale)};
+}
+
+int pn_quantize(float x, const pn_scale *s, int32_t *out) {
+    if (!isfinite(x)) {
+        *out = 0;
+        return 1;
+    }
+    if (s->f32) {
+        float v = rintf(x * s->f);
+        if (v >= 2147483648.0f || v < -2147483648.0f || isnan(v)) {
+            *out = isnan(v) ? 0 : (v > 0 ? INT32_MAX : INT32_MIN);
+            return 1;
+        }
+        *out = (int32_t)v;
+        return 0;
+    }
+    double v = rint((double)x * s->scale);
+    if (v >= 2147483648.0 || v < -2147483648.0 || isnan(v)) {
+        *out = isnan(v) ? 0 : (v > 0 ? INT32_MAX : INT32_MIN);
+        return 1;
+    }
+    *out = (int32_t)v;
+    return 0;
+}
+
+static uint32_t float_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* Adding and taking away 2^23 rounds |v| < 2^23 in the default rounding mode (IEEE: no compiler may fold
+ * it); from 2^23 on every float32 is an integer. The selects are on bits, so the loop has no control flow to
+ * keep it from vectorizing. */
+PN_LANE_LOOP int pn_quantize_f32_fast(const float *restrict x, uint32_t n, float scale, uint8_t *restrict packet) {
+    uint32_t bad = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        float v = x[i] * scale;
+        float a = fabsf(v);
+        float rounded = (a + 8388608.0f) - 8388608.0f;
+        uint32_t small = -(uint32_t)(a < 8388608.0f);
+        uint32_t fits = -(uint32_t)(a < 2147483648.0f); /* 0 for NaN too */
+        uint32_t magnitude = (float_bits(rounded) & small) | (float_bits(a) & ~small);
+        uint32_t bits = (magnitude | (float_bits(v) & 0x80000000u)) & fits;
+        float r;
+        memcpy(&r, &bits, sizeof r);
+        bad |= ~fits;
+        pn_lane_set(packet, i, (int32_t)r);
+    }
+    return bad == 0;
+}
+
+PN_LANE_LOOP uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only) {
+    uint32_t most = 0;
+    if (finite_only) {
+        for (size_t i = 0; i < n; i++) {
+            uint32_t b = float_bits(x[i]) & 0x7FFFFFFFu;
+            b = b < 0x7F800000u ? b : 0;
+            most = b > most ? b : most;
+        }
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            uint32_t b = float_bits(x[i]) & 0x7FFFFFFFu;
+            most = b > most ? b : most;
+        }
+    }
+    return most > 0x7F800000u ? 0x7FC00000u : most;
+}
+
+PN_LANE_LOOP int pn_saturated_lanes(const uint8_t *packet, uint32_t n) {
+    int saturated = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        int32_t v = pn_lane_get(packet, i);
+        saturated |= (v == INT32_MAX) | (v == INT32_MIN);
+    }
+    return saturated;
+}
+
+PN_LANE_LOOP void pn_dequantize_lanes(const uint8_t *restrict packet, uint32_t n, const pn_scale *s,
+                                      float *restrict out) {
+    if (s->f32) {
+        for (uint32_t i = 0; i < n; i++) out[i] = (float)pn_lane_get(packet, i) * s->inverse;
+    } else {
+        for (uint32_t i = 0; i < n; i++) out[i] = (float)((double)pn_lane_get(packet, i) / s->scale);
+    }
+}
+
+PN_LANE_LOOP void pn_read_lanes(const uint8_t *restrict packet, uint32_t n, int32_t *restrict out) {
+    for (uint32_t i = 0; i < n; i++) out[i] = pn_lane_get(packet, i);
+}
