@@ -305,3 +305,52 @@ def test_an_error_on_one_local_rank_fails_the_ring_on_every_rank_too():
         message, seconds = outcomes[1]
         assert ("psn 7" if rank == 1 else "failed") in message and seconds < 30, (rank, outcomes[1])
         assert "failed earlier" in outcomes[2][0], (rank, outcomes[2])
+
+
+class ShardedNetwork:
+    """The sharded collectives' network stage of one server: a block is the server's own (one server), or
+    an error on this rank."""
+
+    def __init__(self, fails: bool) -> None:
+        self.fails = fails
+
+    def _check(self) -> None:
+        if self.fails:
+            raise PassingError("no RESULT for psn 7 (a network stage's error on this rank)")
+
+    def reduce_scatter(self, array):
+        self._check()
+        return array.copy()
+
+    def allgather(self, piece, out) -> None:
+        self._check()
+        out[...] = piece
+
+
+@pytest.mark.parametrize("kind", ["reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_network_error_on_one_local_rank_fails_every_ranks_sharded_call(kind, failing, tmp_path):
+    """As for all_reduce above, for reduce_scatter (whose network stage comes after the in-host one: a last
+    barrier makes the others hear of it) and all_gather (network first): the other local rank's call raises
+    too, never returns (before issue 45 it returned, or waited out its timeout at the barrier)."""
+    from passing.torch.sharded import ShardedCollectives
+
+    def body(rank: int, store: dist.Store) -> str:
+        found = shared_memory(store, "t/", rank, 2, 2 * PIECE_BYTES, 30, str(tmp_path))
+        assert not isinstance(found, str), found
+        stage = SharedMemoryInHost(*found, 2, rank)
+        import numpy as np
+        collectives = ShardedCollectives("ps", 2, ShardedNetwork(rank == failing), stage, None, None, None,
+                                         np.array([[0, 1]]), (), set())
+        try:
+            if kind == "reduce_scatter":
+                collectives._reduce_scatter(torch.empty(8), torch.ones(16), False)
+            else:
+                collectives._all_gather(torch.empty(16), torch.ones(8))
+        except PassingError as e:
+            return str(e)
+        return "returned"
+
+    outcomes = on_threads(2, body, timeout=30)
+    assert "psn 7" in outcomes[failing], outcomes
+    assert "a collective failed on local rank" in outcomes[1 - failing], outcomes
