@@ -13,7 +13,8 @@ SIGSTOPped), each on gloo and on every mode that has it: 30 fault launches of pa
 
 FUZZ_SEED sets the seed base (fixed by default, so CI is reproducible); a failure prints each
 diverging program, a replay command (`make fuzz-torch SEED=... MODE=...`) and, within
-FUZZ_SHRINK_SECONDS, a smaller program that still diverges.
+FUZZ_SHRINK_SECONDS, a smaller program that still diverges; FUZZ_REPORT names a file that gets
+every divergence as a JSON line.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ SEED = int(os.environ.get("FUZZ_SEED", "7100"))
 PROGRAMS = int(os.environ.get("FUZZ_PROGRAMS", "20"))
 SLOW_PROGRAMS = int(os.environ.get("FUZZ_SLOW_PROGRAMS", "160"))
 SHRINK = float(os.environ.get("FUZZ_SHRINK_SECONDS", "15"))
+REPORT = os.environ.get("FUZZ_REPORT", "")  # a file each divergence is appended to, as a JSON line
 FAULTS = 12  # 9 rank faults x 3 modes + 3 aggregator faults (mode ps) = 30 fault launches of passing
 
 QUICK: dict[Layout, list[int]] = {(2, 2): list(range(SEED, SEED + PROGRAMS)),
@@ -76,6 +78,8 @@ def check(reference: oracle.Launch, candidate: oracle.Launch, shrink: float) -> 
           f"{candidate.seconds:.1f} s, {len(found)} divergences, {len(set(candidate.notes))} notes")
     if not found:
         return []
+    if REPORT:
+        oracle.record_json(found, REPORT)
     text = [oracle.report(found)]
     first = min((d for d in found if d.op is not None), key=lambda d: (d.seed, d.op), default=None)
     if first is not None and shrink > 0:
@@ -115,4 +119,6 @@ def test_faults_end_as_on_gloo():
     that raise are those that raise on gloo (oracle.compare_fault)."""
     found, launched = oracle.faults_campaign(SEED + 20_000, FAULTS, (2, 2))
     assert launched >= 30
+    if REPORT and found:
+        oracle.record_json(found, REPORT, plain=True)
     assert not found, oracle.report(found, plain=True)

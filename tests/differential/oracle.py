@@ -89,6 +89,7 @@ from tests.differential.program import (
     dense,
     expected_reduction,
     format,
+    format_op,
     generate,
     group_members,
     make_tensor,
@@ -826,6 +827,20 @@ def replay_command(seed: int, mode: str, layout: Layout, fault: dict[str, Any] |
     command = "".join(f"{k}={v} " for k, v in (env or {}).items())
     command += f"make fuzz-torch SEED={seed} MODE={mode} LAYOUT={layout[0]}x{layout[1]}"
     return command + (f" FAULT={fault_arg(fault)}" if fault is not None else "")
+
+
+def record_json(divergences: list[Divergence], path: str, plain: bool = False) -> None:
+    """Append each divergence to ``path`` as a JSON line, with its op as formatted (FUZZ_REPORT)."""
+    with open(path, "a") as f:
+        for d in divergences:
+            op = None
+            if d.seed is not None and d.op is not None:
+                program = generate(d.seed, d.layout, plain=plain)
+                op = format_op(program.op(d.op)) if any(o.id == d.op for o in program.ops) else None
+            f.write(json.dumps({"mode": d.mode, "layout": f"{d.layout[0]}x{d.layout[1]}", "seed": d.seed, "op": d.op,
+                                "rank": d.rank, "what": d.what, "detail": d.detail[:600], "formatted": op,
+                                "replay": replay_command(d.seed, d.mode, d.layout, d.fault, d.env)
+                                if d.seed is not None else None}) + "\n")
 
 
 def report(divergences: list[Divergence], plain: bool = False) -> str:
