@@ -723,6 +723,7 @@ def main() -> None:
             if fault_here["kind"] == "skip":  # issues nothing more; the others must not wait for it forever
                 time.sleep(float(fault_here.get("sleep", timeout + slack + 10)))
                 os._exit(0)
+            faulthandler.dump_traceback_later(timeout + slack, exit=True)  # its exit must not hang either
             raise  # "raise": the exception ends the process as an uncaught one does
         summary["programs"] += 1
         write(f"rank{rank}-{index}.pkl", result)
