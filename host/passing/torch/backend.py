@@ -16,15 +16,17 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import PrefixStore, ProcessGroup, ReduceOp
 
 from ..errors import PassingError
+from . import device_calls
+from .device_calls import Finishing
 from .embedded import Embedded
 from .hierarchy import Layout
 from .modes import IN_HOST, RING, leave, set_up
@@ -71,9 +73,7 @@ class ProcessGroupPassing(ProcessGroup):
         self.scheme = SCHEMES[options.scheme]
         self._fallbacks_logged: set[str] = set()
         self.timeout = timeout
-        # collectives gloo runs whose outputs are finished by a callback of ours (a whole-group AVG's division,
-        # a strided tensor's sums copied back): gloo's barrier does not wait for those callbacks, ours does
-        self._finishing: list[PassingWork] = []
+        self._finishing = Finishing()  # gloo's calls that a callback of ours finishes: the barrier waits for them
         gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         self._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
         cuda = device_group(options, PrefixStore("nccl/", store), rank, size, gloo)
@@ -115,7 +115,7 @@ class ProcessGroupPassing(ProcessGroup):
             if why not in self._fallbacks_logged:
                 self._fallbacks_logged.add(why)
                 log.warning("passing: all_reduce of %s goes to gloo/NCCL (logged once)", why)
-            return self._gloo_allreduce(tensors, opts)
+            return self._device("allreduce", tensors, opts)
         return self.submit(tensors[0], "avg" if opts.reduceOp.op == ReduceOp.AVG else "sum",
                            caller_waits=not opts.asyncOp)
 
@@ -127,37 +127,10 @@ class ProcessGroupPassing(ProcessGroup):
         avg = opts.reduceOp.op == ReduceOp.AVG and len(tensors) == 1 and t.is_floating_point() and \
             t.device.type == "cpu"
         if not avg:
-            return self._gloo_allreduce(tensors, opts)
+            return self._device("allreduce", tensors, opts)
         summed = dist.AllreduceOptions()  # SUM
         summed.timeout = opts.timeout
-        return self._gloo_allreduce(tensors, summed, then=lambda: t.div_(self.size()))
-
-    def _gloo_allreduce(self, tensors: list[torch.Tensor], opts: Any, then: Any = None) -> Any:
-        """The device backend's all_reduce of ``tensors``, then ``then()`` once it is done. A tensor that is
-        not contiguous goes as a contiguous copy whose sums are copied back: gloo's own all_reduce of a view
-        with a step sums its storage as if it were contiguous, overwriting elements outside the view."""
-        backend = self._get_backend(tensors[0].device)
-        strided = [i for i, t in enumerate(tensors) if t.layout == torch.strided and not t.is_contiguous()]
-        if not strided and then is None:
-            return backend.allreduce(tensors, opts)
-        sent = [t.contiguous() if i in strided else t for i, t in enumerate(tensors)]
-        work, result = backend.allreduce(sent, opts), PassingWork()
-
-        def finish(done: torch.futures.Future) -> None:
-            try:
-                done.wait()
-                for i in strided:
-                    tensors[i].copy_(sent[i])
-                if then is not None:
-                    then()
-            except BaseException as e:  # handed to whoever waits on the work
-                result.fail(e)
-                return
-            result.complete(list(tensors))
-
-        self._finishing = [w for w in self._finishing if not w.ran.is_set()] + [result]
-        work.get_future().then(finish)
-        return result
+        return self._device("allreduce", tensors, summed, then=lambda: t.div_(self.size()))
 
     def submit(self, tensor: torch.Tensor, op: str, caller_waits: bool = False) -> PassingWork:
         """Allreduce ``tensor`` in place, in issue order; the work's future's value is [tensor].
@@ -235,33 +208,33 @@ class ProcessGroupPassing(ProcessGroup):
     def reduce_scatter(self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any, /) -> Any:
         work = self._sharded.reduce_scatter_list(outputs, input_lists, opts)
         return work if work is not None else \
-            self._backend_for(outputs, input_lists).reduce_scatter(outputs, input_lists, opts)
+            self._device("reduce_scatter", outputs, input_lists, opts)
 
     def reduce_scatter_single(self, output: Tensor, input: Tensor, opts: Any, /) -> Any:  # reduce_scatter_tensor
         work = self._sharded.reduce_scatter_single(output, input, opts)
-        return work if work is not None else self._backend_for(output, input)._reduce_scatter_base(output, input, opts)
+        return work if work is not None else self._device("_reduce_scatter_base", output, input, opts)
 
     _reduce_scatter_base = reduce_scatter_single  # torch's older name of the same call
 
     def reduce_scatter_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any, /) -> Any:
         work = self._sharded.reduce_scatter_coalesced(outputs, inputs, opts)
-        return work if work is not None else _EveryWork.of(self._backend_of(inputs)._reduce_scatter_base, outputs,
-                                                           inputs, opts)
+        return work if work is not None else _EveryWork.of(self._single("_reduce_scatter_base"), outputs, inputs,
+                                                           opts)
 
     def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any, /) -> Any:
         work = self._sharded.all_gather_list(output_lists, inputs, opts)
         return work if work is not None else \
-            self._backend_for(output_lists, inputs).allgather(output_lists, inputs, opts)
+            self._device("allgather", output_lists, inputs, opts)
 
     def all_gather_single(self, output: Tensor, input: Tensor, opts: Any, /) -> Any:  # all_gather_into_tensor
         work = self._sharded.all_gather_single(output, input, opts)
-        return work if work is not None else self._backend_for(output, input)._allgather_base(output, input, opts)
+        return work if work is not None else self._device("_allgather_base", output, input, opts)
 
     _allgather_base = all_gather_single  # torch's older name of the same call
 
     def all_gather_single_coalesced(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any, /) -> Any:
         work = self._sharded.all_gather_coalesced(outputs, inputs, opts)
-        return work if work is not None else _EveryWork.of(self._backend_of(inputs)._allgather_base, outputs, inputs,
+        return work if work is not None else _EveryWork.of(self._single("_allgather_base"), outputs, inputs,
                                                            opts)
 
     # ---- the device backend's collectives ------------------------------------------------------------
@@ -271,34 +244,35 @@ class ProcessGroupPassing(ProcessGroup):
     # gil_scoped_acquire), while gloo's worker thread, holding its queue's lock, may need the GIL to
     # drop the last reference to an earlier call's tensors: the next collective then waits for that
     # lock forever (about one run in ten of four collectives in a row). The backends' own bindings
-    # release the GIL. The method names are torch's for a ProcessGroup; each calls the Backend's.
+    # release the GIL. The method names are torch's for a ProcessGroup; each calls the Backend's, with
+    # non-contiguous tensors as contiguous copies written back (passing.torch.device_calls: gloo's bugs).
 
     def broadcast(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).broadcast(*args, **kwargs)
+        return self._device("broadcast", *args, **kwargs)
 
     def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).allgather_coalesced(*args, **kwargs)
+        return self._device("allgather_coalesced", *args, **kwargs)
 
     def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).allreduce_coalesced(*args, **kwargs)
+        return self._device("allreduce_coalesced", *args, **kwargs)
 
     def reduce(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).reduce(*args, **kwargs)
+        return self._device("reduce", *args, **kwargs)
 
     def gather(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).gather(*args, **kwargs)
+        return self._device("gather", *args, **kwargs)
 
     def scatter(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).scatter(*args, **kwargs)
+        return self._device("scatter", *args, **kwargs)
 
     def alltoall(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).alltoall(*args, **kwargs)
+        return self._device("alltoall", *args, **kwargs)
 
     def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).alltoall_base(*args, **kwargs)
+        return self._device("alltoall_base", *args, **kwargs)
 
     def alltoall_base(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).alltoall_base(*args, **kwargs)
+        return self._device("alltoall_base", *args, **kwargs)
 
     def barrier(self, opts: Any = None) -> Any:
         """gloo's barrier, which waits for the collectives gloo runs, and, as gloo's does, for every collective
@@ -306,7 +280,7 @@ class ProcessGroupPassing(ProcessGroup):
         once it returns their outputs are written; it fails with the first of them that failed. gloo's is
         issued here and now, in issue order with the group's other gloo calls."""
         opts = dist.BarrierOptions() if opts is None else opts
-        prior = [w for w in self._finishing if not w.ran.is_set()]
+        prior = self._finishing.pending()
         for runner in (self._runner, self.gather_lane.runner if self.gather_lane is not None else None):
             prior += runner.pending() if runner is not None else []
         barrier = self._get_backend(torch.device("cpu")).barrier(opts)
@@ -341,22 +315,24 @@ class ProcessGroupPassing(ProcessGroup):
         return work
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).send(*args, **kwargs)
+        return self._device("send", *args, **kwargs)
 
     def recv(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).recv(*args, **kwargs)
+        return self._device("recv", *args, **kwargs)
 
     def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
-        return self._backend_for(*args, **kwargs).recv_anysource(*args, **kwargs)
+        return self._device("recv_anysource", *args, **kwargs)
 
-    def _backend_for(self, *args: Any, **kwargs: Any) -> C10dBackend:
-        """The backend of the device of the call's first tensor (the CPU's without one)."""
+    def _device(self, name: str, *args: Any, then: Callable[[], None] | None = None, **kwargs: Any) -> Any:
+        """The call ``name`` of the backend of the device of the call's first tensor (the CPU's without one),
+        on dense memory (passing.torch.device_calls), then ``then()``."""
         t = _first_tensor([*args, *kwargs.values()])
-        return self._get_backend(t.device if t is not None else torch.device("cpu"))
+        backend = self._get_backend(t.device if t is not None else torch.device("cpu"))
+        return device_calls.call(backend, name, args, self._finishing, then, kwargs)
 
-    def _backend_of(self, inputs: list[Tensor]) -> C10dBackend:
-        """A coalesced call's: its first input's device's (the CPU's without one)."""
-        return self._get_backend(inputs[0].device if inputs else torch.device("cpu"))
+    def _single(self, name: str) -> Callable[[Tensor, Tensor, Any], Any]:
+        """A coalesced call's single-tensor call, for _EveryWork."""
+        return lambda output, input, opts: self._device(name, output, input, opts)
 
 
 def _close(runner: InOrder | None, gather_lane: GatherLane | None, membership: Membership | None,
