@@ -27,7 +27,7 @@ from torch.distributed import PrefixStore, ProcessGroup, ReduceOp
 from ..errors import PassingError
 from . import device_calls
 from .device_calls import Finishing
-from .embedded import Embedded
+from .embedded import Embedded, store_gone
 from .hierarchy import Layout
 from .modes import IN_HOST, RING, leave, set_up
 from .network import FailoverStage, GatherLane, Membership, device_group
@@ -37,6 +37,7 @@ from .work import DeviceTurn, InOrder, PassingWork, on_device, wait_ran
 
 log = logging.getLogger("passing.torch")
 Tensor = torch.Tensor
+STORE_GONE_WAIT = 5.0  # s a rank waits at its end for rank 0's store to close (embedded mode: the timeout)
 
 
 class ProcessGroupPassing(ProcessGroup):
@@ -73,6 +74,7 @@ class ProcessGroupPassing(ProcessGroup):
         self.scheme = SCHEMES[options.scheme]
         self._fallbacks_logged: set[str] = set()
         self.timeout = timeout
+        self._store = store
         self._finishing = Finishing()  # gloo's calls that a callback of ours finishes: the barrier waits for them
         gloo = dist.ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         self._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
@@ -197,6 +199,9 @@ class ProcessGroupPassing(ProcessGroup):
 
     def shutdown(self) -> None:
         self._close()
+        if self.rank() != 0 and dist.distributed_c10d.GroupMember.WORLD is self:
+            # a new init_process_group must meet rank 0's new store, not its old one (passing.torch.embedded)
+            store_gone(self._store, self.timeout.total_seconds() if self.embedded_mode else STORE_GONE_WAIT)
         super().shutdown()
 
     def _get_backend_name(self) -> str:

@@ -189,26 +189,32 @@ TCP_ESTABLISHED = "01"  # the state column of /proc/net/tcp
 
 
 def end(store: dist.Store, rank0: bool, timeout: float) -> None:
-    """The end of an embedded-mode group, at destroy_process_group. Rank 0 ends last (its controller waits
-    for the others to leave), and its TCPStore server, on MASTER_PORT, with it: a rank that ended earlier
-    and calls init_process_group again at once would meet that old store, find the previous run's keys in
-    it, and wait for peers that are gone. So rank 0 says when its services have stopped, and every other
-    rank waits for that, then until its connections to the old store are closed (rank 0's side closes
-    them when its group is gone), ``timeout`` s at most. Closed connections are read from the kernel's
-    table: a store call on one would fail, but torch logs each such failure with a stack trace."""
+    """The end of an embedded-mode group, at destroy_process_group: rank 0 ends last (its controller waits
+    for the others to leave), so it says when its services have stopped, and the others wait for that,
+    ``timeout`` s at most (then, for the default group, for its store: ``store_gone``)."""
     if rank0:
         store.set(ENDED_KEY, "1")
         return
-    deadline = time.monotonic() + timeout
-    tcp = tcp_store(store)
-    port = tcp.port if tcp is not None else None
     try:
         store.wait([ENDED_KEY], timedelta(seconds=timeout))
-    except (RuntimeError, dist.DistError):  # rank 0 is gone already
+    except (RuntimeError, dist.DistError):  # rank 0 is gone already, or late: the store's end says the rest
+        pass
+
+
+def store_gone(store: dist.Store, timeout: float) -> None:
+    """At the end of the default group on a rank but 0: wait until rank 0's TCPStore (on MASTER_PORT) has
+    closed its connections, ``timeout`` s at most. A rank that ended earlier than rank 0 and calls
+    init_process_group again at once would meet that old store, find the previous group's keys in it, and
+    wait for peers that are gone (gloo's connectFullMesh to their old addresses). Closed connections are
+    read from the kernel's table: a store call on one would fail, but torch logs each such failure with a
+    stack trace."""
+    tcp = tcp_store(store)
+    if tcp is None:
         return
-    while port is not None and _established_to(port):
+    deadline = time.monotonic() + timeout
+    while _established_to(tcp.port):
         if time.monotonic() > deadline:
-            log.info("passing: rank 0's store still open %g s after its embedded controller stopped", timeout)
+            log.info("passing: rank 0's store still open %g s after this rank's group ended", timeout)
             return
         time.sleep(0.01)
 
