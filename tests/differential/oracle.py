@@ -298,18 +298,22 @@ def decode(rec: dict[str, Any]) -> Any:
     dtype = getattr(torch, rec["dtype"])
     if not rec["data"]:
         return torch.empty(rec["shape"], dtype=dtype)
+    if dtype == torch.bool:  # gloo's SUM of bools leaves bytes 2, 3, ... for True: a bool is its byte != 0
+        return (torch.frombuffer(bytearray(rec["data"]), dtype=torch.uint8) != 0).reshape(rec["shape"])
     return torch.frombuffer(bytearray(rec["data"]), dtype=dtype).reshape(rec["shape"])
 
 
 def same_bits(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """The same dtype, shape and bytes, NaN payloads aside."""
+    import torch
+
     if (a["dtype"], tuple(a["shape"])) != (b["dtype"], tuple(b["shape"])):
         return False
     if a["data"] == b["data"]:
         return True
     x, y = decode(a), decode(b)
     if not x.is_floating_point():
-        return False
+        return bool(torch.equal(x, y))  # (bools by value)
     both = x.isnan() & y.isnan()
     return bool(((x == y) | both).all()) and bool((x.signbit() == y.signbit())[~both].all())
 
