@@ -156,9 +156,12 @@ def call(endpoint: str, request: dict[str, Any], timeout: float, keys: ClientKey
     """Send ``request``, return the reply; TimeoutError when none comes in ``timeout`` s (a
     server that does not know ``keys`` never answers: CURVE drops the connection).
 
-    A fresh REQ socket per call: a lost reply never wedges a later call.
+    A fresh REQ socket per call: a lost reply never wedges a later call. And a context of its own, ended
+    with the call: a process-wide one would keep its I/O threads and descriptors for the life of the
+    process (a torch rank's, after destroy_process_group: more than gloo leaves).
     """
-    sock = zmq.Context.instance().socket(zmq.REQ)
+    context = zmq.Context(io_threads=1)
+    sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     try:
@@ -177,3 +180,4 @@ def call(endpoint: str, request: dict[str, Any], timeout: float, keys: ClientKey
         return reply
     finally:
         sock.close()
+        context.term()

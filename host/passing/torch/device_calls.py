@@ -24,17 +24,19 @@ Tensor = torch.Tensor
 
 
 class Finishing:
-    """The works of a process group whose outputs a callback of ours finishes (copied back, divided):
-    what its barrier waits for beyond gloo's own."""
+    """What a process group's barrier waits for beyond what gloo's own barrier does: the works whose
+    outputs a callback of ours finishes (copied back, divided), and gloo's works that have no future
+    (its reduce_scatters'), whose outputs gloo's barrier does not wait for (measured: torch 2.13, an
+    async reduce_scatter_tensor's output read after barrier() was incomplete every time)."""
 
     def __init__(self) -> None:
-        self._works: list[PassingWork] = []
+        self._works: list[PassingWork | Any] = []
 
-    def add(self, work: PassingWork) -> None:
-        self._works = [w for w in self._works if not w.ran.is_set()] + [work]
+    def add(self, work: PassingWork | Any) -> None:
+        self._works = self.pending() + [work]
 
-    def pending(self) -> list[PassingWork]:
-        return [w for w in self._works if not w.ran.is_set()]
+    def pending(self) -> list[PassingWork | Any]:
+        return [w for w in self._works if not (w.ran.is_set() if isinstance(w, PassingWork) else w.is_completed())]
 
 
 def call(backend: C10dBackend, name: str, args: tuple[Any, ...], finishing: Finishing,
@@ -46,6 +48,8 @@ def call(backend: C10dBackend, name: str, args: tuple[Any, ...], finishing: Fini
     dense = _dense(args, swapped)
     work = getattr(backend, name)(*dense, **(kwargs or {}))
     if not swapped and then is None:
+        if not _has_future(work):
+            finishing.add(work)
         return work
     result = PassingWork()
     finishing.add(result)
@@ -83,6 +87,14 @@ def call(backend: C10dBackend, name: str, args: tuple[Any, ...], finishing: Fini
 
     future.then(done)
     return result
+
+
+def _has_future(work: Any) -> bool:
+    try:
+        work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented"
+        return False
+    return True
 
 
 def _dense(value: Any, swapped: list[tuple[Tensor, Tensor]]) -> Any:

@@ -104,18 +104,15 @@ class ShardedCollectives:
     # ---- the routes (ProcessGroupPassing's methods hand each call here first) --------------------
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> PassingWork | None:
-        if not self._routed(REDUCE_SCATTER, [output], [input], opts):
-            return None
-        if input.numel() != output.numel() * self.size:
-            raise ValueError(f"reduce_scatter: input of {input.numel()} elements for an output of {output.numel()} "
-                             f"in a group of {self.size}")
+        if input.numel() != output.numel() * self.size or not self._routed(REDUCE_SCATTER, [output], [input], opts):
+            return None  # sizes that do not fit: gloo's own error, as on gloo
         return self._submit(lambda: self._reduce_scatter(output, input, _avg(opts)), [output], opts)
 
     def reduce_scatter_list(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                             opts: Any) -> PassingWork | None:
         if len(outputs) != 1 or len(input_lists) != 1 or len(input_lists[0]) != self.size or \
-                any(t.numel() != outputs[0].numel() for t in input_lists[0]):
-            return None
+                any(t.shape != outputs[0].shape for t in input_lists[0]):
+            return None  # gloo's answer, its errors included
         output, inputs = outputs[0], input_lists[0]
         if not self._routed(REDUCE_SCATTER, [output], inputs, opts):
             return None
@@ -138,18 +135,15 @@ class ShardedCollectives:
         return self._submit(run, outputs, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> PassingWork | None:
-        if not self._routed(ALL_GATHER, [output], [input], opts):
-            return None
-        if output.numel() != input.numel() * self.size:
-            raise ValueError(f"all_gather: output of {output.numel()} elements for an input of {input.numel()} "
-                             f"in a group of {self.size}")
+        if output.numel() != input.numel() * self.size or not self._routed(ALL_GATHER, [output], [input], opts):
+            return None  # sizes that do not fit: gloo's own error, as on gloo
         return self._submit(lambda: self._all_gather(output, input), [output], opts, gather=True)
 
     def all_gather_list(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                         opts: Any) -> PassingWork | None:
         if len(output_lists) != 1 or len(inputs) != 1 or len(output_lists[0]) != self.size or \
-                any(t.numel() != inputs[0].numel() for t in output_lists[0]):
-            return None  # uneven pieces: the device's backend
+                any(t.shape != inputs[0].shape for t in output_lists[0]):
+            return None  # uneven pieces: the device's backend (its errors included)
         outputs, input = output_lists[0], inputs[0]
         if not self._routed(ALL_GATHER, outputs, [input], opts):
             return None

@@ -298,12 +298,17 @@ class InOrder:
         self._completions.close()
 
 
-def wait_ran(works: list[PassingWork], timeout: float) -> None:
+def wait_ran(works: list[Any], timeout: float) -> None:
     """Wait until each of ``works`` has run, ``timeout`` s at most in all, and raise the first one's error:
-    what gloo's barrier does with the collectives issued before it (it waits on each, and fails with it)."""
+    what gloo's barrier does with the collectives issued before it (it waits on each, and fails with it).
+    A work that is not a PassingWork is gloo's own, with no future: its wait() finishes it."""
     deadline = time.monotonic() + timeout
     for w in works:
-        if not w.ran.wait(max(0.0, deadline - time.monotonic())):
+        left = max(0.0, deadline - time.monotonic())
+        if not isinstance(w, PassingWork):
+            w.wait(timedelta(seconds=left))
+            continue
+        if not w.ran.wait(left):
             raise PassingError(f"barrier: a collective issued before it did not finish within {timeout:g} s "
                                f"(the process group's timeout)")
         if w.error is not None:
