@@ -94,6 +94,11 @@ class ShardedCollectives:
                 return f"op {opts.reduceOp.op.name}"
         return ""
 
+    def _fits(self, whole: torch.Tensor, block: torch.Tensor) -> bool:
+        """``whole`` is ``size`` blocks of ``block``'s shape stacked on dimension 0, as gloo requires of an
+        all_gather's output and a reduce_scatter's input (a 0-dim block, or another shape, it refuses)."""
+        return block.dim() > 0 and tuple(whole.shape) == (block.shape[0] * self.size, *block.shape[1:])
+
     def _routed(self, kind: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> bool:
         why = self._why_not(kind, outputs, inputs, opts)
         if why and f"{kind}: {why}" not in self.fallbacks_logged:
@@ -104,8 +109,8 @@ class ShardedCollectives:
     # ---- the routes (ProcessGroupPassing's methods hand each call here first) --------------------
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> PassingWork | None:
-        if input.numel() != output.numel() * self.size or not self._routed(REDUCE_SCATTER, [output], [input], opts):
-            return None  # sizes that do not fit: gloo's own error, as on gloo
+        if not self._fits(input, output) or not self._routed(REDUCE_SCATTER, [output], [input], opts):
+            return None  # shapes that do not fit: gloo's own error, as on gloo
         return self._submit(lambda: self._reduce_scatter(output, input, _avg(opts)), [output], opts)
 
     def reduce_scatter_list(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
@@ -124,8 +129,8 @@ class ShardedCollectives:
 
     def reduce_scatter_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                  opts: Any) -> PassingWork | None:
-        if not self._routed(REDUCE_SCATTER, outputs, inputs, opts) or \
-                any(i.numel() != o.numel() * self.size for o, i in zip(outputs, inputs, strict=True)):
+        if not all(self._fits(i, o) for o, i in zip(outputs, inputs, strict=True)) or \
+                not self._routed(REDUCE_SCATTER, outputs, inputs, opts):
             return None
 
         def run() -> None:
@@ -135,8 +140,8 @@ class ShardedCollectives:
         return self._submit(run, outputs, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> PassingWork | None:
-        if output.numel() != input.numel() * self.size or not self._routed(ALL_GATHER, [output], [input], opts):
-            return None  # sizes that do not fit: gloo's own error, as on gloo
+        if not self._fits(output, input) or not self._routed(ALL_GATHER, [output], [input], opts):
+            return None  # shapes that do not fit: gloo's own error, as on gloo
         return self._submit(lambda: self._all_gather(output, input), [output], opts, gather=True)
 
     def all_gather_list(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -158,8 +163,8 @@ class ShardedCollectives:
 
     def all_gather_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                              opts: Any) -> PassingWork | None:
-        if not self._routed(ALL_GATHER, outputs, inputs, opts) or \
-                any(o.numel() != i.numel() * self.size for o, i in zip(outputs, inputs, strict=True)):
+        if not all(self._fits(o, i) for o, i in zip(outputs, inputs, strict=True)) or \
+                not self._routed(ALL_GATHER, outputs, inputs, opts):
             return None
 
         def run() -> None:
