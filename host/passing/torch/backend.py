@@ -203,6 +203,11 @@ class ProcessGroupPassing(ProcessGroup):
             # a new init_process_group must meet rank 0's new store, not its old one (passing.torch.embedded)
             store_gone(self._store, self.timeout.total_seconds() if self.embedded_mode else STORE_GONE_WAIT)
         super().shutdown()
+        # let go of the stages now, not whenever this object goes: they hold the store (rank 0's server with it),
+        # sockets and the in-host segment, and the user may keep a subgroup's handle after destroy
+        self._store = self.network = self.stream = self.gather_lane = self.embedded = None
+        self.in_host, self.peers = {}, {}
+        self._sharded = ShardedCollectives.closed(self.mode, self.size(), self._fallbacks_logged)
 
     def _get_backend_name(self) -> str:
         return "passing"

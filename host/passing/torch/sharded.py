@@ -72,6 +72,11 @@ class ShardedCollectives:
                    stages.membership, np.array(layout.grid, dtype=np.int64), stages.options.keep_on_gloo,
                    fallbacks_logged)
 
+    @classmethod
+    def closed(cls, mode: str, size: int, fallbacks_logged: set[str]) -> ShardedCollectives:
+        """A shut-down group's: routes nothing (the device's backend then refuses the call)."""
+        return cls(mode, size, None, None, None, None, None, np.zeros((0, 0), dtype=np.int64), (), fallbacks_logged)
+
     # ---- which calls go through PASSING ---------------------------------------------------------
 
     def _why_not(self, kind: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> str:
