@@ -643,14 +643,15 @@ def independent(program: Program, op: Op, rank: int, members: list[int]) -> dict
         base, view = make_tensor(program.seed, op.id, rank, a["tensor"])
         view.copy_(make_tensor(program.seed, op.id, src, a["tensor"])[1])
         return {"tensor": trec(base)}
-    if op.kind == "reduce_scatter" and not dense(a["output"]) and a["op"] in ("SUM", "MAX", "MIN") and \
+    if op.kind == "reduce_scatter" and not dense(a["output"]) and a["op"] in ("SUM", "AVG", "MAX", "MIN") and \
             a["input"].get("values", "int") == "int":
         import torch
 
         me = members.index(rank)
         parts = torch.stack([make_tensor(program.seed, op.id, q, a["input"], salt=2 + me)[1].double()
                              for q in members])
-        reduced = {"SUM": parts.sum(0), "MAX": parts.amax(0), "MIN": parts.amin(0)}[a["op"]]
+        reduced = {"SUM": parts.sum(0), "AVG": parts.sum(0) / len(members), "MAX": parts.amax(0),
+                   "MIN": parts.amin(0)}[a["op"]]
         base, view = make_tensor(program.seed, op.id, rank, a["output"], salt=1)
         view.copy_(reduced.to(view.dtype))
         return {"output": trec(base)}
