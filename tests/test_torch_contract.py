@@ -73,6 +73,7 @@ def test_an_overflow_in_reduce_scatter_fails_every_ranks_call(services, mode):
             assert "Overflow" in r["raised"] or "overflow" in r["raised"], r
 
 
+@pytest.mark.slow  # waits out timeouts and cycles: CI's (make test-all)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["ring", "embedded", "ps"])
 def test_a_rank_that_skips_a_call_makes_the_others_raise_within_the_pg_timeout(services, mode):
@@ -86,6 +87,7 @@ def test_a_rank_that_skips_a_call_makes_the_others_raise_within_the_pg_timeout(s
     assert time.monotonic() - started < 60 + SLACK  # nobody waited for the silent rank's exit
 
 
+@pytest.mark.slow  # waits out timeouts and cycles: CI's (make test-all)
 @pytest.mark.timeout(300)
 def test_the_embedded_controllers_death_is_seen_within_the_pg_timeout():
     """Rank 0 (the embedded controller and aggregator) dies: the others raise within the pg timeout (before:
@@ -97,6 +99,7 @@ def test_the_embedded_controllers_death_is_seen_within_the_pg_timeout():
         assert report["raised"] is not None and report["after"] <= 8 + SLACK, report
 
 
+@pytest.mark.slow  # waits out timeouts and cycles: CI's (make test-all)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["ring", "embedded", "ps"])
 def test_no_thread_survives_destroy_process_group(services, mode):

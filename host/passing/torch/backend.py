@@ -14,6 +14,7 @@ the caller.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from .work import DeviceTurn, InOrder, PassingWork, on_device, wait_ran
 
 log = logging.getLogger("passing.torch")
 Tensor = torch.Tensor
-STORE_GONE_WAIT = 5.0  # s a rank waits at its end for rank 0's store to close (embedded mode: the timeout)
+STORE_GONE_WAIT = 5.0  # s a rank waits at its end for rank 0's store to close (after rank 0's services)
 
 
 class ProcessGroupPassing(ProcessGroup):
@@ -199,9 +200,10 @@ class ProcessGroupPassing(ProcessGroup):
 
     def shutdown(self) -> None:
         self._close()
-        if self.rank() != 0 and dist.distributed_c10d.GroupMember.WORLD is self:
+        if self.rank() != 0 and dist.distributed_c10d.GroupMember.WORLD is self and \
+                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # torchrun's store is its agent's
             # a new init_process_group must meet rank 0's new store, not its old one (passing.torch.embedded)
-            store_gone(self._store, self.timeout.total_seconds() if self.embedded_mode else STORE_GONE_WAIT)
+            store_gone(self._store, STORE_GONE_WAIT)
         super().shutdown()
         # let go of the stages now, not whenever this object goes: they hold the store (rank 0's server with it),
         # sockets and the in-host segment, and the user may keep a subgroup's handle after destroy
