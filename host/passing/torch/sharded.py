@@ -88,7 +88,8 @@ class ShardedCollectives:
         tensors = [*outputs, *inputs]
         if any(t.device.type != "cpu" for t in tensors):
             return "device tensors (PASSING streams CPU memory)"
-        if any(t.layout != torch.strided or not t.is_contiguous() for t in tensors):
+        if any(t.layout != torch.strided or not t.is_contiguous() or (t.dim() > 0 and t.stride(-1) != 1)
+               for t in tensors):  # one element, or none, with a step is "contiguous" but not bytes in a row
             return "non-contiguous tensors"
         if len({t.dtype for t in tensors}) != 1:
             return "mixed dtypes"
