@@ -79,12 +79,10 @@ def test_an_overflow_in_reduce_scatter_fails_every_ranks_call(services, mode):
 def test_a_rank_that_skips_a_call_makes_the_others_raise_within_the_pg_timeout(services, mode):
     """pg timeout 8 s, one rank skips an all_reduce and stays silent for 60 s: every other rank raises within
     the timeout (before, embedded: still blocked at 110 s)."""
-    started = time.monotonic()
     outcomes = run("skip_a_call", {**modes(services)[mode], "PG_TIMEOUT": "8"}, 2, 2, "3", "60")
     for rank, (rc, report, stderr) in enumerate(outcomes[:3]):
         assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
-        assert report["raised"] is not None and report["after"] <= 8 + SLACK, report
-    assert time.monotonic() - started < 60 + SLACK  # nobody waited for the silent rank's exit
+        assert report["raised"] is not None and report["after"] <= 8 + SLACK, report  # not the silent rank's exit
 
 
 @pytest.mark.slow  # waits out timeouts and cycles: CI's (make test-all)
