@@ -528,8 +528,9 @@ def _matches(op: Op, name: str, got: dict[str, Any], want: dict[str, Any], membe
     rounding of n terms of at most absmax stands in for gloo's bits there."""
     absmax = max((refs[m]["records"][op.id].get("absmax", 0.0) for m in members), default=0.0)
     tol = tolerance(op, name, len(members), absmax)
-    spec = op.args.get("tensor", {})
-    if computed and op.kind == "all_reduce" and op.args["op"] in ("SUM", "AVG") and spec.get("values") != "int":
+    spec = op.args.get("tensor", op.args.get("input", {}))
+    if computed and op.kind in ("all_reduce", "reduce_scatter") and op.args["op"] in ("SUM", "AVG") and \
+            spec.get("values") != "int":
         n = len(members)
         rounding = (n + 1) * EPS.get(spec["dtype"], 0.0) * n * absmax
         tol = (max(tol[0], rounding), tol[1]) if tol is not None else (rounding, 2 * EPS.get(spec["dtype"], 0.0))
