@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -317,13 +318,15 @@ class ProcessGroupPassing(ProcessGroup):
                 work.fail(e)
             return work
 
-        def then(_: torch.futures.Future) -> None:
+        def settle() -> None:
             try:
                 work.complete(finish())
             except BaseException as e:  # handed to whoever waits on the work
                 work.fail(e)
 
-        barrier.get_future().then(then)
+        # not on gloo's callback thread: the prior works it waits for may need that very thread (a deadlock,
+        # differential fuzzer seed 9104); a thread of its own, which ends with the wait (bounded by the timeout)
+        threading.Thread(target=settle, name="passing-barrier", daemon=True).start()
         return work
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
