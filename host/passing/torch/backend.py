@@ -311,12 +311,6 @@ class ProcessGroupPassing(ProcessGroup):
             self._runner.submit(work, finish, caller_waits=not opts.asyncOp)
             return work
         work = PassingWork()
-        if not opts.asyncOp:
-            try:
-                work.complete(finish())
-            except BaseException as e:
-                work.fail(e)
-            return work
 
         def settle() -> None:
             try:
@@ -324,6 +318,9 @@ class ProcessGroupPassing(ProcessGroup):
             except BaseException as e:  # handed to whoever waits on the work
                 work.fail(e)
 
+        if not opts.asyncOp:
+            settle()
+            return work
         # not on gloo's callback thread: the prior works it waits for may need that very thread (a deadlock,
         # differential fuzzer seed 9104); a thread of its own, which ends with the wait (bounded by the timeout)
         threading.Thread(target=settle, name="passing-barrier", daemon=True).start()
