@@ -56,6 +56,26 @@ def overflow_in_reduce_scatter(_: list[str]) -> dict:
         return {"raised": f"{type(e).__name__}: {e}", "after": time.monotonic() - start}
 
 
+def reinit_after_a_failure(args: list[str]) -> dict:
+    """A collective that fails on every rank (the overflow above), then destroy_process_group and
+    init_process_group again, ``args[0]`` times (the fuzzer's rank does so after a program with an error):
+    each new group must form and sum right, at once, as gloo's does."""
+    timeout = float(os.environ.get("PG_TIMEOUT", "60"))
+    rounds = []
+    for _ in range(int(args[0])):
+        dist.init_process_group("passing", timeout=timedelta(seconds=timeout))
+        failed = overflow_in_reduce_scatter([])
+        dist.destroy_process_group()
+        start = time.monotonic()
+        dist.init_process_group("passing", timeout=timedelta(seconds=timeout))
+        x = torch.ones(1000)
+        dist.all_reduce(x)
+        rounds.append({"raised": failed["raised"] is not None, "init_and_sum": time.monotonic() - start,
+                       "sum": x.tolist() == [float(dist.get_world_size())] * 1000})
+        dist.destroy_process_group()
+    return {"rounds": rounds}
+
+
 def skip_a_call(args: list[str]) -> dict:
     """Rank ``args[0]`` skips an all_reduce (and exits ``args[1]`` s later); the others must raise within the
     process group's timeout, as on gloo."""
@@ -169,9 +189,52 @@ def coalesced_future(_: list[str]) -> dict:
             "scattered": [t.tolist() for t in scattered]}
 
 
+def _socket_kinds(targets: list[str]) -> list[str]:
+    """'socket:[inode]' -> its protocol and local address, from /proc/net (for a report that names what leaked)."""
+    inodes = {t[len("socket:["):-1] for t in targets}
+    found = []
+    for table in ("tcp", "tcp6", "udp", "udp6", "unix"):
+        try:
+            with open(f"/proc/net/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            inode = cols[6] if table == "unix" else cols[9]
+            if inode in inodes:
+                found.append(f"{table} {cols[7] if table == 'unix' and len(cols) > 7 else cols[1]}")
+                inodes.discard(inode)
+    return found + [f"other {i}" for i in sorted(inodes)]
+
+
+def works_kept(_: list[str]) -> dict:
+    """The user keeps its works, futures and a callback's future past destroy_process_group (the fuzzer's rank
+    keeps its last program's): what the process holds after the destroy beyond what it held before init,
+    for the test to hold to gloo's (no shared segment, no more sockets or threads)."""
+    from tests.differential.rank import leftover, settled_leftover, snapshot
+
+    baseline = snapshot()
+    dist.init_process_group(os.environ.get("CONTRACT_BACKEND", "passing"), timeout=timedelta(seconds=60))
+    world = dist.get_world_size()
+    kept = [dist.all_reduce(torch.ones(1000), async_op=True),
+            dist.all_gather_into_tensor(torch.empty(world * 10), torch.ones(10), async_op=True),
+            dist.reduce_scatter_tensor(torch.empty(10), torch.ones(world * 10), async_op=True)]
+    kept.append(kept[0].get_future().then(lambda f: f.value()))
+    kept.append(dist.all_reduce(torch.ones(10), async_op=True).get_future())
+    for k in kept:
+        k.wait()
+    dist.destroy_process_group()
+    left = settled_leftover(baseline, 3.0)
+    left["sockets"] = _socket_kinds([f.split()[1] for f in left["fds"] if f.startswith("socket")])
+    del kept
+    return {"left": left, "after_gc": leftover(baseline, snapshot())}
+
+
 SCENARIOS = {"barrier_reads": barrier_reads, "overflow_in_reduce_scatter": overflow_in_reduce_scatter,
              "skip_a_call": skip_a_call, "rank0_dies": rank0_dies, "cycles": cycles, "strided": strided,
-             "keep_all_gather_on_gloo": keep_all_gather_on_gloo, "coalesced_future": coalesced_future}
+             "keep_all_gather_on_gloo": keep_all_gather_on_gloo, "coalesced_future": coalesced_future,
+             "works_kept": works_kept, "reinit_after_a_failure": reinit_after_a_failure}
 
 
 def main() -> None:
@@ -181,7 +244,7 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # cluster.local.collect asks before it kills
     scenario, args = sys.argv[1], sys.argv[2:]
     timeout = float(os.environ.get("PG_TIMEOUT", "60"))
-    if scenario != "cycles":
+    if scenario not in ("cycles", "works_kept", "reinit_after_a_failure"):
         dist.init_process_group("passing", timeout=timedelta(seconds=timeout))
     result = SCENARIOS[scenario](args)
     if dist.is_initialized():

@@ -61,7 +61,7 @@ warnings.filterwarnings("ignore", category=UserWarning)
 
 def trec(t: torch.Tensor) -> dict[str, Any]:
     """A tensor as recorded: dtype, shape and its elements' bytes (row-major)."""
-    c = t.detach().contiguous()
+    c = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())  # a one-element view with a step is "contiguous"
     return {"dtype": str(c.dtype).removeprefix("torch."), "shape": tuple(c.shape),
             "data": c.reshape(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b""}
 
@@ -756,6 +756,11 @@ def main() -> None:
         os._exit(0)
     summary["destroy_at"] = time.time()
     destroy(3.0)
+    # then the last program's works, futures and tensors go, as a user's do once its function returns: what
+    # they reached (gloo's connections through its works, on either backend) must be gone then
+    runner = result = program = None
+    current.clear()
+    summary["released"] = settled_leftover(baseline, 3.0)
     summary["status"] = "done"
     summary["finished"] = time.time()
     write(f"rank{rank}.pkl", summary)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -117,7 +118,7 @@ class PassingWork(dist.Work):
     def finished(self, error: BaseException | None) -> None:
         """The collective ran (its outputs are written), with ``error`` if it failed."""
         if error is not None:
-            self.error = error
+            self.error = detached(error)
         self.ran.set()
 
     def fail(self, error: BaseException) -> None:
@@ -134,10 +135,11 @@ class PassingWork(dist.Work):
             self.runner.run_here(self)  # an untimed wait can run it, if it is next
         try:
             self.future.wait()  # CUDA: makes the current stream wait for the result's
-        except BaseException:
+        except BaseException as e:
             if self.error is None:
                 raise
-            raise self.error from None
+            e.__traceback__ = None  # the future's own error (this one's): it passed through this frame alone
+            raise raised(self.error) from self.error.__cause__
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -151,6 +153,45 @@ class PassingWork(dist.Work):
 
     def exception(self) -> BaseException | None:
         return self.error
+
+
+def detached(error: BaseException, _seen: set[int] | None = None) -> BaseException:
+    """``error`` (and the errors it chains) with its traceback kept as a note, not as frames. The frames of a
+    failed collective reach its process group (its stages, and the store, whose server in rank 0 must close
+    with the group: a new init_process_group would meet the old one), and they form a cycle with the work
+    that keeps the error: only the garbage collector, whenever it runs, would let go of them."""
+    seen = set() if _seen is None else _seen
+    if id(error) in seen:
+        return error
+    seen.add(id(error))
+    if error.__traceback__ is not None:
+        where = "".join(traceback.format_tb(error.__traceback__)[-6:]).rstrip()
+        error.add_note(f"(raised in the collective at:\n{where})")
+        error.__traceback__ = None
+    for chained in (error.__cause__, error.__context__):
+        if chained is not None:
+            detached(chained, seen)
+    return error
+
+
+def raised(error: BaseException) -> BaseException:
+    """What a wait raises for a work's ``error``: a copy of it, so that the frames it passes through on the
+    way to the caller (which hold the work, and the process group) are never the kept error's (``detached``).
+    An error that cannot be copied is raised itself."""
+    cls = type(error)
+    for base in cls.__mro__:  # as pickle rebuilds one, but without __init__, whose signature may be any
+        if "__new__" not in vars(base):
+            continue
+        try:
+            fresh = base.__new__(cls, *error.args)
+            fresh.args = error.args
+            fresh.__dict__.update(error.__dict__)
+        except (TypeError, ValueError, AttributeError):  # the layout wants another base's __new__
+            continue
+        break
+    else:
+        return error
+    return fresh if str(fresh) == str(error) else error
 
 
 class Completions:
@@ -312,4 +353,4 @@ def wait_ran(works: list[Any], timeout: float) -> None:
             raise PassingError(f"barrier: a collective issued before it did not finish within {timeout:g} s "
                                f"(the process group's timeout)")
         if w.error is not None:
-            raise w.error
+            raise raised(w.error) from w.error.__cause__
