@@ -697,6 +697,16 @@ def main() -> None:
 
     def reinit() -> None:
         destroy(1.0)
+        # every rank's destroy has returned, rank 0's store with it, before any rank makes the new group: one
+        # that re-initialises at once may meet rank 0's old store (torch's race, on any backend: seen on gloo
+        # itself on a loaded machine). tests/test_torch_contract.py holds passing to the immediate re-init.
+        keys = [f"reinit/{summary['reinits']}/{r}" for r in range(world)]
+        side.set(keys[rank], "1")
+        watchdog.arm(timeout + slack, "the ranks' barrier before init_process_group")
+        try:
+            side.wait(keys, timedelta(seconds=timeout))
+        finally:
+            watchdog.disarm()
         init()
         summary["reinits"] += 1
 
