@@ -118,6 +118,8 @@ class Zygote:
                     self._ready = True
                 elif event["event"] == "forked":
                     self._forked.append(event["pid"])
+                    # an earlier child's status under the same pid (pids wrap: 32768 here) is not this one's
+                    self._exited.pop(event["pid"], None)
                 elif event["event"] == "exited":
                     self._exited[event["pid"]] = event["status"]
                 self._changed.notify_all()
@@ -329,12 +331,14 @@ def main() -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
-        if pid == 0:
-            _child(request, live_stdout)
+            if pid == 0:
+                _child(request, live_stdout)
+            # said under the lock: the reaper (which reports under it too) cannot say this pid exited before
+            sys.stdout.write(json.dumps({"event": "forked", "pid": pid}) + "\n")
+            sys.stdout.flush()
         if live_stdout is not None:
             os.close(live_stdout)
         children.add(pid)
-        report({"event": "forked", "pid": pid})
         if reaper is None:  # started after the first fork: the children inherit no extra thread
             reaper = threading.Thread(target=reap, daemon=True)
             reaper.start()
