@@ -95,6 +95,41 @@ def test_work_reraises_the_operations_own_error_and_honours_a_timeout():
     assert done.wait() and done.is_success() and done.get_future().value()[0].item() == 1.0
 
 
+def test_a_failed_works_error_keeps_no_frames_so_nothing_it_passed_through_outlives_the_work():
+    """A collective's error reaches the process group through its traceback's frames: kept with the work, it
+    held a destroyed group (and rank 0's store) until the garbage collector ran (issue 45). The kept error has
+    its traceback as a note; every wait raises a copy (type, message, attributes), the caller's traceback its own."""
+    import gc
+    import weakref
+
+    from passing.errors import GroupFailed
+    from passing.torch.work import InOrder, PassingWork
+
+    class Stage:  # what a job's frames hold: a process group's stages
+        def run(self) -> None:
+            raise GroupFailed("no aggregator left", [2], [], None)
+
+    stage = Stage()
+    gone = weakref.ref(stage)
+    runner = InOrder("units-failing")
+    work = PassingWork(runner)
+    runner.submit(work, stage.run, caller_waits=True)
+    del stage
+    gc.disable()  # what is let go must go by reference counts alone
+    try:
+        for _ in range(2):
+            with pytest.raises(GroupFailed, match="no aggregator left") as raised:
+                work.wait()
+            assert raised.value is not work.exception() and raised.value.dead == [2]
+        del raised
+        assert gone() is None, "the failed job's frames still hold what they held"
+    finally:
+        gc.enable()
+        runner.shutdown()
+    kept = work.exception()
+    assert kept.__traceback__ is None and any("in run" in note for note in kept.__notes__), kept.__notes__
+
+
 def test_collectives_run_in_issue_order_and_a_waiting_caller_runs_the_next_itself():
     """passing.torch.work.InOrder: queued collectives run one at a time in issue order; waiting
     on the next one before the group's thread has taken it runs it in the waiting thread, and so
