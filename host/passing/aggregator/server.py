@@ -450,8 +450,9 @@ class SoftwareAggregator:
 
 
 # Every packet of an admitted job ends in exactly one of these (overflow is part of aggregated; a GATHER
-# or NACK that is admitted is relayed): docs/protocol.md, Counters.
-OUTCOMES = ("rejected", "aggregated", "duplicate", "duplicate_answered", "stale", "relayed")
+# or NACK that is admitted is relayed; what comes down to a leaf is answered or late): docs/protocol.md, Counters.
+OUTCOMES = ("rejected", "aggregated", "duplicate", "duplicate_answered", "stale", "relayed", "answered",
+            "late_answer")
 
 
 def job_counters(counters: dict[str, int]) -> dict[str, int]:
