@@ -239,3 +239,27 @@ def test_two_leaf_jobs_cannot_share_an_uplink_job():
         e.add_job(JobSpec(2, 2, 2, [HOST + 1], role="leaf", up=Uplink(5, 0, 1, ROOT)))
     e.remove_job(1)
     e.add_job(JobSpec(2, 2, 2, [HOST + 1], role="leaf", up=Uplink(5, 0, 1, ROOT)))  # free again
+
+
+def test_after_an_ack_from_the_root_a_leaf_answers_only_acks_and_takes_only_other_racks_pieces():
+    """A leaf answered by an ACK holds a partial, never the sums: a retransmission gets an ACK whatever its
+    flags say. A GATHER from the root of a piece of this rack's own server is rejected."""
+    rng = np.random.default_rng(8)
+    tree = Tree(KINDS, [1, 1], 1, 1, rng)
+    h0, h1 = tree.hosts
+    r = Round(wire.SUM, 1, np.array([[3], [4]], np.int64))  # owner: server 1, rack 1
+    h0.next = h1.next = 1
+    (up0,) = tree.leaves[0].process([(tree.packet(h0, 0, r), h0.origin)])
+    (up1,) = tree.leaves[1].process([(tree.packet(h1, 0, r), h1.origin)])
+    assert tree.root.process([(up0[0], LEAF)]) == []
+    down = tree.root.process([(up1[0], LEAF + 1)])
+    assert [(d[1], d[0][1]) for d in down] == [(LEAF, wire.ACK), (LEAF + 1, wire.RESULT)]
+    (ack,) = tree.leaves[0].process([(down[0][0], ROOT)])
+    check_answer(tree, h0, ack[0], [r])
+    plain = Round(wire.SUM, None, r.values)  # the same round resent without OWNER_ONLY
+    (again,) = tree.leaves[0].process([(tree.packet(h0, 0, plain, wire.FLAG_RETRANSMIT), h0.origin)])
+    assert again[0][1] == wire.ACK and len(again[0]) == 16
+    own = Header(wire.VERSION, wire.GATHER, 0, 0, tree.root_job, 0, 0, 0 << 1, down[0][0][10] << 8 | down[0][0][11],
+                 5).pack([1])
+    assert tree.leaves[0].process([(own, ROOT)]) == []
+    assert tree.leaves[0].impls[0].counters(h0.job)["rejected"] == 1

@@ -62,7 +62,7 @@ class Node:
         for impl in self.impls[1:]:
             assert impl.counters() == self.impls[0].counters()
             for spec in self.specs:
-                assert impl.counters(spec.job) == self.impls[0].counters(spec.job), (spec.job, impl.counters(spec.job), self.impls[0].counters(spec.job))
+                assert impl.counters(spec.job) == self.impls[0].counters(spec.job), f"job {spec.job}"
         return answers[0]
 
     def _run(self, impl: Any, datagrams: list[tuple[bytes, int]]) -> list[tuple[bytes, int, bool]]:
