@@ -194,7 +194,7 @@ fuzz:
 	@test -n "$(CLANG)" || { echo "make fuzz: clang not found (apt-get install clang-14 libclang-rt-14-dev)" >&2; exit 1; }
 	mkdir -p build/fuzz/corpus
 	$(CLANG) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Wall -Wextra -Werror \
-		-pthread -Ihost/csrc -o build/fuzz/fuzz_engine host/csrc/fuzz_engine.c host/csrc/engine.c host/csrc/wire.c
+		-pthread -Ihost/csrc -o build/fuzz/fuzz_engine host/csrc/fuzz_engine.c host/csrc/engine.c host/csrc/engine_jobs.c host/csrc/wire.c
 	build/fuzz/fuzz_engine -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 build/fuzz/corpus
 
 # ---- the differential fuzzer of backend "passing" against gloo (tests/differential) --------------

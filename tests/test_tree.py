@@ -8,13 +8,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from passing import wire
-from passing.aggregator.engine import AggregationEngine, ConfigError, JobSpec
+from passing import native, wire
+from passing.aggregator.engine import ConfigError, JobSpec
 from passing.aggregator.jobs import UP, Uplink
+from passing.aggregator.native_engine import make_engine
 from tests.tree_harness import HOST, LEAF, ROOT, STRANGER, Round, Tree, check_answer, run
 from tests.tree_model import HEADER, Header
 
 KINDS = ("model", "numpy")
+# the model against each engine: the C engine where it is built (tests/test_native_engine.py plays the trees with
+# the numpy engine against the C one too)
+IMPLEMENTATIONS = [KINDS, pytest.param(("model", "native"), marks=pytest.mark.skipif(
+    not native.available(), reason="the native library is not built"))]
+
+
+@pytest.fixture(params=IMPLEMENTATIONS, ids=lambda k: k[1])
+def kinds(request) -> tuple[str, ...]:
+    return request.param
 
 
 def random_rounds(rng: np.random.Generator, count: int, servers: int, lanes: int, wide: float = 0.0,
@@ -45,8 +55,8 @@ def play(seed: int, kinds: tuple[str, ...] = KINDS, loss: float = 0.15) -> Tree:
 
 
 @pytest.mark.parametrize("seed", range(24))
-def test_random_streams_through_a_tree_match_the_model_and_the_exact_sums(seed):
-    play(seed)
+def test_random_streams_through_a_tree_match_the_model_and_the_exact_sums(seed, kinds):
+    play(seed, kinds)
 
 
 def test_the_random_streams_reach_every_outcome():
@@ -69,9 +79,9 @@ def test_the_random_streams_reach_every_outcome():
     assert roots["sent_up"] == roots["answered"] == 0
 
 
-def test_a_lossless_tree_answers_each_round_once_per_host():
+def test_a_lossless_tree_answers_each_round_once_per_host(kinds):
     rng = np.random.default_rng(5)
-    tree = Tree(KINDS, [3, 1, 2], 4, 2, rng)
+    tree = Tree(kinds, [3, 1, 2], 4, 2, rng)
     rounds = random_rounds(rng, 9, 6, 4)
     run(tree, rounds, rng, loss=0.0, dup=0.0)
     root = tree.root.impls[0].counters(tree.root_job)
@@ -82,11 +92,11 @@ def test_a_lossless_tree_answers_each_round_once_per_host():
         assert c["duplicate"] == c["late_answer"] == 0
 
 
-def test_a_leaf_resends_its_partial_when_a_retransmission_finds_its_round_unanswered():
+def test_a_leaf_resends_its_partial_when_a_retransmission_finds_its_round_unanswered(kinds):
     """The root's RESULT is lost on its way to leaf 0: a server's retransmission makes the leaf send its
     partial up again; the root answers that leaf alone; the leaf's servers get the sum."""
     rng = np.random.default_rng(1)
-    tree = Tree(KINDS, [2, 1], 2, 1, rng)
+    tree = Tree(kinds, [2, 1], 2, 1, rng)
     r = Round(wire.SUM, None, np.array([[1, 2], [10, 20], [100, 200]], np.int64))
     h0, h1, h2 = tree.hosts
     for h in tree.hosts:
@@ -117,9 +127,9 @@ def test_a_leaf_resends_its_partial_when_a_retransmission_finds_its_round_unansw
     check_answer(tree, h1, late[0], [r])
 
 
-def test_owner_only_rounds_send_the_sums_to_the_owner_alone_across_racks():
+def test_owner_only_rounds_send_the_sums_to_the_owner_alone_across_racks(kinds):
     rng = np.random.default_rng(2)
-    tree = Tree(KINDS, [2, 2], 2, 2, rng)
+    tree = Tree(kinds, [2, 2], 2, 2, rng)
     rounds = [Round(wire.SUM, owner, rng.integers(-50, 50, (4, 2))) for owner in (0, 3, 1, 2)]
     got: dict[int, list[int]] = {h.number: [] for h in tree.hosts}
     inflight = [(tree.packet(h, p, rounds[p]), h.origin, LEAF + h.leaf) for p in range(2) for h in tree.hosts]
@@ -139,9 +149,9 @@ def test_owner_only_rounds_send_the_sums_to_the_owner_alone_across_racks():
     assert root["results_sent"] == 4  # one RESULT to the owner's leaf, one ACK to the other, per round
 
 
-def test_gather_and_nack_cross_the_racks_once_each():
+def test_gather_and_nack_cross_the_racks_once_each(kinds):
     rng = np.random.default_rng(3)
-    tree = Tree(KINDS, [2, 3], 2, 2, rng)
+    tree = Tree(kinds, [2, 3], 2, 2, rng)
     sender = tree.hosts[1]  # rack 0
 
     def deliver(data: bytes, origin: int) -> dict[int, list[bytes]]:
@@ -170,7 +180,7 @@ def test_gather_and_nack_cross_the_racks_once_each():
     assert deliver(bad, sender.origin) == {}  # a piece of another server's: rejected at the leaf
 
 
-def test_overflow_composes_across_levels():
+def test_overflow_composes_across_levels(kinds):
     """Saturation at a leaf or at the root: the RESULT is flagged at every server; a sum that fits is exact."""
     rng = np.random.default_rng(4)
     big = wire.INT32_MAX - 10
@@ -181,7 +191,7 @@ def test_overflow_composes_across_levels():
         np.array([[big], [-20], [10], [5]]),  # never leaves int32: exact
     ]
     rounds = [Round(wire.SUM, None, v.astype(np.int64)) for v in cases]
-    tree = Tree(KINDS, [2, 2], 1, 4, rng)
+    tree = Tree(kinds, [2, 2], 1, 4, rng)
     flags: dict[int, set[int]] = {}
     for h in tree.hosts:
         h.next = 4
@@ -196,9 +206,9 @@ def test_overflow_composes_across_levels():
     assert flags == {0: {wire.FLAG_OVERFLOW}, 1: {wire.FLAG_OVERFLOW}, 2: {wire.FLAG_OVERFLOW}, 3: {0}}
 
 
-def test_the_root_takes_nothing_but_its_leaves_and_a_leaf_nothing_down_but_its_root():
+def test_the_root_takes_nothing_but_its_leaves_and_a_leaf_nothing_down_but_its_root(kinds):
     rng = np.random.default_rng(6)
-    tree = Tree(KINDS, [1, 1], 1, 1, rng)
+    tree = Tree(kinds, [1, 1], 1, 1, rng)
     h = tree.hosts[0]
     r = Round(wire.SUM, None, np.array([[1], [2]], np.int64))
     (up,) = tree.leaves[0].process([(tree.packet(h, 0, r), h.origin)])
@@ -227,13 +237,13 @@ def test_the_root_takes_nothing_but_its_leaves_and_a_leaf_nothing_down_but_its_r
     (JobSpec(1, 0, 2, [1, 2], role="leaf", up=Uplink(1 << 16, 0, 0, 9)), "out of range"),
     (JobSpec(1, 0, 2, [1, 2], role="leaf", up=Uplink(2, 0, 0, 2)), "none of the job's workers"),
 ])
-def test_tree_admission_errors(spec, error):
+def test_tree_admission_errors(spec, error, kinds):
     with pytest.raises(ConfigError, match=error):
-        AggregationEngine(8, 2).add_job(spec)
+        make_engine(8, 2, engine=kinds[1]).add_job(spec)
 
 
-def test_two_leaf_jobs_cannot_share_an_uplink_job():
-    e = AggregationEngine(8, 2)
+def test_two_leaf_jobs_cannot_share_an_uplink_job(kinds):
+    e = make_engine(8, 2, engine=kinds[1])
     e.add_job(JobSpec(1, 0, 2, [HOST], role="leaf", up=Uplink(5, 0, 0, ROOT)))
     with pytest.raises(ConfigError, match="already goes up to job 5"):
         e.add_job(JobSpec(2, 2, 2, [HOST + 1], role="leaf", up=Uplink(5, 0, 1, ROOT)))
@@ -241,11 +251,11 @@ def test_two_leaf_jobs_cannot_share_an_uplink_job():
     e.add_job(JobSpec(2, 2, 2, [HOST + 1], role="leaf", up=Uplink(5, 0, 1, ROOT)))  # free again
 
 
-def test_after_an_ack_from_the_root_a_leaf_answers_only_acks_and_takes_only_other_racks_pieces():
+def test_after_an_ack_from_the_root_a_leaf_answers_only_acks_and_takes_only_other_racks_pieces(kinds):
     """A leaf answered by an ACK holds a partial, never the sums: a retransmission gets an ACK whatever its
     flags say. A GATHER from the root of a piece of this rack's own server is rejected."""
     rng = np.random.default_rng(8)
-    tree = Tree(KINDS, [1, 1], 1, 1, rng)
+    tree = Tree(kinds, [1, 1], 1, 1, rng)
     h0, h1 = tree.hosts
     r = Round(wire.SUM, 1, np.array([[3], [4]], np.int64))  # owner: server 1, rack 1
     h0.next = h1.next = 1
