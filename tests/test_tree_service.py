@@ -1,0 +1,129 @@
+"""A two-level tree of software aggregators on loopback (docs/protocol.md, "Trees across racks"): two
+`passing-aggregator` processes as leaves and one as the root, configured over their control channels as a
+controller would, real UDP sockets, several worker processes per leaf (`passing.cli allreduce`, unchanged
+hosts), loss at every aggregator. Every worker's allreduce must equal the flat sum over all servers."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from passing import native, wire
+from passing.aggregator.control_channel import ControlClient
+from passing.cli import worker_inputs
+from passing.launch import free_udp_ports
+from tests.cluster import start_aggregator
+from tests.zygote import CLI_PRELOAD, shared
+
+SIZES = (3, 2)  # servers under leaf 0 and leaf 1
+ROOT_JOB, LEAF_JOB = 40, 1
+POOL, LANES, ELEMENTS = 8, 16, 3000
+SCALE = 1e6  # fixed: |x| <= 100 over 5 servers stays inside int32 at either level
+
+
+def engines() -> tuple[str, str, str]:
+    """(root, leaf 0, leaf 1): both engines in one tree where the C one is built."""
+    return ("numpy", "native", "numpy") if native.available() else ("numpy", "numpy", "numpy")
+
+
+def worker_cmd(rack: int, worker: int, leaf: str, bind: str, out: Path, dtype: str, seed: int) -> list[str]:
+    return [sys.executable, "-m", "passing.cli", "allreduce", "--job", str(LEAF_JOB), "--generation", "0",
+            "--worker", str(worker), "--workers", str(SIZES[rack]), "--aggregator", leaf, "--bind", bind,
+            "--pool", str(POOL), "--lanes", str(LANES), "--size", str(ELEMENTS), "--dtype", dtype,
+            "--seed", str(seed + rack), "--scale", str(SCALE), "--timeout", "60", "--out", str(out), "--no-check"]
+
+
+@pytest.fixture
+def tree():
+    """Three aggregators with loss each way; yields (root, leaves) as (process, ready line) pairs."""
+    procs = []
+    try:
+        for i, engine in enumerate(engines()):
+            procs.append(start_aggregator(["--lanes", str(LANES), "--engine", engine, "--drop-ingress", "0.03",
+                                           "--drop-egress", "0.03", "--duplicate", "0.02", "--seed", str(7 + i)]))
+        yield procs[0], procs[1:]
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def configure(root: dict, leaves: list[dict], hosts: list[list[str]]) -> None:
+    """What a controller writes: the root job over the leaves, a leaf job per rack with its uplink."""
+    total = sum(SIZES)
+    firsts = [sum(SIZES[:i]) for i in range(len(SIZES))]
+    ControlClient(root["control"]).request("add_job", job={
+        "job": ROOT_JOB, "pool": POOL, "generation": 0, "lanes": LANES, "role": "root",
+        "workers": [leaf["data"] for leaf in leaves], "owners": [i for i, k in enumerate(SIZES) for _ in range(k)]})
+    for i, leaf in enumerate(leaves):
+        owners = [g - firsts[i] if firsts[i] <= g < firsts[i] + SIZES[i] else -2 for g in range(total)]
+        ControlClient(leaf["control"]).request("add_job", job={
+            "job": LEAF_JOB, "pool": POOL, "generation": 0, "lanes": LANES, "role": "leaf", "workers": hosts[i],
+            "owners": owners, "up": {"job": ROOT_JOB, "generation": 0, "worker": i, "root": root["data"]}})
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float32"])
+def test_a_tree_of_software_aggregators_gives_the_flat_sum_under_loss(tree, tmp_path, dtype):
+    (_, root), leaves = tree
+    leaves = [ready for _, ready in leaves]
+    ports = iter(free_udp_ports(sum(SIZES)))
+    hosts = [[f"127.0.0.1:{next(ports)}" for _ in range(k)] for k in SIZES]
+    configure(root, leaves, hosts)
+    assert ControlClient(root["control"]).request("ping")["roles"] == ["flat", "leaf", "root"]
+    seed = 11
+    procs = {}
+    for rack, k in enumerate(SIZES):
+        for w in range(k):
+            out = tmp_path / f"result-{rack}-{w}.npy"
+            procs[out] = shared(CLI_PRELOAD).popen(
+                worker_cmd(rack, w, leaves[rack]["data"], hosts[rack][w], out, dtype, seed),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    for proc in procs.values():
+        _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        assert proc.returncode == 0, err
+    flat = np.sum([worker_inputs(seed + rack, w, ELEMENTS, dtype) for rack, k in enumerate(SIZES) for w in range(k)],
+                  axis=0, dtype=np.float64)
+    for out in procs:
+        got = np.load(out)
+        if dtype == "int32":
+            assert np.array_equal(got, flat.astype(np.int32)), out.name
+        else:  # the scaled sum: each of the 5 values rounds by at most half a step
+            assert np.max(np.abs(got - flat)) <= sum(SIZES) * 0.5 / SCALE + 1e-5 * np.max(np.abs(flat)), out.name
+    root_stats = ControlClient(root["control"]).request("stats")
+    job = root_stats["jobs"][str(ROOT_JOB)]
+    packets = -(-ELEMENTS // LANES)
+    assert job["completed"] >= packets and job["rejected"] == 0
+    resent = dropped = 0
+    for leaf in leaves:
+        stats = ControlClient(leaf["control"]).request("stats")
+        c = stats["jobs"][str(LEAF_JOB)]
+        assert c["sent_up"] >= packets and c["answered"] >= packets and c["rejected"] == 0
+        resent += c["sent_up"] - c["completed"]  # partials sent up again for a server's retransmission
+        dropped += stats["injected"]["ingress_dropped"] + stats["injected"]["egress_dropped"]
+    assert dropped > 0 and resent > 0  # the loss happened, and the leaves recovered it upward
+
+    # a datagram at the root from anything but an admitted leaf: dropped and counted
+    stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        hdr = np.zeros(1, dtype=wire.packet_dtype(LANES))
+        hdr["hdr"][0] = (wire.VERSION, wire.DATA, 0, 0, ROOT_JOB, 0, 0, 0, 0, 0)
+        host, port = root["data"].rsplit(":", 1)
+        for _ in range(20):  # the root's ingress loses some: send until one is counted
+            stranger.sendto(hdr.tobytes(), (host, int(port)))
+            time.sleep(0.05)
+            if ControlClient(root["control"]).request("stats")["jobs"][str(ROOT_JOB)]["rejected"] > 0:
+                break
+        else:
+            raise AssertionError("the root did not count a stranger's datagram")
+    finally:
+        stranger.close()
