@@ -1,7 +1,8 @@
 """A two-level tree of software aggregators on loopback (docs/protocol.md, "Trees across racks"): two
 `passing-aggregator` processes as leaves and one as the root, configured over their control channels as a
 controller would, real UDP sockets, several worker processes per leaf (`passing.cli allreduce`, unchanged
-hosts), loss at every aggregator. Every worker's allreduce must equal the flat sum over all servers."""
+hosts), loss at every aggregator. Every worker's allreduce must equal the flat sum over all servers. The job
+objects are the controller's fabric plan's (passing_controller.fabric)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from passing import native, wire
 from passing.aggregator.control_channel import ControlClient
 from passing.cli import worker_inputs
 from passing.launch import free_udp_ports
+from passing_controller.fabric import Fabric, plan
 from tests.cluster import start_aggregator
 from tests.zygote import CLI_PRELOAD, shared
 
@@ -58,17 +60,21 @@ def tree():
 
 
 def configure(root: dict, leaves: list[dict], hosts: list[list[str]]) -> None:
-    """What a controller writes: the root job over the leaves, a leaf job per rack with its uplink."""
-    total = sum(SIZES)
-    firsts = [sum(SIZES[:i]) for i in range(len(SIZES))]
-    ControlClient(root["control"]).request("add_job", job={
-        "job": ROOT_JOB, "pool": POOL, "generation": 0, "lanes": LANES, "role": "root",
-        "workers": [leaf["data"] for leaf in leaves], "owners": [i for i, k in enumerate(SIZES) for _ in range(k)]})
-    for i, leaf in enumerate(leaves):
-        owners = [g - firsts[i] if firsts[i] <= g < firsts[i] + SIZES[i] else -2 for g in range(total)]
-        ControlClient(leaf["control"]).request("add_job", job={
-            "job": LEAF_JOB, "pool": POOL, "generation": 0, "lanes": LANES, "role": "leaf", "workers": hosts[i],
-            "owners": owners, "up": {"job": ROOT_JOB, "generation": 0, "worker": i, "root": root["data"]}})
+    """What a controller writes, from its fabric's plan (passing_controller.fabric): the root job over the
+    leaves, a leaf job per rack with its uplink. The group's workers join interleaved across the racks."""
+    names = [[f"rack{r}-{w}" for w in range(k)] for r, k in enumerate(SIZES)]
+    fabric = Fabric.from_list([
+        *({"name": f"leaf{r}", "ps": leaf["data"], "hosts": names[r], "uplink": "spine"}
+          for r, leaf in enumerate(leaves)),
+        {"name": "spine", "ps": root["data"]}], [], [root["data"], *(leaf["data"] for leaf in leaves)], False)
+    order = sorted(((w, r) for r, k in enumerate(SIZES) for w in range(k)))  # r0w0, r1w0, r0w1, ...
+    placed = plan(fabric, [names[r][w] for w, r in order])
+    assert placed.root is not None and [rack.node.name for rack in placed.racks] == ["leaf0", "leaf1"]
+    data = {"spine": root["data"], **{f"leaf{r}": leaf["data"] for r, leaf in enumerate(leaves)}}
+    objects = placed.job_objects(LEAF_JOB, 0, POOL, LANES, [hosts[r][w] for w, r in order], data, root_job=ROOT_JOB)
+    ControlClient(root["control"]).request("add_job", job=objects["spine"])
+    for r, leaf in enumerate(leaves):
+        ControlClient(leaf["control"]).request("add_job", job=objects[f"leaf{r}"])
 
 
 @pytest.mark.parametrize("dtype", ["int32", "float32"])
