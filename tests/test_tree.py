@@ -273,3 +273,17 @@ def test_after_an_ack_from_the_root_a_leaf_answers_only_acks_and_takes_only_othe
                  5).pack([1])
     assert tree.leaves[0].process([(own, ROOT)]) == []
     assert tree.leaves[0].impls[0].counters(h0.job)["rejected"] == 1
+
+
+def test_a_tree_job_without_an_owner_map_takes_no_owner_only_round_nor_gather(kinds):
+    """A tree too large for 7-bit owners is given no map: OWNER_ONLY rounds, GATHERs and NACKs are counted
+    drops there, never delivered by a flat job's identity."""
+    e = make_engine(8, 2, engine=kinds[1])
+    e.add_job(JobSpec(1, 0, 2, [HOST, HOST + 1], role="leaf", up=Uplink(5, 0, 0, ROOT)))
+    packets = [Header(wire.VERSION, wire.DATA, 0, wire.FLAG_OWNER_ONLY, 1, 0, 0, 1 << 1, 0, 0).pack([1, 2]),
+               Header(wire.VERSION, wire.GATHER, 0, 0, 1, 0, 0, 0, 0, 0).pack([1, 2]),
+               Header(wire.VERSION, wire.NACK, 0, 0, 1, 1, 0, 1 << 1, 0, 0).pack([0, 0]),
+               Header(wire.VERSION, wire.DATA, 0, 0, 1, 0, 0, 0, 0, 0).pack([1, 2])]
+    batch = np.frombuffer(b"".join(packets), dtype=wire.packet_dtype(2))
+    out = e.process(batch, np.array([HOST] * 4))
+    assert len(out) == 0 and e.counters(1)["rejected"] == 3 and e.counters(1)["aggregated"] == 1

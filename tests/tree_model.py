@@ -83,8 +83,8 @@ class Model:
 
     @staticmethod
     def owner_of(job: JobSpec, value: int) -> int:
-        if job.owners is None:
-            return value if value < job.workers else NOT_OWNER
+        if job.owners is None:  # a flat job's identity; a tree job without a map names no owner
+            return value if value < job.workers and job.role == "flat" else NOT_OWNER
         return job.owners[value] if value < len(job.owners) else NOT_OWNER
 
     def lanes_of(self, length: int) -> int:

@@ -66,7 +66,7 @@ class JobSpec:
     In a tree (docs/protocol.md, "Trees across racks") a ``leaf`` job has an ``up`` link and its workers
     are its rack's servers; a ``root`` job's workers are the leaves. ``owners`` maps an owner value (a
     server's number in the whole job) to a worker here (``UP`` at a leaf: another rack's server;
-    ``NOT_OWNER``); None is the identity of a flat job.
+    ``NOT_OWNER``); None is the identity of a flat job, and no owner at all for a leaf or a root.
     """
 
     job: int
@@ -94,10 +94,12 @@ class JobSpec:
         return (1 << self.workers) - 1
 
     def owner_map(self) -> np.ndarray:
-        """The owner map as OWNERS entries (values past the given list name no server)."""
+        """The owner map as OWNERS entries (values past the given list name no server). None: a flat job's
+        identity; a leaf or root job without one names no owner (its tree carries SUM and MAX rounds only)."""
         out = np.full(OWNERS, NOT_OWNER, dtype=np.int64)
         if self.owners is None:
-            out[: self.workers] = np.arange(self.workers)
+            if self.role == "flat":
+                out[: self.workers] = np.arange(self.workers)
         else:
             out[: len(self.owners)] = self.owners
         return out
