@@ -19,6 +19,7 @@ from passing import native, wire
 from passing.aggregator.control_channel import ControlClient
 from passing.cli import worker_inputs
 from passing.launch import free_udp_ports
+from passing.quantize import auto_scale
 from passing_controller.fabric import Fabric, plan
 from tests.cluster import start_aggregator
 from tests.zygote import CLI_PRELOAD, shared
@@ -35,10 +36,13 @@ def engines() -> tuple[str, str, str]:
 
 
 def worker_cmd(rack: int, worker: int, leaf: str, bind: str, out: Path, dtype: str, seed: int) -> list[str]:
+    """A worker of rack ``rack``; "auto": float32 scaled for the job's servers (--servers) by a MAX round."""
+    scale = ["--servers", str(sum(SIZES)), "--scale", "auto"] if dtype == "auto" else ["--scale", str(SCALE)]
     return [sys.executable, "-m", "passing.cli", "allreduce", "--job", str(LEAF_JOB), "--generation", "0",
             "--worker", str(worker), "--workers", str(SIZES[rack]), "--aggregator", leaf, "--bind", bind,
-            "--pool", str(POOL), "--lanes", str(LANES), "--size", str(ELEMENTS), "--dtype", dtype,
-            "--seed", str(seed + rack), "--scale", str(SCALE), "--timeout", "60", "--out", str(out), "--no-check"]
+            "--pool", str(POOL), "--lanes", str(LANES), "--size", str(ELEMENTS),
+            "--dtype", "float32" if dtype == "auto" else dtype, *scale,
+            "--seed", str(seed + rack), "--timeout", "60", "--out", str(out), "--no-check"]
 
 
 @pytest.fixture
@@ -77,7 +81,7 @@ def configure(root: dict, leaves: list[dict], hosts: list[list[str]]) -> None:
         ControlClient(leaf["control"]).request("add_job", job=objects[f"leaf{r}"])
 
 
-@pytest.mark.parametrize("dtype", ["int32", "float32"])
+@pytest.mark.parametrize("dtype", ["int32", "float32", "auto"])
 def test_a_tree_of_software_aggregators_gives_the_flat_sum_under_loss(tree, tmp_path, dtype):
     (_, root), leaves = tree
     leaves = [ready for _, ready in leaves]
@@ -97,14 +101,18 @@ def test_a_tree_of_software_aggregators_gives_the_flat_sum_under_loss(tree, tmp_
     for proc in procs.values():
         _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         assert proc.returncode == 0, err
-    flat = np.sum([worker_inputs(seed + rack, w, ELEMENTS, dtype) for rack, k in enumerate(SIZES) for w in range(k)],
-                  axis=0, dtype=np.float64)
+    inputs = [worker_inputs(seed + rack, w, ELEMENTS, "float32" if dtype == "auto" else dtype)
+              for rack, k in enumerate(SIZES) for w in range(k)]
+    flat = np.sum(inputs, axis=0, dtype=np.float64)
     for out in procs:
         got = np.load(out)
         if dtype == "int32":
             assert np.array_equal(got, flat.astype(np.int32)), out.name
-        else:  # the scaled sum: each of the 5 values rounds by at most half a step
+        elif dtype == "float32":  # the scaled sum: each of the 5 values rounds by at most half a step
             assert np.max(np.abs(got - flat)) <= sum(SIZES) * 0.5 / SCALE + 1e-5 * np.max(np.abs(flat)), out.name
+        else:  # the scale a MAX round through the tree picked for 5 servers: the same bound at that scale
+            scale = auto_scale(float(np.max(np.abs(inputs))), sum(SIZES))
+            assert np.max(np.abs(got - flat)) <= sum(SIZES) * 0.5 / scale + 1e-5 * np.max(np.abs(flat)), out.name
     root_stats = ControlClient(root["control"]).request("stats")
     job = root_stats["jobs"][str(ROOT_JOB)]
     packets = -(-ELEMENTS // LANES)
@@ -133,3 +141,23 @@ def test_a_tree_of_software_aggregators_gives_the_flat_sum_under_loss(tree, tmp_
             raise AssertionError("the root did not count a stranger's datagram")
     finally:
         stranger.close()
+
+
+def test_a_leafs_group_takes_the_jobs_servers_and_refuses_what_it_cannot_do_yet():
+    from passing import Group
+    from passing.errors import PassingError
+    from passing.reduce_path import apply_nonfinite, nonfinite_shift
+
+    for bad in (1, 1025):
+        with pytest.raises(ValueError, match="servers must be 2..1024"):
+            Group(1, 0, 2, ["127.0.0.1:9"], bind="127.0.0.1:0", servers=bad)
+    with Group(1, 0, 2, ["127.0.0.1:9"], bind="127.0.0.1:0", servers=40) as g:
+        for call in (lambda: g.reduce_scatter(np.zeros(4, np.float32)), lambda: g.allgather(np.zeros(2))):
+            with pytest.raises(PassingError, match="across racks is not supported yet"):
+                call()
+    # the class round's counts: 6 bits up to 63 servers, 10 beyond (three counts of up to 1 023 in 30 bits)
+    assert nonfinite_shift(63) == 6 and nonfinite_shift(64) == 10 and nonfinite_shift(1024) == 10
+    out = np.zeros(4, np.float32)
+    classes = np.array([0, 900, 900 << 10, 1000 << 20], np.int32)  # none, NaN, +inf, -inf from many servers
+    apply_nonfinite(out, classes, 10)
+    assert out[0] == 0 and np.isnan(out[1]) and out[2] == np.inf and out[3] == -np.inf
