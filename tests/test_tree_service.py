@@ -161,3 +161,34 @@ def test_a_leafs_group_takes_the_jobs_servers_and_refuses_what_it_cannot_do_yet(
     classes = np.array([0, 900, 900 << 10, 1000 << 20], np.int32)  # none, NaN, +inf, -inf from many servers
     apply_nonfinite(out, classes, 10)
     assert out[0] == 0 and np.isnan(out[1]) and out[2] == np.inf and out[3] == -np.inf
+
+
+LEAF_OBJECT = {"job": 1, "pool": 4, "workers": ["10.0.0.1:2000", "10.0.0.2:2000"], "role": "leaf",
+               "owners": [0, 1, -2], "up": {"job": 40, "generation": 3, "worker": 1, "root": "10.0.9.1:9877"}}
+
+
+def test_tree_job_objects_round_trip_and_refuse_what_they_cannot_be():
+    from passing.aggregator.control_channel import job_from_json, job_to_json
+    from passing.aggregator.engine import AggregationEngine, ConfigError
+
+    spec = AggregationEngine(16, 8).add_job(job_from_json(LEAF_OBJECT))
+    again = job_to_json(spec)
+    assert again["up"] == LEAF_OBJECT["up"] and again["owners"] == [0, 1, -2] and again["role"] == "leaf"
+    assert job_from_json(again) == spec
+    flat = job_to_json(job_from_json({"job": 2, "pool": 4, "workers": ["10.0.0.1:2000"]}))
+    assert not {"role", "owners", "up"} & set(flat)  # a flat job's object reads as it always did
+    for change, error in [
+        ({"rack": 1}, "unknown keys"),
+        ({"role": "spine"}, "'role' must be one of"),
+        ({"owners": "0,1"}, "'owners' must be a list"),
+        ({"owners": [0] * 129}, "at most 128"),
+        ({"owners": [0, 1.0]}, "'owners' must be a list"),
+        ({"up": {"job": 40, "generation": 3, "worker": 1}}, "'up' must be"),
+        ({"up": {**LEAF_OBJECT["up"], "worker": 32}}, "worker 32 outside"),
+        ({"up": {**LEAF_OBJECT["up"], "root": "10.0.9.1:0"}}, "UDP port 0"),
+        ({"up": {**LEAF_OBJECT["up"], "generation": -1}}, "generation -1 outside"),
+    ]:
+        with pytest.raises(ConfigError, match=error):
+            job_from_json({**LEAF_OBJECT, **change})
+    with pytest.raises(ConfigError, match="needs an uplink"):  # the engine's rules after the object's
+        AggregationEngine(16, 8).add_job(job_from_json({**LEAF_OBJECT, "up": None}))
