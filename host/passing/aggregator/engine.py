@@ -7,6 +7,11 @@ completion is a RESULT for its owner and a header-only ACK for every other worke
 The software aggregator (PS fallback) runs it behind UDP sockets, the tests run it
 directly, and the P4 programs implement the very same rules in switch registers.
 
+A job may also be a leaf or the root of a two-level tree (docs/protocol.md, "Trees across racks";
+its entry in passing.aggregator.jobs): a leaf's completed round goes up to its root as one DATA
+packet, and the root's RESULT or ACK, matched by the uplink's job id, is delivered to the leaf's
+workers; owners go through each job's owner map. One engine, either role, by the job entry.
+
 State per slot and set: the ``epoch`` of the allocation that wrote it (job id and
 generation), a round ``tag`` (the psn being aggregated), a worker ``bitmap``, an
 ``overflow`` bit and ``lanes`` accumulators. ``lanes`` is the engine's width, the largest
