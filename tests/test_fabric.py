@@ -131,3 +131,27 @@ def test_the_topology_file_reads_its_fabric():
     with pytest.raises(TopologyError, match="leaf 'rack1' has no uplink"):
         Topology.from_dict({"ps": ps, "fabric": [{"name": "rack1", "ps": PS[0], "hosts": ["10.0.1.1"]},
                                                  {"name": "spine", "ps": PS[3]}]})
+
+
+def test_status_shows_the_fabric(tmp_path):
+    """A controller with a fabric in its topology (PS only: no aggregator is asked anything) says it in
+    `status`; one without says none."""
+    import threading
+
+    from tests.keys import ask, controller
+
+    ps = [{"data": d, "control": f"tcp://127.0.0.1:{9 + i}"} for i, d in enumerate(PS)]
+    nodes = [{"name": "rack1", "ps": PS[0], "hosts": ["10.0.1.1"], "uplink": "spine"},
+             {"name": "spine", "ps": PS[3]}]
+    for raw, want in (({"ps": ps, "fabric": nodes}, [
+            {"name": "rack1", "role": "leaf", "aggregator": PS[0], "hosts": ["10.0.1.1"], "uplink": "spine"},
+            {"name": "spine", "role": "root", "aggregator": PS[3], "hosts": [], "uplink": None}]),
+            ({"ps": ps}, [])):
+        ctl = controller(Topology.from_dict(raw), tmp_path / f"ctl-{len(want)}.sqlite")
+        thread = threading.Thread(target=ctl.serve)
+        thread.start()
+        try:
+            assert ask(ctl.endpoint, "status")["fabric"] == want
+        finally:
+            ctl.stop()
+            thread.join(10)
