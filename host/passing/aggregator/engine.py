@@ -128,16 +128,22 @@ class AggregationEngine:
         kind = hdr["type"]
         is_data = kind == wire.DATA
         relay = (kind == wire.GATHER) | (kind == wire.NACK)
-        answer = (kind == wire.RESULT) | (kind == wire.ACK)
-        ud = jobs.up_index[hdr["job"]]  # the leaf job whose uplink has this job id, if any
-        from_root = (ud >= 0) & (jobs.up_source[np.maximum(ud, 0)] == sources)
-        down = answer | (relay & from_root)  # what comes down from a root (a RESULT or ACK comes from nowhere else)
-        framed = np.where(down, (ud >= 0) & np.where(kind == wire.ACK, lengths == wire.HEADER_SIZE, lanes > 0),
-                          (lanes > 0) & (is_data | relay))
+        framed = (lanes > 0) & (is_data | relay)
+        d = jobs.index[hdr["job"]]
+        down = None  # what comes down from a root, where some job here is a leaf
+        aggregating_kind = is_data
+        if jobs.leaves:
+            answer = (kind == wire.RESULT) | (kind == wire.ACK)
+            aggregating_kind = is_data | answer
+            ud = jobs.up_index[hdr["job"]]  # the leaf job whose uplink has this job id, if any
+            from_root = (ud >= 0) & (jobs.up_source[np.maximum(ud, 0)] == sources)
+            down = answer | (relay & from_root)  # a RESULT or ACK comes from nowhere else
+            framed = np.where(down, (ud >= 0) & np.where(kind == wire.ACK, lengths == wire.HEADER_SIZE, lanes > 0),
+                              framed)
+            d = np.where(down, ud, d)
         ok = framed & (hdr["version"] == wire.VERSION)
         worker = hdr["worker"].astype(np.int64)
         slot = hdr["slot"].astype(np.int64)
-        d = np.where(down, ud, jobs.index[hdr["job"]])
         known = ok & (d >= 0)
         dc = np.where(known, d, 0)
         owner = jobs.owners[dc, wire.owner_of(hdr["set"])]  # the owner as a worker here (owner map; UP, NOT_OWNER)
@@ -153,7 +159,8 @@ class AggregationEngine:
             & ((kind != wire.GATHER) | (owner == worker))  # a piece of the sender's own
             & ((kind != wire.NACK) | ((owner != worker) & ((owner >= 0) | (owner == UP))))
         )
-        admitted = np.where(down, known & self._down_admitted(hdr, dc, owner, sources, lanes), admitted)
+        if down is not None and down.any():
+            admitted = np.where(down, known & self._down_admitted(hdr, dc, owner, sources, lanes), admitted)
         tally = _Tally(self)
         tally.total("received", int(ok.sum()))
         tally.total("malformed", n - int(ok.sum()))
@@ -166,11 +173,12 @@ class AggregationEngine:
         # slot, so this is arrival order per slot.
         relayed = np.flatnonzero(admitted & relay)
         if relayed.size:
-            emitted, cause = self._relay(batch[relayed], d[relayed], np.where(down, -1, worker)[relayed],
-                                         owner[relayed], down[relayed], tally)
+            came_down = np.zeros(relayed.size, dtype=bool) if down is None else down[relayed]
+            emitted, cause = self._relay(batch[relayed], d[relayed], np.where(came_down, -1, worker[relayed]),
+                                         owner[relayed], came_down, tally)
             out.append(emitted)
             causes.append(relayed[cause])
-        aggregating = admitted & (is_data | answer)
+        aggregating = admitted & aggregating_kind
         job_lanes = jobs.lanes[dc]
         for count in np.unique(job_lanes[aggregating]):
             idx = np.flatnonzero(aggregating & (job_lanes == count))
@@ -263,26 +271,29 @@ class AggregationEngine:
         payload = pkts["payload"][:, :lanes]
         acc = self.acc[:, :lanes]
         psn = hdr["psn"].astype(np.int64)
-        data = hdr["type"] == wire.DATA
-        wbit = np.where(data, np.left_shift(1, np.where(data, worker, 0)), 0)
+        leaf = jobs.leaf[d]
+        tree = bool(leaf.any())  # a leaf's rounds (only they have answers from a root): the tree's steps too
+        data = hdr["type"] == wire.DATA if tree else np.ones(len(pkts), dtype=bool)
+        wbit = np.where(data, np.left_shift(1, np.where(data, worker, 0)), 0) if tree else np.left_shift(1, worker)
         job_epoch = jobs.epoch[d]
         bitmap = self.bitmap[k]
-        phase = self.phase[k]
-        leaf = jobs.leaf[d]
         same_epoch = self.state_epoch[k] == job_epoch
         ahead = (psn - self.tag[k]) & 0xFFFFFFFF  # serial-number distance to the slot's round
         fresh = ~same_epoch | ((ahead != 0) & (ahead < 1 << 31))
-        fresh = fresh & data
         same_round = same_epoch & (ahead == 0)
         has_bit = (bitmap & wbit) != 0
         contrib = same_round & ~has_bit
-        contrib = contrib & data
-        dup = same_round & has_bit & data
+        dup = same_round & has_bit
+        if tree:
+            fresh, contrib, dup = fresh & data, contrib & data, dup & data
         answered = dup & (bitmap == jobs.full[d])
-        pending = answered & leaf & (phase == 0)  # complete at a leaf, no answer from the root yet: re-send up
-        answered = answered & ~pending
-        # from the root: the answer of a round complete here and waiting for it; anything else is late
-        down = ~data & same_round & (bitmap == jobs.full[d]) & (phase == 0)
+        pending = down = None
+        if tree:  # the phase of a leaf's round: answered by its root or not (other jobs' rounds never read it)
+            phase = self.phase[k]
+            pending = answered & leaf & (phase == 0)  # complete at a leaf, no answer from the root yet: re-send up
+            answered = answered & ~pending
+            # from the root: the answer of a round complete here and waiting for it; anything else is late
+            down = ~data & same_round & (bitmap == jobs.full[d]) & (phase == 0)
         flagged = (hdr["flags"] & wire.FLAG_OVERFLOW) != 0
 
         # A new round: the first write resets the slot/set, no separate clearing pass.
@@ -292,7 +303,8 @@ class AggregationEngine:
         self.state_epoch[fk] = job_epoch[fresh]
         self.bitmap[fk] = wbit[fresh]
         self.overflow[fk] = flagged[fresh]
-        self.phase[fk] = 0
+        if tree:
+            self.phase[fk] = 0
 
         # A contribution to the current round: saturating add (SUM) or max (MAX), in int32.
         ck = k[contrib]
@@ -315,14 +327,15 @@ class AggregationEngine:
         self.bitmap[ck] |= wbit[contrib]
         self.overflow[ck] |= lane_overflow
 
-        # The root's answer: a RESULT's sums and flag replace the partial; after an ACK only ACKs go out.
-        result = down & (hdr["type"] == wire.RESULT)
-        acc[k[result]] = payload[result]
-        self.overflow[k[result]] = flagged[result]
-        self.phase[k[down]] = np.where(result[down], 1, 2)
+        if tree:  # the root's answer: a RESULT's sums and flag replace the partial; after an ACK only ACKs go out
+            result = down & (hdr["type"] == wire.RESULT)
+            acc[k[result]] = payload[result]
+            self.overflow[k[result]] = flagged[result]
+            self.phase[k[down]] = np.where(result[down], 1, 2)
+            tally.jobs("answered", d[down])
+            tally.jobs("late_answer", d[~data & ~down])
 
         done = (fresh | contrib) & (self.bitmap[k] == jobs.full[d])
-        self.phase[k[done & ~leaf]] = 1  # a flat or root round is answered at completion
         tally.jobs("aggregated", d[fresh | contrib])
         tally.jobs("completed", d[done])
         tally.jobs("duplicate", d[dup & ~answered])
@@ -330,16 +343,20 @@ class AggregationEngine:
         tally.jobs("stale", d[data & ~fresh & ~same_round])
         tally.jobs("overflow", d[fresh & flagged])
         tally.jobs("overflow", d[contrib][lane_overflow])
-        tally.jobs("answered", d[down])
-        tally.jobs("late_answer", d[~data & ~down])
 
         # Completion: one replica per worker of the job (replication id = worker); a leaf's goes up instead.
-        done_i = np.flatnonzero((done & ~leaf) | down)
         ans_i = np.flatnonzero(answered)
+        if pending is None or down is None:  # no leaf's round in the wave: every completion is answered here
+            done_i = np.flatnonzero(done)
+            if done_i.size + ans_i.size == 0:
+                return self._empty_emission(), np.zeros(0, np.int64)
+            return (self._answers(pkts, d, worker, owner, k, done_i, ans_i, tally, lanes, tree),
+                    np.r_[np.repeat(done_i, jobs.workers[d[done_i]]), ans_i])
+        done_i = np.flatnonzero((done & ~leaf) | down)
         up_i = np.flatnonzero((done & leaf) | pending)
         parts, causes = [], []
         if done_i.size + ans_i.size:
-            parts.append(self._answers(pkts, d, worker, owner, k, done_i, ans_i, tally, lanes))
+            parts.append(self._answers(pkts, d, worker, owner, k, done_i, ans_i, tally, lanes, tree))
             causes.append(np.r_[np.repeat(done_i, jobs.workers[d[done_i]]), ans_i])
         if up_i.size:
             parts.append(self._up(pkts, d, k, up_i, pending[up_i], tally, lanes))
@@ -349,9 +366,10 @@ class AggregationEngine:
         return _concat(parts, self.lanes), np.concatenate(causes)
 
     def _answers(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, owner: np.ndarray, k: np.ndarray,
-                 done_i: np.ndarray, ans_i: np.ndarray, tally: _Tally, lanes: int) -> Emission:
+                 done_i: np.ndarray, ans_i: np.ndarray, tally: _Tally, lanes: int, tree: bool) -> Emission:
         """The RESULTs of the rounds answered in a wave: every worker's replica of each round in ``done_i``
-        (in worker order), then an answer to the sender of each retransmission in ``ans_i``."""
+        (in worker order), then an answer to the sender of each retransmission in ``ans_i`` (``tree``: the
+        wave has a leaf's rounds)."""
         jobs = self._jobs
         hdr = pkts["hdr"]
         acc = self.acc[:, :lanes]
@@ -362,15 +380,17 @@ class AggregationEngine:
         rh = res["hdr"]
         for name in ("op", "job", "generation", "slot", "set", "psn"):
             rh[name] = hdr[name][src]
-        rh["job"] = jobs.job_id[d[src]]  # a leaf's answer from its root goes out with the leaf's own
-        rh["generation"] = jobs.generation[d[src]]
         # An OWNER_ONLY round's sums go to its owner; every other worker gets the header alone, an ACK.
         ack = ((hdr["flags"][src] & wire.FLAG_OWNER_ONLY) != 0) & (dest_worker != owner[src])
-        ack = ack | (self.phase[k[src]] == 2)  # a leaf answered by an ACK holds no sums
+        if tree:
+            rh["job"] = jobs.job_id[d[src]]  # a leaf's answer from its root goes out with the leaf's own
+            rh["generation"] = jobs.generation[d[src]]
+            ack = ack | (jobs.leaf[d[src]] & (self.phase[k[src]] == 2))  # a leaf answered by an ACK holds no sums
         rh["type"] = np.where(ack, wire.ACK, wire.RESULT)
         rh["worker"] = dest_worker
         rh["flags"] = self.overflow[k[src]] * wire.FLAG_OVERFLOW
-        rh["flags"] |= jobs.root[d[src]] * (hdr["flags"][src] & wire.FLAG_OWNER_ONLY)  # down to a leaf: kept
+        if jobs.roots:  # a root's answers down to its leaves keep OWNER_ONLY
+            rh["flags"] |= jobs.root[d[src]] * (hdr["flags"][src] & wire.FLAG_OWNER_ONLY)
         res["payload"][:, :lanes] = np.where(ack[:, None], 0, acc[k[src]])
         tally.jobs("results_sent", d[src])
         return Emission(

@@ -193,6 +193,7 @@ class JobTable:
         self.up_source = np.full(self.capacity, NO_SOURCE, dtype=np.int64)
         self.counters = np.zeros((self.capacity, len(COUNTERS)), dtype=np.int64)
         self.free = list(range(self.capacity - 1, -1, -1))
+        self.leaves = self.roots = 0  # leaf and root jobs admitted: without any, nothing of a tree is done
 
     def add(self, spec: JobSpec) -> None:
         """Enter an admitted ``spec`` (check_admission passed)."""
@@ -205,11 +206,13 @@ class JobTable:
         self.sources[d, : spec.workers] = spec.sources
         self.owners[d] = spec.owner_map()
         self.leaf[d], self.root[d] = spec.role == "leaf", spec.role == "root"
+        self.roots += spec.role == "root"
         up = spec.up or Uplink(0, 0, 0, NO_SOURCE)
         self.up_job[d], self.up_generation[d], self.up_worker[d], self.up_source[d] = (up.job, up.generation,
                                                                                       up.worker, up.source)
         if spec.up is not None:
             self.up_index[up.job] = d
+            self.leaves += 1
         self.counters[d] = 0
         self.by_id[spec.job] = spec
 
@@ -221,6 +224,9 @@ class JobTable:
         spec = self.by_id.pop(job)
         if spec.up is not None:
             self.up_index[spec.up.job] = -1
+            self.leaves -= 1
+        self.roots -= spec.role == "root"
+        self.leaf[d] = self.root[d] = False  # (a dense id's roles are read only while it is admitted)
         self.sources[d] = NO_SOURCE
         self.up_source[d] = NO_SOURCE
         self.free.append(d)
