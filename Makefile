@@ -164,7 +164,7 @@ clean:
 # ---- the native library (host/csrc) under sanitizers and a fuzzer -----------------------
 # sanitize: the library built with AddressSanitizer + UBSan (gcc) into build/native-asan/, and
 # the native differential, scenario, edge-case, non-finite, turnover, UDP data-path, psn-wrap, lanes and
-# sharded-collectives (relays, ACKs) and in-host bulk-move tests
+# sharded-collectives (relays, ACKs), in-host bulk-move and two-level tree tests
 # (both engines:
 # the aggregator's and the host's) run against it; any report fails the run
 # (--capture=sys: a report written to fd 2 by a dying process is not swallowed).
@@ -188,13 +188,14 @@ sanitize: $(STAMP)
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		$(PY) -m pytest -q -p no:cacheprovider --capture=sys tests/test_native_engine.py tests/test_scenarios.py \
 		tests/test_edge_cases.py tests/test_nonfinite.py tests/test_generation.py tests/test_datapath.py \
-		tests/test_psn_wrap.py tests/test_lanes.py tests/test_sharded_collectives.py tests/test_in_host.py
+		tests/test_psn_wrap.py tests/test_lanes.py tests/test_sharded_collectives.py tests/test_in_host.py \
+		tests/test_tree.py
 
 fuzz:
 	@test -n "$(CLANG)" || { echo "make fuzz: clang not found (apt-get install clang-14 libclang-rt-14-dev)" >&2; exit 1; }
 	mkdir -p build/fuzz/corpus
 	$(CLANG) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Wall -Wextra -Werror \
-		-pthread -Ihost/csrc -o build/fuzz/fuzz_engine host/csrc/fuzz_engine.c host/csrc/engine.c host/csrc/wire.c
+		-pthread -Ihost/csrc -o build/fuzz/fuzz_engine host/csrc/fuzz_engine.c host/csrc/engine.c host/csrc/engine_jobs.c host/csrc/wire.c
 	build/fuzz/fuzz_engine -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 build/fuzz/corpus
 
 # ---- the differential fuzzer of backend "passing" against gloo (tests/differential) --------------

@@ -11,9 +11,10 @@ setup(
     ext_modules=[
         Extension(
             "passing._native",
-            sources=["csrc/wire.c", "csrc/engine.c", "csrc/server.c", "csrc/stream.c", "csrc/gather.c",
-                     "csrc/stream_loop.c", "csrc/quantize.c", "csrc/udp.c", "csrc/memory.c"],
-            depends=["csrc/passing_native.h", "csrc/udp.h", "csrc/engine.h", "csrc/stream_loop.h", "csrc/quantize.h"],
+            sources=["csrc/wire.c", "csrc/engine.c", "csrc/engine_jobs.c", "csrc/server.c", "csrc/stream.c",
+                     "csrc/gather.c", "csrc/stream_loop.c", "csrc/quantize.c", "csrc/udp.c", "csrc/memory.c"],
+            depends=["csrc/passing_native.h", "csrc/udp.h", "csrc/engine.h", "csrc/engine_state.h",
+                     "csrc/stream_loop.h", "csrc/quantize.h"],
             include_dirs=["csrc"],
             extra_compile_args=["-std=c11", "-O3", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden"],
             extra_link_args=["-pthread"],

@@ -30,6 +30,7 @@ from passing.aggregator.native_engine import NativeAggregationEngine, make_engin
 from passing.aggregator.server import Impairment, SoftwareAggregator
 from passing.transport import TransportStats
 from tests.cluster import start_aggregator
+from tests.test_tree import play as tree_play
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native library is not built")
 
@@ -332,8 +333,19 @@ def test_the_random_streams_reach_every_outcome():
             totals[name] += value
         for kind, n in pair.kinds.items():
             kinds[kind] += n
-    assert all(v > 0 for v in totals.values()), totals
+    tree_only = ("sent_up", "answered", "late_answer")  # no tree here: tests/test_tree.py, below, reaches them
+    assert all(v > 0 for k, v in totals.items() if k not in tree_only), totals
     assert all(v > 0 for v in kinds.values()), kinds  # and every kind an aggregator sends
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_two_level_trees_give_identical_results_and_counters(seed):
+    """The C engine as leaves and root of a tree against the numpy one, on tests/test_tree.py's random streams
+    (loss, duplication, reordering, late copies, hostile datagrams at both levels, every kind), every host's
+    answer held against the exact sums."""
+    tree = tree_play(seed, ("numpy", "native"))
+    counters = [node.impls[1].counters() for node in tree.leaves]
+    assert sum(c["sent_up"] for c in counters) > 0 and sum(c["answered"] for c in counters) > 0
 
 
 def test_one_batch_with_every_slot_hit_many_times():

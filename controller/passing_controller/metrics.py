@@ -18,7 +18,9 @@ PORT = 9100  # the controller's usual metrics port (an aggregator's is 9101), as
 # The aggregation state machine's counters (docs/protocol.md) and what each one counts.
 COUNTER_UNITS = {"received": "packets", "rejected": "packets", "aggregated": "packets", "completed": "rounds",
                  "duplicate": "packets", "duplicate_answered": "packets", "stale": "packets", "overflow": "packets",
-                 "relayed": "packets", "results_sent": "packets", "malformed": "packets"}
+                 "relayed": "packets", "results_sent": "packets", "malformed": "packets",
+                 # a tree's (docs/protocol.md, "Trees across racks"): a leaf's packets up, its root's answers
+                 "sent_up": "packets", "answered": "packets", "late_answer": "packets"}
 # What a worker reports (docs/control.md, report): field -> (metric, help)
 HOST_COUNTERS = {
     "packets_sent": ("passing_host_sent_packets", "DATA packets the worker sent, retransmissions included"),

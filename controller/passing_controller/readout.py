@@ -47,7 +47,15 @@ class Readout:
                             for k, p in s.pending.items()],
                 "aggregators": self.aggregators(),
                 "refused": dict(s.refused),
+                "fabric": self.fabric(),
             }
+
+    def fabric(self) -> list[dict[str, Any]]:
+        """The topology's racks (docs/control.md, Fabric): each node, its role, aggregator, hosts and uplink."""
+        if self.topo.fabric is None:
+            return []
+        return [{"name": n.name, "role": "leaf" if n.leaf else "root", "aggregator": n.aggregator,
+                 "hosts": list(n.hosts), "uplink": n.uplink} for n in self.topo.fabric.nodes.values()]
 
     def _running_records(self) -> list[Record]:
         return sorted((r for r in self.state.records.values() if r.job_id not in self.state.ending),

@@ -9,7 +9,8 @@ JSON::
                  "tls": {"ca": "ca.pem", "cert": "controller.pem", "key": "controller.key"}},
       "hosts": [{"name": "h1", "mac": "02:00:00:00:00:01", "ip": "10.0.0.1", "port": 1}, ...],
       "ps": [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878", "mtu": 9000,
-              "public_key": "Z85..."}]
+              "public_key": "Z85..."}],
+      "fabric": [{"name": "rack1", "ps": "10.0.0.100:9877", "hosts": ["h1"], "uplink": "spine"}, ...]
     }
 
 Without "switch" the controller serves software aggregators (PS) only; "hosts" may then
@@ -17,7 +18,8 @@ be left out, and a join may name its host by any IPv4 address. Nothing about por
 addresses is hard-coded anywhere else. "tls" (optional): P4Runtime over TLS, with the CA of the
 switch's certificate, and a client certificate and key where the switch asks for one. A PS's
 ``public_key`` (its CURVE key, Z85) is needed only when it is not the key directory's
-``aggregator.key`` (docs/security.md).
+``aggregator.key`` (docs/security.md). "fabric" (optional): racks of hosts under leaf aggregators and
+the roots that join them, for trees across racks (passing_controller.fabric, docs/control.md, Fabric).
 
 A group on the switch uses the lane count of the P4 program its chip runs (``CHIP_LANES``:
 "chip" is "bmv2", "tofino" or "tofino2", "bmv2" by default). A "lanes" of the switch's own must
@@ -35,6 +37,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .fabric import Fabric, FabricError
 
 
 class TopologyError(ValueError):
@@ -184,6 +188,7 @@ class Topology:
     ps: list[PsEndpoint] = field(default_factory=list)
     tls: dict[str, str] | None = None  # P4Runtime over TLS: {"ca", "cert"?, "key"?} (file paths)
     chip: str | None = None  # the switch's chip (a CHIP_LANES key); None: no switch
+    fabric: Fabric | None = None  # racks of leaves under roots, for trees (passing_controller.fabric); None: one level
 
     def host(self, name_or_ip: str) -> Host:
         for h in self.hosts:
@@ -246,4 +251,10 @@ class Topology:
             values = [getattr(h, attr) for h in topo.hosts]
             if len(set(values)) != len(values):
                 raise TopologyError(f"two hosts share a {attr}")
+        if "fabric" in raw:
+            try:
+                topo.fabric = Fabric.from_list(raw["fabric"], [n for h in topo.hosts for n in (h.name, h.ip)],
+                                               [p.data for p in topo.ps], topo.p4runtime is not None)
+            except FabricError as e:
+                raise TopologyError(str(e)) from None
         return topo

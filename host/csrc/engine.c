@@ -3,7 +3,9 @@
  * the same slot/set state, the same counters and byte-identical RESULTs, in the same order:
  * the arrival order of the packets that caused them (a completion's replicas in worker order).
  * GATHER and NACK packets are relayed without state; an OWNER_ONLY round answers its
- * non-owners with ACKs (docs/protocol.md, Kinds).
+ * non-owners with ACKs (docs/protocol.md, Kinds). A job may be a leaf or the root of a two-level
+ * tree (docs/protocol.md, "Trees across racks"): a leaf sends a complete round's partial up and
+ * delivers its root's answer; a root's workers are leaves. Owners go through each job's owner map.
  *
  * Every job has a lane count of its own (at most the engine's, the width of a slot): its
  * packets are that long, and it uses that many accumulators of each of its slots.
@@ -17,38 +19,7 @@
 #include <string.h>
 
 #include "engine.h"
-#include "passing_native.h"
-
-#define JOB_IDS 65536
-#define NO_JOB 0              /* dense[job]: index + 1 of its entry, so that calloc means "none" */
-#define NEVER_USED (-1)        /* the epoch of a slot/set no allocation has written */
-
-typedef struct {
-    int in_use;
-    uint32_t job, generation, base, pool, workers;
-    uint32_t lanes;            /* int32 values of its packets, at most the engine's */
-    size_t packet_size;        /* its packets' (and RESULTs') bytes */
-    uint32_t full;             /* bitmap with every worker's bit */
-    int64_t epoch;             /* job << 16 | generation */
-    int64_t sources[PN_MAX_WORKERS];
-    int64_t counters[PN_COUNTERS];
-} job_entry;
-
-struct pn_engine {
-    pthread_mutex_t lock;
-    uint32_t slots, lanes, max_jobs; /* lanes: the widest packet, the width of a slot */
-    size_t packet_size;              /* of the widest packet: the stride of RESULT rows */
-    /* per slot/set, index slot * 2 + set */
-    int64_t *epoch;
-    uint32_t *tag, *bitmap;
-    uint8_t *overflow;
-    int32_t *acc;              /* lanes accumulators per slot/set */
-    /* admission */
-    uint32_t *dense;           /* job id -> 1 + index into jobs, or NO_JOB */
-    job_entry *jobs;
-    uint32_t *free_ids, free_count;
-    int64_t totals[PN_COUNTERS];
-};
+#include "engine_state.h"
 
 /* Where a call's datagrams are: at a fixed stride, or scattered (the server's). */
 typedef struct {
@@ -66,147 +37,6 @@ typedef struct {
     uint32_t *length;          /* each RESULT's bytes: its job's packet size */
     size_t cap, count;
 } batch_output;
-
-static size_t checked_mul(size_t a, size_t b, int *overflowed) {
-    if (a != 0 && b > SIZE_MAX / a) *overflowed = 1;
-    return a * b;
-}
-
-/* ---- life cycle ------------------------------------------------------------------- */
-
-pn_engine *pn_engine_new(uint32_t slots, uint32_t lanes, uint32_t max_jobs) {
-    /* lengths are uint32: a packet must be a size they can state */
-    if (slots == 0 || lanes == 0 || max_jobs == 0 || lanes > (UINT32_MAX - PN_HEADER_SIZE) / 4) return NULL;
-    pn_engine *e = calloc(1, sizeof *e);
-    if (!e) return NULL;
-    if (pthread_mutex_init(&e->lock, NULL) != 0) {
-        free(e);
-        return NULL;
-    }
-    e->slots = slots;
-    e->lanes = lanes;
-    e->max_jobs = max_jobs;
-    e->packet_size = pn_packet_size(lanes);
-    size_t sets = (size_t)slots * 2;
-    int overflowed = 0;
-    size_t acc_bytes = checked_mul(checked_mul(sets, lanes, &overflowed), sizeof(int32_t), &overflowed);
-    if (!overflowed) {
-        e->epoch = malloc(sets * sizeof *e->epoch);
-        e->tag = calloc(sets, sizeof *e->tag);
-        e->bitmap = calloc(sets, sizeof *e->bitmap);
-        e->overflow = calloc(sets, sizeof *e->overflow);
-        e->acc = calloc(1, acc_bytes);
-        e->dense = calloc(JOB_IDS, sizeof *e->dense);
-        e->jobs = calloc(max_jobs, sizeof *e->jobs);
-        e->free_ids = malloc((size_t)max_jobs * sizeof *e->free_ids);
-    }
-    if (overflowed || !e->epoch || !e->tag || !e->bitmap || !e->overflow || !e->acc || !e->dense || !e->jobs ||
-        !e->free_ids) {
-        pn_engine_free(e);
-        return NULL;
-    }
-    for (size_t k = 0; k < sets; k++) e->epoch[k] = NEVER_USED;
-    /* a stack of free entries, lowest on top (the numpy engine's order; not observable) */
-    for (uint32_t d = 0; d < max_jobs; d++) e->free_ids[d] = max_jobs - 1 - d;
-    e->free_count = max_jobs;
-    return e;
-}
-
-void pn_engine_free(pn_engine *e) {
-    if (!e) return;
-    pthread_mutex_destroy(&e->lock);
-    free(e->epoch);
-    free(e->tag);
-    free(e->bitmap);
-    free(e->overflow);
-    free(e->acc);
-    free(e->dense);
-    free(e->jobs);
-    free(e->free_ids);
-    free(e);
-}
-
-void pn_engine_lock(pn_engine *e) { pthread_mutex_lock(&e->lock); }
-void pn_engine_unlock(pn_engine *e) { pthread_mutex_unlock(&e->lock); }
-size_t pn_engine_packet_bytes(const pn_engine *e) { return e->packet_size; }
-
-/* ---- admission ---------------------------------------------------------------------- */
-
-static int add_job_locked(pn_engine *e, uint32_t job, uint32_t generation, uint32_t base, uint32_t pool,
-                          uint32_t workers, const int64_t *sources, uint32_t lanes) {
-    if (job >= JOB_IDS || generation >= PN_GENERATIONS || workers < 1 || workers > PN_MAX_WORKERS || !sources ||
-        lanes < 1 || lanes > e->lanes)
-        return PN_EINVAL;
-    if (e->dense[job] != NO_JOB) return PN_EEXIST;
-    for (uint32_t w = 0; w < workers; w++) {
-        if (sources[w] < 0) return PN_EINVAL;
-        for (uint32_t v = 0; v < w; v++)
-            if (sources[v] == sources[w]) return PN_EINVAL;
-    }
-    if (pool < 1 || base >= e->slots || pool > e->slots - base) return PN_ERANGE;
-    for (uint32_t d = 0; d < e->max_jobs; d++) {
-        const job_entry *o = &e->jobs[d];
-        if (o->in_use && base < o->base + o->pool && o->base < base + pool) return PN_ERANGE;
-    }
-    if (e->free_count == 0) return PN_EFULL;
-    uint32_t d = e->free_ids[--e->free_count];
-    job_entry *j = &e->jobs[d];
-    memset(j, 0, sizeof *j);
-    j->in_use = 1;
-    j->job = job;
-    j->generation = generation;
-    j->base = base;
-    j->pool = pool;
-    j->workers = workers;
-    j->lanes = lanes;
-    j->packet_size = pn_packet_size(lanes);
-    j->full = workers == 32 ? UINT32_MAX : (UINT32_C(1) << workers) - 1;
-    j->epoch = (int64_t)job << 16 | generation;
-    memcpy(j->sources, sources, workers * sizeof *sources);
-    e->dense[job] = d + 1;
-    return PN_OK;
-}
-
-int pn_engine_add_job(pn_engine *e, uint32_t job, uint32_t generation, uint32_t base, uint32_t pool,
-                      uint32_t workers, const int64_t *sources, uint32_t lanes) {
-    if (!e) return PN_EINVAL;
-    pthread_mutex_lock(&e->lock);
-    int rc = add_job_locked(e, job, generation, base, pool, workers, sources, lanes);
-    pthread_mutex_unlock(&e->lock);
-    return rc;
-}
-
-int pn_engine_remove_job(pn_engine *e, uint32_t job) {
-    if (!e) return PN_EINVAL;
-    if (job >= JOB_IDS) return PN_ENOENT;
-    pthread_mutex_lock(&e->lock);
-    int rc = PN_ENOENT;
-    if (e->dense[job] != NO_JOB) {
-        uint32_t d = e->dense[job] - 1;
-        e->jobs[d].in_use = 0;
-        e->dense[job] = NO_JOB;
-        e->free_ids[e->free_count++] = d;
-        rc = PN_OK;
-    }
-    pthread_mutex_unlock(&e->lock);
-    return rc;
-}
-
-int pn_engine_counters(pn_engine *e, int64_t job, int64_t out[PN_COUNTERS]) {
-    if (!e || !out) return PN_EINVAL;
-    if (job >= JOB_IDS) return PN_ENOENT;
-    pthread_mutex_lock(&e->lock);
-    int rc = PN_OK;
-    if (job < 0) {
-        memcpy(out, e->totals, sizeof e->totals);
-    } else if (e->dense[job] == NO_JOB) {
-        rc = PN_ENOENT;
-    } else {
-        memcpy(out, e->jobs[e->dense[job] - 1].counters, sizeof e->totals);
-    }
-    pthread_mutex_unlock(&e->lock);
-    return rc;
-}
 
 /* ---- data path ---------------------------------------------------------------------- */
 
@@ -249,16 +79,21 @@ PN_LANE_LOOP static void lanes_store(uint8_t *restrict packet, const int32_t *re
 }
 
 /* One RESULT of the round in slot/set k, caused by the packet with header h, for worker w: an
- * ACK (the header alone) when the round is OWNER_ONLY and w is not its owner. Its lanes are
- * those of `same` (a RESULT of the same round just emitted) when given. Returns its row. */
+ * ACK (the header alone) when the round is OWNER_ONLY and w is not its owner (the job's owner map),
+ * or when the slot holds a leaf's partial that its root answered with an ACK. Its lanes are those of
+ * `same` (a RESULT of the same round just emitted) when given. Returns its row. */
 static const uint8_t *emit(pn_engine *e, batch_output *o, const job_entry *j, const pn_header *h, size_t k,
                            uint32_t w, int multicast, const uint8_t *same) {
     uint8_t *p = o->packets + o->count * e->packet_size;
-    int ack = (h->flags & PN_FLAG_OWNER_ONLY) && w != h->owner;
-    pn_header r = *h;  /* op, job, slot, owner, set, generation, psn: the causing packet's */
+    int owner_only = (h->flags & PN_FLAG_OWNER_ONLY) != 0;
+    int ack = (owner_only && (int)w != j->owners[h->owner]) || e->phase[k] == 2;
+    pn_header r = *h;  /* op, slot, owner, set, psn: the causing packet's */
     r.version = PN_VERSION;
     r.type = ack ? PN_ACK : PN_RESULT;
-    r.flags = e->overflow[k] ? PN_FLAG_OVERFLOW : 0;
+    r.job = (uint16_t)j->job;  /* a leaf's answer from its root goes out with the leaf's own */
+    r.generation = (uint16_t)j->generation;
+    r.flags = (uint8_t)((e->overflow[k] ? PN_FLAG_OVERFLOW : 0) |
+                        (j->role == PN_ROLE_ROOT && owner_only ? PN_FLAG_OWNER_ONLY : 0));  /* down to a leaf: kept */
     r.worker = (uint8_t)w;
     pn_header_write(p, &r);
     if (ack)
@@ -274,23 +109,75 @@ static const uint8_t *emit(pn_engine *e, batch_output *o, const job_entry *j, co
     return p;
 }
 
+/* Every worker's answer of the round in slot/set k (replication id = worker). */
+static void multicast(pn_engine *e, batch_output *o, job_entry *j, const pn_header *h, size_t k) {
+    count(e, j, PN_C_RESULTS_SENT, j->workers);
+    const uint8_t *with_lanes = NULL;  /* the first RESULT of the completion (ACKs have no lanes) */
+    for (uint32_t w = 0; w < j->workers; w++) {
+        const uint8_t *row = emit(e, o, j, h, k, w, 1, with_lanes);
+        if (!with_lanes && row[1] == PN_RESULT) with_lanes = row;
+    }
+}
+
+/* A leaf's partial of the round in slot/set k up to its root, as one DATA (docs/protocol.md, "Trees across
+ * racks"): the round's op, slot, owner, set and psn; the uplink's job, generation and worker; OVERFLOW of the
+ * partial, the OWNER_ONLY of the packet that sent it, RETRANSMIT on a re-send. */
+static void send_up(pn_engine *e, batch_output *o, job_entry *j, const pn_header *h, size_t k, int resent) {
+    uint8_t *p = o->packets + o->count * e->packet_size;
+    pn_header r = *h;
+    r.version = PN_VERSION;
+    r.type = PN_DATA;
+    r.job = (uint16_t)j->up_job;
+    r.generation = (uint16_t)j->up_generation;
+    r.worker = (uint8_t)j->up_worker;
+    r.flags = (uint8_t)((e->overflow[k] ? PN_FLAG_OVERFLOW : 0) | (h->flags & PN_FLAG_OWNER_ONLY) |
+                        (resent ? PN_FLAG_RETRANSMIT : 0));
+    pn_header_write(p, &r);
+    lanes_store(p, e->acc + k * e->lanes, j->lanes);
+    o->dest[o->count] = j->up_source;
+    o->multicast[o->count] = 0;
+    o->length[o->count] = (uint32_t)j->packet_size;
+    o->count++;
+    count(e, j, PN_C_SENT_UP, 1);
+}
+
+/* A copy of a relayed packet with the job, generation and worker of the hop it takes. */
+static void relay_copy(pn_engine *e, batch_output *o, const job_entry *j, const uint8_t *packet, uint32_t job,
+                       uint32_t generation, uint32_t w, int64_t dest, int multicast) {
+    uint8_t *p = o->packets + o->count * e->packet_size;
+    memcpy(p, packet, j->packet_size);
+    p[4] = (uint8_t)(job >> 8);  /* the header's job, worker and generation bytes (docs/protocol.md) */
+    p[5] = (uint8_t)job;
+    p[8] = (uint8_t)w;
+    p[10] = (uint8_t)(generation >> 8);
+    p[11] = (uint8_t)generation;
+    o->dest[o->count] = dest;
+    o->multicast[o->count] = (uint8_t)multicast;
+    o->length[o->count] = (uint32_t)j->packet_size;
+    o->count++;
+}
+
 /* An admitted GATHER or NACK: no state; a replica for each receiver (a GATHER's: every worker
- * but its sender, in worker order; a NACK's: its owner), the packet as sent but for `worker`,
- * the receiver's. */
-static void relay(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t *packet, batch_output *o) {
-    uint32_t first = h->type == PN_GATHER ? 0 : h->owner;
-    uint32_t last = h->type == PN_GATHER ? j->workers - 1 : h->owner;
+ * but its sender, in worker order; a NACK's: its owner's worker), the packet as sent but for `worker`,
+ * the receiver's, and the job's own job id and generation. At a leaf a host's GATHER, and a NACK to
+ * another rack, also go up (after the replicas); what came down (`down`) goes to every server here. */
+static void relay(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t *packet, batch_output *o,
+                  int down) {
+    int owner = j->owners[h->owner];
     count(e, j, PN_C_RELAYED, 1);
-    for (uint32_t w = first; w <= last; w++) {
-        if (h->type == PN_GATHER && w == h->worker) continue;
-        uint8_t *p = o->packets + o->count * e->packet_size;
-        memcpy(p, packet, j->packet_size);
-        p[8] = (uint8_t)w;  /* the header's worker byte (docs/protocol.md) */
-        o->dest[o->count] = j->sources[w];
-        o->multicast[o->count] = 1;
-        o->length[o->count] = (uint32_t)j->packet_size;
-        o->count++;
+    if (h->type == PN_GATHER) {
+        for (uint32_t w = 0; w < j->workers; w++) {
+            if (!down && w == h->worker) continue;
+            relay_copy(e, o, j, packet, j->job, j->generation, w, j->sources[w], 1);
+            count(e, j, PN_C_RESULTS_SENT, 1);
+        }
+    } else if (owner >= 0) {
+        relay_copy(e, o, j, packet, j->job, j->generation, (uint32_t)owner, j->sources[owner], 1);
         count(e, j, PN_C_RESULTS_SENT, 1);
+    }
+    if (!down && j->role == PN_ROLE_LEAF && (h->type == PN_GATHER || owner == PN_OWNER_UP)) {
+        relay_copy(e, o, j, packet, j->up_job, j->up_generation, j->up_worker, j->up_source, 0);
+        count(e, j, PN_C_SENT_UP, 1);
     }
 }
 
@@ -310,18 +197,22 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
         e->epoch[k] = j->epoch;
         e->bitmap[k] = wbit;
         e->overflow[k] = (uint8_t)flagged;
+        e->phase[k] = 0;
         count(e, j, PN_C_AGGREGATED, 1);
         if (flagged) count(e, j, PN_C_OVERFLOW, 1);
     } else if (ahead != 0) {
         count(e, j, PN_C_STALE, 1);
         return;
     } else if (e->bitmap[k] & wbit) {
-        if (e->bitmap[k] == j->full) {
+        if (e->bitmap[k] != j->full) {
+            count(e, j, PN_C_DUPLICATE, 1);
+        } else if (j->role == PN_ROLE_LEAF && e->phase[k] == 0) {  /* no answer from the root yet: up again */
+            count(e, j, PN_C_DUPLICATE, 1);
+            send_up(e, o, j, h, k, 1);
+        } else {
             count(e, j, PN_C_DUPLICATE_ANSWERED, 1);
             count(e, j, PN_C_RESULTS_SENT, 1);
             emit(e, o, j, h, k, h->worker, 0, NULL);
-        } else {
-            count(e, j, PN_C_DUPLICATE, 1);
         }
         return;
     } else {
@@ -335,15 +226,59 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
         count(e, j, PN_C_AGGREGATED, 1);
         if (flagged || saturated) count(e, j, PN_C_OVERFLOW, 1);
     }
-    if (e->bitmap[k] == j->full) {  /* complete: one replica per worker, replication id = worker */
+    if (e->bitmap[k] == j->full) {  /* complete: every worker's answer, or a leaf's partial up */
         count(e, j, PN_C_COMPLETED, 1);
-        count(e, j, PN_C_RESULTS_SENT, j->workers);
-        const uint8_t *with_lanes = NULL;  /* the first RESULT of the completion (ACKs have no lanes) */
-        for (uint32_t w = 0; w < j->workers; w++) {
-            const uint8_t *row = emit(e, o, j, h, k, w, 1, with_lanes);
-            if (!with_lanes && row[1] == PN_RESULT) with_lanes = row;
+        if (j->role == PN_ROLE_LEAF) {
+            send_up(e, o, j, h, k, 0);
+        } else {
+            e->phase[k] = 1;
+            multicast(e, o, j, h, k);
         }
     }
+}
+
+/* A leaf's RESULT or ACK from its root, for slot/set k: the answer of a round complete here and waiting for
+ * it (a RESULT's sums and flag replace the partial), multicast to the leaf's servers; anything else is late. */
+static void answer(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t *packet, size_t k,
+                   batch_output *o) {
+    if (e->epoch[k] != j->epoch || e->tag[k] != h->psn || e->bitmap[k] != j->full || e->phase[k] != 0) {
+        count(e, j, PN_C_LATE_ANSWER, 1);
+        return;
+    }
+    count(e, j, PN_C_ANSWERED, 1);
+    if (h->type == PN_RESULT) {
+        lanes_load(e->acc + k * e->lanes, packet, j->lanes);
+        e->overflow[k] = (h->flags & PN_FLAG_OVERFLOW) != 0;
+        e->phase[k] = 1;
+    } else {
+        e->phase[k] = 2;
+    }
+    multicast(e, o, j, h, k);
+}
+
+/* Admission of a packet that came down to leaf j from its root (docs/protocol.md, "Trees across racks"). */
+static int down_admitted(const job_entry *j, const pn_header *h, uint32_t length, int64_t source) {
+    int owner = j->owners[h->owner];
+    int ok = h->generation == j->up_generation && h->worker == j->up_worker && source == j->up_source &&
+             (h->type == PN_ACK || length == j->packet_size);
+    if (h->type == PN_RESULT || h->type == PN_ACK) ok = ok && h->slot < j->pool;
+    if (h->type == PN_GATHER) ok = ok && owner == PN_OWNER_UP;
+    if (h->type == PN_NACK || (h->type == PN_RESULT && (h->flags & PN_FLAG_OWNER_ONLY))) ok = ok && owner >= 0;
+    return ok;
+}
+
+/* Admission of a packet of job j from a host (or, at a root, from a leaf). */
+static int admitted_up(const job_entry *j, const pn_header *h, uint32_t length, int64_t source) {
+    int owner = j->owners[h->owner];
+    int ok = h->generation == j->generation && h->worker < j->workers && j->sources[h->worker] == source &&
+             length == j->packet_size;
+    if (h->type == PN_DATA)  /* a relayed kind's slot is no slot */
+        return ok && h->slot < j->pool &&
+               (!(h->flags & PN_FLAG_OWNER_ONLY) || owner >= 0 || owner == PN_OWNER_UP);
+    if (h->type == PN_GATHER)  /* a piece of the sender's own */
+        return ok && owner == (int)h->worker;
+    /* a NACK, to another worker of the job (or up, at a leaf) */
+    return ok && owner != (int)h->worker && (owner >= 0 || owner == PN_OWNER_UP);
 }
 
 static size_t run(pn_engine *e, const batch_input *in, size_t n, batch_output *o) {
@@ -354,14 +289,24 @@ static size_t run(pn_engine *e, const batch_input *in, size_t n, batch_output *o
         size_t readable = in->packets ? length : (length < in->stride ? length : in->stride);
         pn_header h;
         job_entry *j = NULL;
-        /* a whole packet of 1 .. the engine's lanes, all of it readable (a longer one was cut short) */
-        int well_formed = length >= PN_HEADER_SIZE + 4 && (length - PN_HEADER_SIZE) % 4 == 0 &&
-                          length <= e->packet_size && readable >= length;
-        if (well_formed) {
+        int down = 0, well_formed = 0;
+        /* a header, all of the datagram readable (a longer one was cut short), no longer than the widest packet */
+        if (length >= PN_HEADER_SIZE && length <= e->packet_size && readable >= length) {
+            /* a whole packet of 1 .. the engine's lanes */
+            int whole = length >= PN_HEADER_SIZE + 4 && (length - PN_HEADER_SIZE) % 4 == 0;
             pn_header_read(packet, &h);
-            well_formed = h.version == PN_VERSION && (h.type == PN_DATA || h.type == PN_GATHER || h.type == PN_NACK);
+            uint32_t up = e->up_dense[h.job];
+            job_entry *leaf = up != NO_JOB ? &e->jobs[up - 1] : NULL;
+            int relayed = h.type == PN_GATHER || h.type == PN_NACK;
+            /* what comes down from a root: a RESULT or ACK comes from nowhere else */
+            down = h.type == PN_RESULT || h.type == PN_ACK || (relayed && leaf && leaf->up_source == in->sources[i]);
+            if (down)
+                well_formed = leaf && (h.type == PN_ACK ? length == PN_HEADER_SIZE : whole);
+            else
+                well_formed = whole && (h.type == PN_DATA || relayed);
+            well_formed = well_formed && h.version == PN_VERSION;
+            if (well_formed) j = down ? leaf : e->dense[h.job] != NO_JOB ? &e->jobs[e->dense[h.job] - 1] : NULL;
         }
-        if (well_formed && e->dense[h.job] != NO_JOB) j = &e->jobs[e->dense[h.job] - 1];
         /* stop before a packet whose RESULTs might not fit */
         if (j && o->cap - o->count < j->workers) break;
         if (!well_formed) {  /* not a PASSING packet: not `received` (a switch counts it so too) */
@@ -373,24 +318,19 @@ static size_t run(pn_engine *e, const batch_input *in, size_t n, batch_output *o
             e->totals[PN_C_REJECTED]++;  /* no job to charge it to */
             continue;
         }
-        int admitted = h.generation == j->generation && h.worker < j->workers &&
-                       j->sources[h.worker] == in->sources[i] && length == j->packet_size;
-        if (h.type == PN_DATA)  /* a relayed kind's slot is no slot */
-            admitted = admitted && h.slot < j->pool && (!(h.flags & PN_FLAG_OWNER_ONLY) || h.owner < j->workers);
-        else if (h.type == PN_GATHER)  /* a piece of the sender's own */
-            admitted = admitted && h.owner == h.worker;
-        else  /* a NACK, to another worker of the job */
-            admitted = admitted && h.owner < j->workers && h.owner != h.worker;
-        if (!admitted) {
+        if (!(down ? down_admitted(j, &h, length, in->sources[i]) : admitted_up(j, &h, length, in->sources[i]))) {
             count(e, j, PN_C_REJECTED, 1);
             continue;
         }
-        if (h.type != PN_DATA) {
-            relay(e, j, &h, packet, o);
+        if (h.type == PN_GATHER || h.type == PN_NACK) {
+            relay(e, j, &h, packet, o, down);
             continue;
         }
         size_t k = ((size_t)j->base + h.slot) * 2 + (h.set & 1);
-        apply(e, j, &h, packet, k, o);
+        if (down)
+            answer(e, j, &h, packet, k, o);
+        else
+            apply(e, j, &h, packet, k, o);
     }
     return i;
 }

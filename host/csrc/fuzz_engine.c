@@ -6,13 +6,20 @@
  * processes the batch with an output buffer of a size the input picks. Buffers are
  * allocated to their exact sizes, so AddressSanitizer sees any read or write past them.
  *
+ * Jobs may be leaves or roots of a two-level tree (docs/protocol.md, "Trees across racks"): a leaf's
+ * datagrams from its root (RESULT, ACK, GATHER, NACK of its uplink's job id) are built too.
+ *
  * Checked after every batch (abort on violation):
  *  - every datagram consumed is counted once: malformed, or received and then exactly one of
- *    rejected, aggregated, duplicate, duplicate_answered, stale, relayed (deltas of the totals);
- *  - results_sent grew by the packets emitted; the unicast answers are duplicate_answered;
+ *    rejected, aggregated, duplicate, duplicate_answered, stale, relayed, answered, late_answer
+ *    (deltas of the totals);
+ *  - results_sent and sent_up grew by the packets emitted; the unicast ones are the
+ *    duplicate_answered answers and the packets up;
  *  - each packet emitted is of this version: a RESULT (as long as its job's packets) or an
- *    ACK (the header alone), flagged at most OVERFLOW, or a relayed GATHER or NACK (a
- *    multicast replica as long as its job's packets), and goes to an admitted worker's origin;
+ *    ACK (the header alone), flagged at most OVERFLOW (a root's: OWNER_ONLY too), or a relayed
+ *    GATHER or NACK (a multicast replica as long as its job's packets), and goes to an admitted
+ *    worker's origin; or it goes up: a DATA, GATHER or NACK with a leaf's uplink job, generation
+ *    and worker, to its root's origin;
  *  - the engine never takes more than it was given nor emits more than it had room for.
  */
 #include <stdio.h>
@@ -33,6 +40,7 @@ typedef struct {
     int admitted;
     uint32_t generation, pool, workers, lanes;
     int64_t sources[PN_MAX_WORKERS];
+    pn_tree tree;
 } shadow_job;
 
 typedef struct {
@@ -78,7 +86,16 @@ static void admin(state *s, reader *r) {
     for (uint32_t w = 0; w < PN_MAX_WORKERS + 2; w++)
         sources[w] = spread & 0x40 ? (int64_t)(w % 3) : (int64_t)(spread & 0x3F) * 64 + w;  /* duplicates or not */
     if (spread & 0x80) sources[0] = -1;
-    int rc = pn_engine_add_job(s->e, id, generation, base, pool, workers, sources, lanes);
+    /* a role in a tree now and then: owners a pattern (sometimes refused), a leaf's uplink to another id */
+    uint8_t shape = byte(r);
+    pn_tree tree = {.role = shape % 4 == 3 ? PN_ROLE_ROOT : shape % 4 == 2 ? PN_ROLE_LEAF : PN_ROLE_FLAT,
+                    .up_job = JOB_IDS[(j + 1 + (shape >> 2 & 1)) & 3], .up_generation = byte(r),
+                    .up_worker = shape >> 3 & 31, .up_source = shape & 0x80 ? 10 : 200 + (shape >> 3 & 7)};
+    for (uint32_t o = 0; o < PN_OWNERS; o++)
+        tree.owners[o] = o >= 3 * workers ? PN_OWNER_NONE : o < workers ? (int32_t)(o % (workers ? workers : 1))
+                         : shape & 0x40 ? PN_OWNER_UP : (int32_t)(o % 4) - 2;
+    int rc = pn_engine_add_tree_job(s->e, id, generation, base, pool, workers, sources, lanes,
+                                    tree.role == PN_ROLE_FLAT && shape & 0x80 ? NULL : &tree);
     CHECK(rc == PN_OK || rc == PN_EINVAL || rc == PN_EEXIST || rc == PN_ERANGE || rc == PN_EFULL);
     if (rc == PN_OK) {
         CHECK(!s->jobs[j].admitted && workers >= 1 && workers <= PN_MAX_WORKERS && generation < PN_GENERATIONS);
@@ -90,12 +107,17 @@ static void admin(state *s, reader *r) {
         sj->pool = pool;
         sj->workers = workers;
         sj->lanes = lanes;
+        sj->tree = tree;
         memcpy(sj->sources, sources, sizeof sj->sources);
         int64_t c[PN_COUNTERS];
         CHECK(pn_engine_counters(s->e, id, c) == PN_OK);
         for (int i = 0; i < PN_COUNTERS; i++) CHECK(c[i] == 0);
-    } else if (rc == PN_EEXIST) {
-        CHECK(s->jobs[j].admitted);
+    } else if (rc == PN_EEXIST) {  /* the job id, or a leaf's uplink job id another leaf goes up to */
+        int taken = s->jobs[j].admitted;
+        for (int o = 0; o < 4; o++)
+            taken |= tree.role == PN_ROLE_LEAF && s->jobs[o].admitted && s->jobs[o].tree.role == PN_ROLE_LEAF &&
+                     s->jobs[o].tree.up_job == tree.up_job;
+        CHECK(taken);
     }
 }
 
@@ -125,10 +147,17 @@ static void built_datagram(state *s, reader *r) {
         .generation = (uint16_t)(fields & 0x10 ? sj->generation + 1 : sj->generation),
         .psn = (uint32_t)(byte(r) & 0x1F) + (fields & 0x20 ? UINT32_C(0xFFFFFFF0) : 0),  /* wraps around */
     };
+    if (kind % 16 == 5 && sj->tree.role == PN_ROLE_LEAF) {  /* from its root: what a leaf takes down */
+        static const uint8_t down[4] = {PN_RESULT, PN_ACK, PN_GATHER, PN_NACK};
+        h.type = down[where & 3];
+        h.job = (uint16_t)sj->tree.up_job;
+        h.generation = (uint16_t)(fields & 0x10 ? sj->tree.up_generation + 1 : sj->tree.up_generation);
+        h.worker = (uint8_t)(pick & 0x80 ? pick >> 2 & 31 : sj->tree.up_worker);
+    }
     uint32_t pool = sj->pool ? sj->pool : 1;
     h.slot = (uint16_t)(fields & 0x40 ? where : h.psn % pool);
     h.set = (uint8_t)(fields & 0x80 ? where & 1 : (h.psn / pool) % 2);
-    h.type = (uint8_t)(kind % 8 == 6 ? PN_GATHER : kind % 8 == 7 ? PN_NACK : PN_DATA);
+    if (h.type == PN_DATA) h.type = (uint8_t)(kind % 8 == 6 ? PN_GATHER : kind % 8 == 7 ? PN_NACK : PN_DATA);
     if (kind & 0x08) h.flags |= PN_FLAG_OWNER_ONLY;
     /* the owner: a GATHER's sender, a NACK's other worker, a round's owner; or any */
     uint32_t workers = sj->workers ? sj->workers : 1;
@@ -142,8 +171,9 @@ static void built_datagram(state *s, reader *r) {
         int32_t value = v == 0xFF ? INT32_MAX : v == 0xFE ? INT32_MIN : (int32_t)v - 100;
         pn_lane_set(row, i, value);
     }
-    s->lengths[s->n] = PN_HEADER_SIZE + 4 * lanes;
+    s->lengths[s->n] = h.type == PN_ACK && !(size & 1) ? PN_HEADER_SIZE : PN_HEADER_SIZE + 4 * lanes;
     s->sources[s->n] = sj->admitted && h.worker < sj->workers && !(pick & 0x80) ? sj->sources[h.worker] : pick;
+    if (h.job == sj->tree.up_job && sj->tree.role == PN_ROLE_LEAF && !(pick & 0x40)) s->sources[s->n] = sj->tree.up_source;
     s->n++;
 }
 
@@ -174,8 +204,9 @@ static void process(state *s, reader *r) {
         for (int i = 0; i < PN_COUNTERS; i++) d[i] = after[i] - before[i];
         CHECK(d[PN_C_RECEIVED] + d[PN_C_MALFORMED] == (int64_t)consumed);
         CHECK(d[PN_C_RECEIVED] == d[PN_C_REJECTED] + d[PN_C_AGGREGATED] + d[PN_C_DUPLICATE] +
-                                      d[PN_C_DUPLICATE_ANSWERED] + d[PN_C_STALE] + d[PN_C_RELAYED]);
-        CHECK(d[PN_C_RESULTS_SENT] == (int64_t)emitted);
+                                      d[PN_C_DUPLICATE_ANSWERED] + d[PN_C_STALE] + d[PN_C_RELAYED] +
+                                      d[PN_C_ANSWERED] + d[PN_C_LATE_ANSWER]);
+        CHECK(d[PN_C_RESULTS_SENT] + d[PN_C_SENT_UP] == (int64_t)emitted);
         CHECK(d[PN_C_COMPLETED] <= d[PN_C_AGGREGATED] && d[PN_C_OVERFLOW] <= d[PN_C_AGGREGATED]);
         int64_t unicast = 0;
         for (size_t i = 0; i < emitted; i++) {
@@ -183,18 +214,28 @@ static void process(state *s, reader *r) {
             pn_header_read(out + i * PACKET, &h);
             int relayed = h.type == PN_GATHER || h.type == PN_NACK;
             CHECK(h.version == PN_VERSION);
-            CHECK(relayed || ((h.type == PN_RESULT || h.type == PN_ACK) && (h.flags & ~PN_FLAG_OVERFLOW) == 0));
-            CHECK(multicast[i] <= 1 && (!relayed || multicast[i] == 1));
+            CHECK(multicast[i] <= 1);
             unicast += multicast[i] == 0;
             int known = 0;
-            for (int j = 0; j < 4; j++)
-                if (s->jobs[j].admitted && JOB_IDS[j] == h.job && h.worker < s->jobs[j].workers)
-                    known = s->jobs[j].sources[h.worker] == dest[i] && s->jobs[j].generation == h.generation &&
+            for (int j = 0; j < 4; j++) {
+                const shadow_job *sj = &s->jobs[j];
+                if (!sj->admitted) continue;
+                if (multicast[i] == 0 && h.type != PN_RESULT && h.type != PN_ACK) {  /* up: DATA or a relay's copy */
+                    known |= sj->tree.role == PN_ROLE_LEAF && sj->tree.up_job == h.job &&
+                             sj->tree.up_worker == h.worker && sj->tree.up_generation == h.generation &&
+                             sj->tree.up_source == dest[i] && length[i] == PN_HEADER_SIZE + 4 * sj->lanes;
+                } else if (JOB_IDS[j] == h.job && h.worker < sj->workers) {
+                    uint8_t allowed = PN_FLAG_OVERFLOW | (sj->tree.role == PN_ROLE_ROOT ? PN_FLAG_OWNER_ONLY : 0);
+                    known = sj->sources[h.worker] == dest[i] && sj->generation == h.generation &&
                             length[i] == (h.type == PN_ACK ? PN_HEADER_SIZE  /* the header alone */
-                                                           : PN_HEADER_SIZE + 4 * s->jobs[j].lanes);
+                                                           : PN_HEADER_SIZE + 4 * sj->lanes) &&
+                            (relayed ? multicast[i] == 1
+                                     : (h.type == PN_RESULT || h.type == PN_ACK) && (h.flags & ~allowed) == 0);
+                }
+            }
             CHECK(known);
         }
-        CHECK(unicast == d[PN_C_DUPLICATE_ANSWERED]);
+        CHECK(unicast == d[PN_C_DUPLICATE_ANSWERED] + d[PN_C_SENT_UP]);
         if (consumed == 0) {
             CHECK(out_cap < PN_MAX_WORKERS);  /* only a buffer too small for one job's RESULTs stops it */
             break;

@@ -87,8 +87,26 @@ static inline void pn_lane_set(uint8_t *packet, uint32_t i, int32_t v) {
 enum {
     PN_C_RECEIVED, PN_C_MALFORMED, PN_C_REJECTED, PN_C_AGGREGATED, PN_C_COMPLETED,
     PN_C_DUPLICATE, PN_C_DUPLICATE_ANSWERED, PN_C_STALE, PN_C_OVERFLOW, PN_C_RESULTS_SENT, PN_C_RELAYED,
+    PN_C_SENT_UP, PN_C_ANSWERED, PN_C_LATE_ANSWER,
     PN_COUNTERS
 };
+
+/* A job's role in a two-level tree (docs/protocol.md, "Trees across racks"; mirrors
+ * passing/aggregator/jobs.py). owners[o]: what owner value o names here: a worker, PN_OWNER_UP (a
+ * leaf: a server of another rack) or PN_OWNER_NONE. A leaf's partials go up as DATA of job up_job,
+ * generation up_generation, worker up_worker, to origin up_source, the only origin it takes answers from. */
+#define PN_ROLE_FLAT 0
+#define PN_ROLE_LEAF 1
+#define PN_ROLE_ROOT 2
+#define PN_OWNERS 128
+#define PN_OWNER_NONE (-1)
+#define PN_OWNER_UP (-2)
+typedef struct {
+    uint32_t role;
+    int32_t owners[PN_OWNERS];
+    uint32_t up_job, up_generation, up_worker;
+    int64_t up_source;
+} pn_tree;
 
 typedef struct pn_engine pn_engine;
 
@@ -104,11 +122,15 @@ PN_API void pn_engine_free(pn_engine *e);
  * of each of its slots. */
 PN_API int pn_engine_add_job(pn_engine *e, uint32_t job, uint32_t generation, uint32_t base, uint32_t pool,
                              uint32_t workers, const int64_t *sources, uint32_t lanes);
+/* pn_engine_add_job for a job with a role in a tree (tree NULL: a flat job, owners the identity). The
+ * engine checks the role, the owner map and the uplink as passing/aggregator/jobs.py does. */
+PN_API int pn_engine_add_tree_job(pn_engine *e, uint32_t job, uint32_t generation, uint32_t base, uint32_t pool,
+                                  uint32_t workers, const int64_t *sources, uint32_t lanes, const pn_tree *tree);
 PN_API int pn_engine_remove_job(pn_engine *e, uint32_t job);
 /* job < 0: the totals. */
 PN_API int pn_engine_counters(pn_engine *e, int64_t job, int64_t out[PN_COUNTERS]);
 
-/* Apply datagrams (DATA, and GATHER and NACK to relay) in arrival order: datagram i starts at in + i * in_stride, is lengths[i]
+/* Apply datagrams (DATA, and GATHER and NACK to relay; at a leaf what comes down from its root) in arrival order: datagram i starts at in + i * in_stride, is lengths[i]
  * bytes long (only the first min(length, in_stride) bytes are read: a longer one is
  * malformed) and came from sources[i]. A datagram of 16 + 4 k bytes is a packet of k lanes,
  * admitted only for a job of k lanes. RESULTs go to out (one every pn_packet_size(the

@@ -159,6 +159,8 @@ def allreduce_main(argv: list[str] | None = None) -> int:
                    help="the job's allocation generation at the aggregator (without --controller)")
     p.add_argument("--worker", type=int, required=True)
     p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--servers", type=int, help="the job's servers where --aggregator is a leaf of a tree across "
+                   "racks and --workers its rack's (an auto scale and an average are for them; default --workers)")
     p.add_argument("--aggregator", action="append", help="host:port (repeat for shards), without --controller")
     p.add_argument("--controller", help="join through this controller (tcp://host:port) instead of --aggregator; "
                    "the job's secret comes from $PASSING_JOB_SECRET, the worker key from the key directory "
@@ -208,7 +210,7 @@ def allreduce_main(argv: list[str] | None = None) -> int:
             group = Group.from_answer(answer, bind=args.bind, failover=line, **options)
         else:
             group = Group(args.job, args.worker, args.workers, args.aggregator, pool=args.pool, lanes=args.lanes,
-                          generation=args.generation, bind=args.bind, **options)
+                          generation=args.generation, bind=args.bind, servers=args.servers, **options)
         with group as g:
             for _ in range(args.warmup):
                 g.allreduce(x, op=args.op)

@@ -86,6 +86,13 @@ class GatherCall(ctypes.Structure):
     ]
 
 
+class Tree(ctypes.Structure):
+    """pn_tree: a job's role in a two-level tree (passing.aggregator.jobs)."""
+
+    _fields_ = [("role", ctypes.c_uint32), ("owners", ctypes.c_int32 * 128), ("up_job", ctypes.c_uint32),
+                ("up_generation", ctypes.c_uint32), ("up_worker", ctypes.c_uint32), ("up_source", ctypes.c_int64)]
+
+
 class StreamReport(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in (
         "packets_sent", "bytes_sent", "packets_received", "bytes_received", "retransmissions",
@@ -102,6 +109,9 @@ _PROTOTYPES = {
     "pn_engine_free": (None, [_p]),
     "pn_engine_add_job": (ctypes.c_int, [_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
                                          ctypes.c_uint32, _p, ctypes.c_uint32]),
+    "pn_engine_add_tree_job": (ctypes.c_int, [_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
+                                              ctypes.c_uint32, ctypes.c_uint32, _p, ctypes.c_uint32,
+                                              ctypes.POINTER(Tree)]),
     "pn_engine_remove_job": (ctypes.c_int, [_p, ctypes.c_uint32]),
     "pn_engine_counters": (ctypes.c_int, [_p, ctypes.c_int64, _p]),
     "pn_engine_process": (ctypes.c_size_t, [_p, _p, ctypes.c_size_t, _p, _p, ctypes.c_size_t, _p, _p, _p, _p,

@@ -17,7 +17,13 @@ from .recovery import LossRecovery, SilenceWatch
 from .reduce_stream import ReduceStream
 from .stream_state import StreamState
 
-NONFINITE_SHIFT = 6  # bits per count in the non-finite class round: up to 32 workers, + 1
+NONFINITE_SHIFT = 6  # bits per count in the non-finite class round: up to 63 servers (a flat job's 32, + 1)
+TREE_NONFINITE_SHIFT = 10  # a job of more servers (a tree across racks: up to 1 023): three counts in 30 bits
+
+
+def nonfinite_shift(servers: int) -> int:
+    """The bits of each count in the non-finite class round of a job of ``servers`` servers."""
+    return NONFINITE_SHIFT if servers < 1 << NONFINITE_SHIFT else TREE_NONFINITE_SHIFT
 
 
 class ReducePath:
@@ -71,11 +77,11 @@ class ReducePath:
             if not scale:  # a shard that is zero on every worker needed no SUM
                 target[start * lanes : (start + count) * lanes] = 0
         if classes is not None:
-            apply_nonfinite(target, classes)
+            apply_nonfinite(target, classes, nonfinite_shift(self.state.servers))
         if target is not out:
             out[:] = target
         if op == "avg":
-            out /= np.float32(self.state.workers)
+            out /= np.float32(self.state.servers)
 
     def _auto_scales(self, flat: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple[list[float], list[bool]]:
         """One MAX round per aggregator: per shard the scale of its finite values (0.0 where they
@@ -98,7 +104,7 @@ class ReducePath:
         scales = []
         for m in maxima[:, 0]:
             max_abs = quantize.bits_to_float(int(m))
-            scales.append(quantize.auto_scale(max_abs, self.state.workers) if max_abs > 0 else 0.0)
+            scales.append(quantize.auto_scale(max_abs, self.state.servers) if max_abs > 0 else 0.0)
         return scales, [bool(v) for v in maxima[:, 1]]
 
     def _max_round(self, rows: np.ndarray) -> np.ndarray:
@@ -119,11 +125,13 @@ class ReducePath:
 
     def _nonfinite_classes(self, flat: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                            nonfinite: list[bool], owner_packets: int | None = None) -> np.ndarray:
-        """Per element, how many workers hold NaN, +inf and -inf there: one int32 SUM round over
-        the shards that hold any, each worker contributing nan + (+inf << 6) + (-inf << 12) (at most
-        32 workers: each count fits its 6 bits). Shards without any get zeros."""
-        codes = (np.isnan(flat).astype(np.int32) | (np.isposinf(flat).astype(np.int32) << NONFINITE_SHIFT)
-                 | (np.isneginf(flat).astype(np.int32) << 2 * NONFINITE_SHIFT))
+        """Per element, how many servers hold NaN, +inf and -inf there: one int32 SUM round over
+        the shards that hold any, each server contributing nan + (+inf << 6) + (-inf << 12) (at most
+        63 servers: each count fits its 6 bits; a tree's job of more: 10-bit counts). Shards without any
+        get zeros."""
+        shift = nonfinite_shift(self.state.servers)
+        codes = (np.isnan(flat).astype(np.int32) | (np.isposinf(flat).astype(np.int32) << shift)
+                 | (np.isneginf(flat).astype(np.int32) << 2 * shift))
         live = np.array([c if n else 0 for c, n in zip(counts, nonfinite)], dtype=np.int64)
         summed = np.zeros_like(codes)
         self._pass(wire.SUM, codes, summed, starts, live, owner_packets=owner_packets)
@@ -164,11 +172,11 @@ class ReducePath:
         return overflow
 
 
-def apply_nonfinite(out: np.ndarray, classes: np.ndarray) -> None:
+def apply_nonfinite(out: np.ndarray, classes: np.ndarray, shift: int = NONFINITE_SHIFT) -> None:
     """IEEE float32 sums where non-finite values met (gloo's answers): NaN where some worker had NaN
     or where +inf and -inf met, +inf or -inf where only infinities of one sign met finite values."""
-    mask = (1 << NONFINITE_SHIFT) - 1
-    nan, pos, neg = classes & mask, (classes >> NONFINITE_SHIFT) & mask, (classes >> 2 * NONFINITE_SHIFT) & mask
+    mask = (1 << shift) - 1
+    nan, pos, neg = classes & mask, (classes >> shift) & mask, (classes >> 2 * shift) & mask
     out[pos > 0] = np.inf
     out[neg > 0] = -np.inf
     out[(nan > 0) | ((pos > 0) & (neg > 0))] = np.nan

@@ -38,6 +38,7 @@ from .stream_state import Aggregator, StreamState, aggregators_of, native_rng
 from .transport import BatchSocket, TransportStats, parse_endpoint
 
 OPS = ("sum", "avg")
+MAX_SERVERS = 32 * 32  # a two-level tree's: 32 leaves of 32 servers (docs/protocol.md, "Trees across racks")
 
 
 class FailoverLine(Protocol):
@@ -81,6 +82,9 @@ class Group:
     mode, ``"raise"`` raises PassingOverflow). The aggregator admits this worker by
     its source address, so ``bind`` must be the address given to the aggregator; it may
     be a BatchSocket bound earlier (to learn the port before a join), which the group then owns.
+    ``servers``: the servers of the whole job where this group is a leaf's, its rack's part of a tree across
+    racks (docs/protocol.md, "Trees across racks"): an auto scale and an average are for them (default:
+    ``workers``; allreduce only, for now).
     ``rto``, ``max_rto`` and ``timeout``: loss recovery (passing.recovery); ``drop``: a test
     impairment, this fraction of packets lost each way, here at the host.
     """
@@ -105,6 +109,7 @@ class Group:
         drop_seed: int | None = None,
         engine: str = "auto",
         failover: FailoverLine | None = None,
+        servers: int | None = None,
     ) -> None:
         if not 0 <= job < 1 << 16:
             raise ValueError(f"job {job} outside 0..65535")
@@ -114,6 +119,9 @@ class Group:
             raise ValueError(f"workers must be 1..{wire.MAX_WORKERS}, got {workers}")
         if not 0 <= worker < workers:
             raise ValueError(f"worker {worker} outside 0..{workers - 1}")
+        if servers is not None and not workers <= servers <= MAX_SERVERS:
+            raise ValueError(f"servers must be {workers}..{MAX_SERVERS} (the job's, at least this leaf's workers), "
+                             f"got {servers}")
         if scale != "auto" and not (isinstance(scale, (int, float)) and scale > 0):
             raise ValueError(f"scale must be 'auto' or a positive number, got {scale!r}")
         if on_overflow not in ("raise", "auto"):
@@ -152,6 +160,7 @@ class Group:
             socket = BatchSocket(parse_endpoint(bind, 0) if isinstance(bind, str) else bind, lanes=lanes,
                                  offload=offload)
         self.state = StreamState(job, worker, workers, generation, lanes, shards, socket, drop, drop_rng, rng)
+        self.state.servers = workers if servers is None else servers
 
     @classmethod
     def from_answer(cls, answer: dict, bind: str | tuple[str, int] | BatchSocket, **options) -> Group:
@@ -159,7 +168,7 @@ class Group:
         return cls(
             job=int(answer["job_id"]), generation=int(answer["generation"]), worker=int(answer["worker"]),
             workers=int(answer["workers"]), aggregators=aggregators_of(answer), lanes=int(answer["lanes"]),
-            bind=bind, **options,
+            servers=answer.get("servers"), bind=bind, **options,
         )
 
     # the stream's identity and settings, held by its parts (a move changes the identity)
@@ -263,6 +272,7 @@ class Group:
         worker: up ``size``, down ``size / workers`` of sums and one ACK per packet of the others."""
         x = np.asarray(array)
         _check_reduce(x, op, "reduce_scatter")
+        self._check_flat("reduce_scatter")
         if x.size % self.workers:
             raise ValueError(f"reduce_scatter of {x.size} elements: not a multiple of the {self.workers} workers")
         chunk = x.size // self.workers
@@ -291,6 +301,7 @@ class Group:
         a receiver asks for what it lacks with NACKs, and the call ends with a one-packet completion
         round through the reduce path once every worker holds every piece."""
         sizes = [int(v) for v in sizes]
+        self._check_flat("all_gather")
         if len(sizes) != self.workers or min(sizes) < 0:
             raise ValueError(f"sizes must give {self.workers} byte counts >= 0, got {sizes}")
         if piece.dtype != np.uint8 or piece.ndim != 1 or piece.size != sizes[self.worker]:
@@ -305,6 +316,13 @@ class Group:
         return out
 
     # ---- one call on the wire -------------------------------------------------------------
+
+    def _check_flat(self, call: str) -> None:
+        """reduce_scatter and all_gather name servers by their number in the whole job: not yet for a leaf's
+        group of a tree (docs/protocol.md, "Trees across racks": allreduce only, for now)."""
+        if self.state.servers != self.workers:
+            raise PassingError(f"{call} across racks is not supported yet: this group is a leaf's {self.workers} "
+                               f"of the job's {self.state.servers} servers (allreduce only)")
 
     def _check_usable(self) -> None:
         """After a call failed, the psn streams are out of step: every later call raises."""

@@ -100,6 +100,9 @@ class StreamState:
                  native_rng: np.ndarray) -> None:
         self.drop, self.drop_rng, self.native_rng = drop, drop_rng, native_rng
         self.job, self.worker, self.workers, self.lanes = job, worker, workers, lanes
+        # the servers of the whole job, whom a sum is over (an auto scale and an average divide by them): the
+        # workers, but for a leaf's group of a tree across racks (docs/protocol.md, "Trees across racks")
+        self.servers = workers
         self.generation = generation  # the allocation this group belongs to (stamped on DATA, checked on RESULT)
         self.aggregators = list(aggregators)
         self.aggregator_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)

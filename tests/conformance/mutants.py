@@ -110,13 +110,13 @@ ENGINE_MUTANTS = (
            'ack = ((hdr["flags"][src] & wire.FLAG_OWNER_ONLY) != 0) & (dest_worker != owner[src])',
            "ack = np.zeros(src.size, dtype=bool)"),
     Mutant("an OWNER_ONLY owner that is no worker admitted", "OWNER_ONLY",
-           "& (~owner_only | (owner < jobs.workers[dc]))", ""),
+           "& (~owner_only | (owner >= 0) | (owner == UP))", ""),
     # GATHER and NACK relay
     Mutant("a GATHER of another worker's piece relayed", "GATHER relay",
            "& ((kind != wire.GATHER) | (owner == worker))", ""),
     Mutant("a NACK to its own sender relayed", "GATHER relay",
-           "& ((kind != wire.NACK) | ((owner < jobs.workers[dc]) & (owner != worker)))",
-           "& ((kind != wire.NACK) | (owner < jobs.workers[dc]))"),
+           "& ((kind != wire.NACK) | ((owner != worker) & ((owner >= 0) | (owner == UP))))",
+           "& ((kind != wire.NACK) | ((owner >= 0) | (owner == UP)))"),
     Mutant("a GATHER relayed back to its sender too", "GATHER relay",
            "np.flatnonzero(np.arange(jobs.workers[j]) != w) if g", "np.arange(jobs.workers[j]) if g"),
     # set and slot addressing

@@ -17,7 +17,7 @@ import numpy as np
 
 from passing import wire
 
-from .scenarios import COUNTER_NAMES, Admit, Job, Remove, Scenario, Send
+from .scenarios import COUNTER_NAMES, TREE_COUNTER_NAMES, Admit, Job, Remove, Scenario, Send
 
 Origin = tuple[int, int] | str
 Builder = Callable[..., bytes]
@@ -61,7 +61,8 @@ def run_scenario(target: Target, scenario: Scenario, build: Builder = wire_build
 
     def shifted(job: Job) -> Job:
         assert job.generation < GENERATIONS_PER_SCENARIO
-        return replace(job, generation=(job.generation + shift) % wire.GENERATIONS)
+        up = job.up and replace(job.up, generation=(job.up.generation + shift) % wire.GENERATIONS)
+        return replace(job, generation=(job.generation + shift) % wire.GENERATIONS, up=up)
 
     jobs = {j.job: shifted(j) for j in scenario.jobs}
     for j in jobs.values():
@@ -84,36 +85,51 @@ def run_scenario(target: Target, scenario: Scenario, build: Builder = wire_build
 
 
 def _play(target: Target, jobs: dict[int, Job], step: Send, where: str, build: Builder) -> None:
-    pool = jobs[step.job].pool if step.job in jobs else 1
+    # a packet from the root names its leaf's uplink job: the leaf's pool, the uplink's generation
+    leaf = next((j for j in jobs.values() if j.up is not None and j.up.job == step.job), None)
+    from_root = step.origin == "root" and leaf is not None and leaf.up is not None
+    pool = jobs[step.job].pool if step.job in jobs else leaf.pool if from_root else 1
     slot = step.psn % pool if step.slot is None else step.slot
     set_ = (step.psn // pool) % 2 if step.set is None else step.set
-    generation = jobs[step.job].generation if step.job in jobs else 0
+    generation = jobs[step.job].generation if step.job in jobs else leaf.up.generation if from_root else 0
     header = {"op": step.op, "job": step.job, "slot": slot, "set": set_, "psn": step.psn, "owner": step.owner}
     sent_generation = generation if step.generation is None else step.generation
     before = target.counters()
     origin = step.origin if step.origin is not None else (step.job, step.worker)
 
     def lanes(job: int) -> int:  # a job's lane count: the target's unless the scenario gives it one
-        return (jobs[job].lanes if job in jobs else None) or target.lanes
+        return (jobs[job].lanes if job in jobs else leaf.lanes if from_root else None) or target.lanes
 
-    target.send(origin, build(lanes=step.lanes or lanes(step.job), values=step.values, type=step.kind,
-                              worker=step.worker, flags=step.flags, generation=sent_generation, **header))
+    packet = build(lanes=step.lanes or lanes(step.job), values=step.values, type=step.kind, worker=step.worker,
+                   flags=step.flags, generation=sent_generation, **header)
+    target.send(origin, packet[: _length(step.kind)] if from_root else packet)  # a root's ACK: the header alone
     got = target.collect()
     want = [
         ((r.job, w), build(lanes=lanes(r.job), values=r.values, type=r.kind, worker=w, flags=r.flags,
                            generation=jobs[r.job].generation,
                            **{**header, "op": r.op, "job": r.job, "psn": r.psn})[: _length(r.kind)])
-        for r in step.expect
+        for r in step.expect if not r.up
         for w in r.to
+    ] + [
+        ("root", build(lanes=lanes(r.job), values=r.values, type=r.kind, worker=jobs[r.job].up.worker,
+                       flags=r.flags, generation=jobs[r.job].up.generation,
+                       **{**header, "op": r.op, "job": jobs[r.job].up.job, "psn": r.psn}))
+        for r in step.expect if r.up
     ]
-    if sorted(got) != sorted(want):
+    if sorted(got, key=_order) != sorted(want, key=_order):
         raise AssertionError(f"{where}: sent {step}\n got  {_describe(got)}\n want {_describe(want)}")
     after = target.counters()
-    delta = {k: after[k] - before[k] for k in COUNTER_NAMES}
-    expected = {k: step.counters.get(k, 0) for k in COUNTER_NAMES}
+    names = COUNTER_NAMES + tuple(k for k in TREE_COUNTER_NAMES if k in after)
+    delta = {k: after[k] - before[k] for k in names}
+    expected = {k: step.counters.get(k, 0) for k in names}
     expected["received"] = step.counters.get("received", 0 if step.counters.get("malformed") else 1)
     if delta != expected:
         raise AssertionError(f"{where}: sent {step}\n counters changed by {delta}\n expected {expected}")
+
+
+def _order(packet: tuple[Origin, bytes]) -> tuple[str, bytes]:
+    """A sort key of (destination, bytes) pairs whose destinations are (job, worker) or a name ("root")."""
+    return repr(packet[0]), packet[1]
 
 
 def _length(kind: int) -> int | None:
@@ -123,7 +139,7 @@ def _length(kind: int) -> int | None:
 
 def _describe(packets: list[tuple[Origin, bytes]]) -> list[str]:
     out = []
-    for dest, raw in sorted(packets):
+    for dest, raw in sorted(packets, key=_order):
         try:
             p = wire.decode(raw, max(1, (len(raw) - wire.HEADER_SIZE) // 4))[0]
             h = p["hdr"]

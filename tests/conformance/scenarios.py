@@ -26,6 +26,16 @@ OWN = wire.FLAG_OWNER_ONLY
 
 
 @dataclass(frozen=True)
+class Up:
+    """A leaf job's uplink (docs/protocol.md, "Trees across racks"): the root's job id and generation for it
+    and the leaf's worker there; the root is the origin "root"."""
+
+    job: int
+    worker: int
+    generation: int = 0
+
+
+@dataclass(frozen=True)
 class Job:
     job: int
     workers: int
@@ -33,6 +43,9 @@ class Job:
     pool: int
     generation: int = 0  # which allocation of this job id (docs/protocol.md)
     lanes: int | None = None  # int32 values of its packets; None: the target's (a switch has no other)
+    role: str = "flat"  # or "leaf" (with up), "root"
+    owners: tuple[int, ...] | None = None  # the owner map; None: a flat job's identity
+    up: Up | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,7 @@ class Result:
     op: int = wire.SUM
     flags: int = 0
     kind: int = wire.RESULT  # RESULT, ACK (compared as the header alone), or a relayed GATHER or NACK
+    up: bool = False  # a leaf's packet to its root (``to`` unused): the uplink's job, generation and worker
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,7 @@ class Scenario:
     steps: tuple[Send | Admit | Remove, ...]
     switch_only: bool = False  # e.g. plain L2 forwarding: no software equivalent
     software_only: bool = False  # e.g. lanes per allocation: a switch has one lane count
+    tree: bool = False  # a leaf's or root's (tree_scenarios.py): software only until the P4 programs take the roles
 
 
 def _both(job: Job) -> tuple[int, ...]:
@@ -309,6 +324,7 @@ SCENARIOS: tuple[Scenario, ...] = (
 # received: every packet sent but a malformed one (a Send's counters need not say it: runner.py)
 COUNTER_NAMES = ("received", "malformed", "rejected", "aggregated", "completed", "duplicate", "duplicate_answered",
                  "stale", "overflow", "relayed")
+TREE_COUNTER_NAMES = ("sent_up", "answered", "late_answer")  # held where a target counts them
 
 
 def by_name(name: str) -> Scenario:

@@ -9,7 +9,7 @@ import numpy as np
 
 from passing import wire
 from passing.aggregator.control_channel import ControlClient
-from passing.aggregator.engine import JobSpec
+from passing.aggregator.engine import JobSpec, Uplink
 from passing.aggregator.native_engine import make_engine
 from passing.transport import pack_address
 from tests.cluster import start_aggregator
@@ -18,6 +18,7 @@ from .runner import Origin
 from .scenarios import Job
 
 STRANGER = "stranger"
+ROOT = "root"  # a leaf's root (tree_scenarios.py)
 
 
 class EngineTarget:
@@ -34,7 +35,9 @@ class EngineTarget:
 
     def admit(self, job: Job) -> None:
         sources = [self._origin((job.job, w)) for w in range(job.workers)]
-        self.engine.add_job(JobSpec(job.job, job.base, job.pool, sources, generation=job.generation, lanes=job.lanes))
+        up = job.up and Uplink(job.up.job, job.up.generation, job.up.worker, self._origin(ROOT))
+        self.engine.add_job(JobSpec(job.job, job.base, job.pool, sources, generation=job.generation, lanes=job.lanes,
+                                    role=job.role, owners=None if job.owners is None else list(job.owners), up=up))
 
     def remove(self, job: int) -> None:
         self.engine.remove_job(job)
@@ -91,8 +94,14 @@ class UdpAggregatorTarget:
 
     def admit(self, job: Job) -> None:
         workers = ["{}:{}".format(*self._socket((job.job, w)).getsockname()) for w in range(job.workers)]
-        self.control.request("add_job", job={"job": job.job, "base": job.base, "pool": job.pool, "workers": workers,
-                                             "generation": job.generation, "lanes": job.lanes})
+        obj = {"job": job.job, "base": job.base, "pool": job.pool, "workers": workers, "generation": job.generation,
+               "lanes": job.lanes}
+        if job.role != "flat":  # a tree's job (docs/protocol.md, control channel)
+            obj.update(role=job.role, owners=None if job.owners is None else list(job.owners))
+        if job.up is not None:
+            obj["up"] = {"job": job.up.job, "generation": job.up.generation, "worker": job.up.worker,
+                         "root": "{}:{}".format(*self._socket(ROOT).getsockname())}
+        self.control.request("add_job", job=obj)
 
     def remove(self, job: int) -> None:
         self.control.request("remove_job", job=job)

@@ -7,6 +7,11 @@ completion is a RESULT for its owner and a header-only ACK for every other worke
 The software aggregator (PS fallback) runs it behind UDP sockets, the tests run it
 directly, and the P4 programs implement the very same rules in switch registers.
 
+A job may also be a leaf or the root of a two-level tree (docs/protocol.md, "Trees across racks";
+its entry in passing.aggregator.jobs): a leaf's completed round goes up to its root as one DATA
+packet, and the root's RESULT or ACK, matched by the uplink's job id, is delivered to the leaf's
+workers; owners go through each job's owner map. One engine, either role, by the job entry.
+
 State per slot and set: the ``epoch`` of the allocation that wrote it (job id and
 generation), a round ``tag`` (the psn being aggregated), a worker ``bitmap``, an
 ``overflow`` bit and ``lanes`` accumulators. ``lanes`` is the engine's width, the largest
@@ -23,64 +28,16 @@ sent them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import wire
+from .jobs import COUNTERS, NO_SOURCE, UP, ConfigError, JobSpec, JobTable, Uplink, check_admission
+from .jobs import C as _C
 
-COUNTERS = (
-    "received",  # PASSING packets: every datagram looked at but the malformed ones (as a switch counts)
-    "malformed",  # wrong length, version or type (one a host does not send)
-    "rejected",  # unknown job, another generation, worker not from its origin, slot out of range, not the job's
-    #              lanes, an owner that is not a worker (OWNER_ONLY, NACK) or not the sender (GATHER)
-    "aggregated",  # payload written or added into a slot
-    "completed",  # rounds whose bitmap became full (a RESULT multicast)
-    "duplicate",  # retransmission of a contribution to a round still incomplete: dropped
-    "duplicate_answered",  # retransmission to a completed round: RESULT unicast to the sender
-    "stale",  # packet older than the round its slot/set holds: dropped
-    "overflow",  # contributions that saturated a lane or arrived flagged OVERFLOW
-    "results_sent",  # packets emitted: RESULTs and ACKs (multicast replicas + unicast answers), relayed replicas
-    "relayed",  # GATHER and NACK packets admitted and replicated (no state touched)
-)
-_C = {name: i for i, name in enumerate(COUNTERS)}
-NO_SOURCE = -1
-
-
-class ConfigError(ValueError):
-    """An admission request that cannot be honoured (bad range, duplicate job, ...)."""
-
-
-@dataclass
-class JobSpec:
-    """One job's allocation at an aggregator.
-
-    ``sources[w]`` identifies worker w's admitted origin: for the software aggregator
-    its packed IPv4 address and UDP port (see ``transport.pack_address``), for a switch
-    the ingress port. RESULTs for worker w go back to that origin.
-    """
-
-    job: int
-    base: int
-    pool: int
-    sources: list[int]
-    generation: int | None = None  # which allocation of this job id; the engine assigns one when None
-    lanes: int | None = None  # int32 values per packet of this job, at most the engine's; None: the engine's
-
-    @property
-    def workers(self) -> int:
-        return len(self.sources)
-
-    @property
-    def epoch(self) -> int:
-        """What a slot/set records of the allocation that wrote it: (job, generation) as one number."""
-        assert self.generation is not None
-        return self.job << 16 | self.generation
-
-    @property
-    def full(self) -> int:
-        return (1 << self.workers) - 1
+__all__ = ["COUNTERS", "NO_SOURCE", "AggregationEngine", "ConfigError", "Emission", "JobSpec", "Uplink",
+           "check_admission"]
 
 
 @dataclass
@@ -93,64 +50,11 @@ class Emission:
 
     packets: np.ndarray
     dest: np.ndarray
-    multicast: np.ndarray  # True for a replica of a completion, False for a unicast answer
+    multicast: np.ndarray  # True for a replica of a completion, False for a unicast answer (or a leaf's packet up)
     lengths: np.ndarray  # bytes of each RESULT: its job's packet size
 
     def __len__(self) -> int:
         return len(self.packets)
-
-
-def check_admission(spec: JobSpec, admitted: Mapping[int, JobSpec], slots: int, lanes: int, max_jobs: int,
-                    last_generation: dict[int, int]) -> None:
-    """The admission rules of both engines, in order. Gives ``spec`` its lanes when it has none (the
-    engine's ``lanes``) and its generation when it has none (standalone: the next one of its job id
-    here, 0 first) and records it as the job id's latest; raises ConfigError for a request that
-    cannot be honoured."""
-    if spec.lanes is None:
-        spec.lanes = lanes
-    if not 0 <= spec.job < 1 << 16:
-        raise ConfigError(f"job id {spec.job} outside 0..65535")
-    if spec.job in admitted:
-        raise ConfigError(f"job {spec.job} is already admitted")
-    if not 1 <= spec.workers <= wire.MAX_WORKERS:
-        raise ConfigError(f"job {spec.job}: {spec.workers} workers, must be 1..{wire.MAX_WORKERS}")
-    if len(set(spec.sources)) != len(spec.sources) or min(spec.sources) < 0:
-        raise ConfigError(f"job {spec.job}: worker sources must be distinct and non-negative")
-    if not 1 <= spec.lanes <= lanes:
-        raise ConfigError(f"job {spec.job}: {spec.lanes} lanes, this aggregator takes 1..{lanes}")
-    if spec.pool < 1 or spec.base < 0 or spec.base + spec.pool > slots:
-        raise ConfigError(f"job {spec.job}: slots {spec.base}..{spec.base + spec.pool - 1} outside 0..{slots - 1}")
-    for other in admitted.values():
-        if spec.base < other.base + other.pool and other.base < spec.base + spec.pool:
-            raise ConfigError(f"job {spec.job}: slot range overlaps job {other.job}")
-    if len(admitted) >= max_jobs:
-        raise ConfigError(f"no room for job {spec.job}: {max_jobs} jobs admitted already")
-    if spec.generation is None:  # standalone: the next generation of this job id here
-        spec.generation = (last_generation.get(spec.job, -1) + 1) % wire.GENERATIONS
-    if not 0 <= spec.generation < wire.GENERATIONS:
-        raise ConfigError(f"job {spec.job}: generation {spec.generation} outside 0..{wire.GENERATIONS - 1}")
-    last_generation[spec.job] = spec.generation
-
-
-@dataclass
-class _Jobs:
-    """Dense per-job admission arrays (index = job's dense id)."""
-
-    capacity: int
-    by_id: dict[int, JobSpec] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.index = np.full(1 << 16, -1, dtype=np.int64)  # job id -> dense id
-        self.base = np.zeros(self.capacity, dtype=np.int64)
-        self.pool = np.zeros(self.capacity, dtype=np.int64)
-        self.full = np.zeros(self.capacity, dtype=np.int64)
-        self.workers = np.zeros(self.capacity, dtype=np.int64)
-        self.generation = np.zeros(self.capacity, dtype=np.int64)
-        self.lanes = np.zeros(self.capacity, dtype=np.int64)
-        self.epoch = np.zeros(self.capacity, dtype=np.int64)
-        self.sources = np.full((self.capacity, wire.MAX_WORKERS), NO_SOURCE, dtype=np.int64)
-        self.counters = np.zeros((self.capacity, len(COUNTERS)), dtype=np.int64)
-        self.free = list(range(self.capacity - 1, -1, -1))
 
 
 class AggregationEngine:
@@ -168,8 +72,11 @@ class AggregationEngine:
         self.bitmap = np.zeros(n, dtype=np.int64)
         self.state_epoch = np.full(n, -1, dtype=np.int64)  # -1: never used
         self.overflow = np.zeros(n, dtype=bool)
+        # whether the round is answered: 0 not yet (a leaf's round until the root's answer), 1 with the sums
+        # in acc (at completion, or a RESULT from the root), 2 by an ACK from the root (acc holds a partial)
+        self.phase = np.zeros(n, dtype=np.int8)
         self.totals = np.zeros(len(COUNTERS), dtype=np.int64)
-        self._jobs = _Jobs(max_jobs)
+        self._jobs = JobTable(max_jobs)
         self._last_generation: dict[int, int] = {}  # job id -> generation of its latest allocation here
 
     # ---- admission -------------------------------------------------------------
@@ -177,25 +84,11 @@ class AggregationEngine:
     def add_job(self, spec: JobSpec) -> JobSpec:
         jobs = self._jobs
         check_admission(spec, jobs.by_id, self.slots, self.lanes, jobs.capacity, self._last_generation)
-        d = jobs.free.pop()
-        jobs.index[spec.job] = d
-        jobs.base[d], jobs.pool[d], jobs.full[d], jobs.lanes[d] = spec.base, spec.pool, spec.full, spec.lanes
-        jobs.workers[d], jobs.generation[d], jobs.epoch[d] = spec.workers, spec.generation, spec.epoch
-        jobs.sources[d] = NO_SOURCE
-        jobs.sources[d, : spec.workers] = spec.sources
-        jobs.counters[d] = 0
-        jobs.by_id[spec.job] = spec
+        jobs.add(spec)
         return spec
 
     def remove_job(self, job: int) -> JobSpec:
-        jobs = self._jobs
-        if job not in jobs.by_id:
-            raise ConfigError(f"job {job} is not admitted")
-        d = int(jobs.index[job])
-        jobs.index[job] = -1
-        jobs.sources[d] = NO_SOURCE
-        jobs.free.append(d)
-        return jobs.by_id.pop(job)
+        return self._jobs.remove(job)
 
     def jobs(self) -> list[JobSpec]:
         return sorted(self._jobs.by_id.values(), key=lambda s: s.job)
@@ -218,7 +111,9 @@ class AggregationEngine:
         ``batch`` is a packet array of any lane count up to this engine's, one row per
         datagram, ``sources`` the origin of each packet, ``lengths`` the received datagram
         sizes (default: the row size). A datagram is as many lanes long as its length says
-        (the rest of its row is not read); its job must have that many.
+        (the rest of its row is not read); its job must have that many. At a leaf, what comes
+        down from its root (RESULT, ACK, and GATHER and NACK from the root's origin) is matched
+        by its uplink's job id (docs/protocol.md, "Trees across racks").
         """
         n = len(batch)
         sources = np.asarray(sources, dtype=np.int64)
@@ -227,19 +122,31 @@ class AggregationEngine:
             lengths = np.full(n, row)
         lengths = np.asarray(lengths, dtype=np.int64)
         hdr = batch["hdr"]
+        jobs = self._jobs
         # framing: a whole packet of a kind hosts send, 1..lanes lanes, that fits its row (a longer one was cut short)
         lanes = np.where(lengths <= row, wire.lanes_of(lengths, self.lanes), 0)
         kind = hdr["type"]
         is_data = kind == wire.DATA
         relay = (kind == wire.GATHER) | (kind == wire.NACK)
-        ok = (lanes > 0) & (hdr["version"] == wire.VERSION) & (is_data | relay)
-        jobs = self._jobs
-        worker = hdr["worker"].astype(np.int64)
-        owner = wire.owner_of(hdr["set"])
-        slot = hdr["slot"].astype(np.int64)
+        framed = (lanes > 0) & (is_data | relay)
         d = jobs.index[hdr["job"]]
+        down = None  # what comes down from a root, where some job here is a leaf
+        aggregating_kind = is_data
+        if jobs.leaves:
+            answer = (kind == wire.RESULT) | (kind == wire.ACK)
+            aggregating_kind = is_data | answer
+            ud = jobs.up_index[hdr["job"]]  # the leaf job whose uplink has this job id, if any
+            from_root = (ud >= 0) & (jobs.up_source[np.maximum(ud, 0)] == sources)
+            down = answer | (relay & from_root)  # a RESULT or ACK comes from nowhere else
+            framed = np.where(down, (ud >= 0) & np.where(kind == wire.ACK, lengths == wire.HEADER_SIZE, lanes > 0),
+                              framed)
+            d = np.where(down, ud, d)
+        ok = framed & (hdr["version"] == wire.VERSION)
+        worker = hdr["worker"].astype(np.int64)
+        slot = hdr["slot"].astype(np.int64)
         known = ok & (d >= 0)
         dc = np.where(known, d, 0)
+        owner = jobs.owners[dc, wire.owner_of(hdr["set"])]  # the owner as a worker here (owner map; UP, NOT_OWNER)
         owner_only = is_data & ((hdr["flags"] & wire.FLAG_OWNER_ONLY) != 0)
         admitted = (
             known
@@ -248,10 +155,12 @@ class AggregationEngine:
             & (jobs.sources[dc, np.minimum(worker, wire.MAX_WORKERS - 1)] == sources)
             & (lanes == jobs.lanes[dc])  # as long as the job's packets
             & (~is_data | (slot < jobs.pool[dc]))  # a relayed kind's slot is no slot
-            & (~owner_only | (owner < jobs.workers[dc]))
+            & (~owner_only | (owner >= 0) | (owner == UP))
             & ((kind != wire.GATHER) | (owner == worker))  # a piece of the sender's own
-            & ((kind != wire.NACK) | ((owner < jobs.workers[dc]) & (owner != worker)))
+            & ((kind != wire.NACK) | ((owner != worker) & ((owner >= 0) | (owner == UP))))
         )
+        if down is not None and down.any():
+            admitted = np.where(down, known & self._down_admitted(hdr, dc, owner, sources, lanes), admitted)
         tally = _Tally(self)
         tally.total("received", int(ok.sum()))
         tally.total("malformed", n - int(ok.sum()))
@@ -264,13 +173,15 @@ class AggregationEngine:
         # slot, so this is arrival order per slot.
         relayed = np.flatnonzero(admitted & relay)
         if relayed.size:
-            emitted, cause = self._relay(batch[relayed], d[relayed], worker[relayed], owner[relayed], lanes[relayed],
-                                         tally)
+            came_down = np.zeros(relayed.size, dtype=bool) if down is None else down[relayed]
+            emitted, cause = self._relay(batch[relayed], d[relayed], np.where(came_down, -1, worker[relayed]),
+                                         owner[relayed], came_down, tally)
             out.append(emitted)
             causes.append(relayed[cause])
-        aggregating = admitted & is_data
-        for count in np.unique(lanes[aggregating]):
-            idx = np.flatnonzero(aggregating & (lanes == count))
+        aggregating = admitted & aggregating_kind
+        job_lanes = jobs.lanes[dc]
+        for count in np.unique(job_lanes[aggregating]):
+            idx = np.flatnonzero(aggregating & (job_lanes == count))
             key = (jobs.base[d[idx]] + slot[idx]) * 2 + (hdr["set"][idx] & 1)
             # Rank of each packet among those for the same slot/set, in arrival order.
             order = np.argsort(key, kind="stable")
@@ -294,43 +205,76 @@ class AggregationEngine:
         return Emission(emission.packets[order], emission.dest[order], emission.multicast[order],
                         emission.lengths[order])
 
-    def _relay(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, owner: np.ndarray, lanes: np.ndarray,
+    def _down_admitted(self, hdr: np.ndarray, dc: np.ndarray, owner: np.ndarray, sources: np.ndarray,
+                       lanes: np.ndarray) -> np.ndarray:
+        """Admission of what comes down to leaf job ``dc`` from its root: the uplink's generation, worker and
+        origin, the job's lanes (an ACK: the header alone), a RESULT's or ACK's slot in the pool, a GATHER's
+        piece from another rack, a NACK's and an OWNER_ONLY RESULT's owner in this rack."""
+        jobs = self._jobs
+        kind = hdr["type"]
+        owner_only = (hdr["flags"] & wire.FLAG_OWNER_ONLY) != 0
+        return (
+            (hdr["generation"] == jobs.up_generation[dc])
+            & (hdr["worker"] == jobs.up_worker[dc])
+            & (jobs.up_source[dc] == sources)
+            & ((kind == wire.ACK) | (lanes == jobs.lanes[dc]))
+            & (((kind != wire.RESULT) & (kind != wire.ACK)) | (hdr["slot"] < jobs.pool[dc]))
+            & ((kind != wire.GATHER) | (owner == UP))
+            & ((kind != wire.NACK) | (owner >= 0))
+            & ((kind != wire.RESULT) | ~owner_only | (owner >= 0))
+        )
+
+    def _relay(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, owner: np.ndarray, down: np.ndarray,
                tally: _Tally) -> tuple[Emission, np.ndarray]:
         """Admitted GATHER and NACK packets: no state, one replica per receiver (a GATHER's: every worker
         but its sender, in worker order; a NACK's: its owner), each with ``worker`` = its receiver and
-        otherwise the packet as sent. Returns them and, for each, the index of its packet in ``pkts``."""
+        otherwise the packet as sent; at a leaf, a host's GATHER and a NACK to another rack also go up (last),
+        and what came down (``worker`` -1: no sender here) goes to this rack's servers with the job's own job
+        id and generation. Returns them and, for each, the index of its packet in ``pkts``."""
         jobs = self._jobs
         gather = pkts["hdr"]["type"] == wire.GATHER
-        receivers = [np.flatnonzero(np.arange(jobs.workers[j]) != w) if g else np.array([o])
+        receivers = [np.flatnonzero(np.arange(jobs.workers[j]) != w) if g else np.array([o] if o >= 0 else [])
                      for j, w, o, g in zip(d.tolist(), worker.tolist(), owner.tolist(), gather.tolist())]
-        counts = np.array([r.size for r in receivers], dtype=np.int64)
+        goes_up = ~down & jobs.leaf[d] & (gather | (owner == UP))
+        counts = np.array([r.size for r in receivers], dtype=np.int64) + goes_up
         src = np.repeat(np.arange(len(pkts)), counts)
-        dest_worker = np.concatenate(receivers).astype(np.int64)
+        up = np.zeros(src.size, dtype=bool)
+        up[np.cumsum(counts)[goes_up] - 1] = True  # a packet's copy up comes after its replicas
+        dest_worker = np.zeros(src.size, dtype=np.int64)
+        dest_worker[~up] = np.concatenate([*receivers, np.zeros(0)]).astype(np.int64)
         out = wire.empty(src.size, self.lanes)
         out["hdr"] = pkts["hdr"][src]
-        out["hdr"]["worker"] = dest_worker
+        ds = d[src]
+        out["hdr"]["worker"] = np.where(up, jobs.up_worker[ds], dest_worker)
+        out["hdr"]["job"] = np.where(up, jobs.up_job[ds], jobs.job_id[ds])
+        out["hdr"]["generation"] = np.where(up, jobs.up_generation[ds], jobs.generation[ds])
         width = pkts["payload"].shape[1]  # the batch's rows may be narrower than the engine's
         out["payload"][:, :width] = pkts["payload"][src]
         tally.jobs("relayed", d)
-        tally.jobs("results_sent", d[src])
+        tally.jobs("results_sent", ds[~up])
+        tally.jobs("sent_up", ds[up])
         return Emission(
             packets=out,
-            dest=jobs.sources[d[src], dest_worker],
-            multicast=np.ones(src.size, dtype=bool),
-            lengths=(wire.HEADER_SIZE + 4 * lanes[src]).astype(np.int64),
+            dest=np.where(up, jobs.up_source[ds], jobs.sources[ds, np.where(up, 0, dest_worker)]),
+            multicast=~up,
+            lengths=(wire.HEADER_SIZE + 4 * jobs.lanes[ds]).astype(np.int64),
         ), src
 
     def _wave(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, owner: np.ndarray, k: np.ndarray,
               tally: _Tally, lanes: int) -> tuple[Emission, np.ndarray]:
         """Packets of jobs of ``lanes`` lanes that all hit distinct slot/sets: one vectorised step of the
-        state machine, on their first ``lanes`` accumulators. Returns the RESULTs and, for each, the index
-        in ``pkts`` of the packet that caused it."""
+        state machine, on their first ``lanes`` accumulators (DATA, and a leaf's RESULTs and ACKs from its
+        root). Returns the RESULTs (and partials up) and, for each, the index in ``pkts`` of the packet that
+        caused it."""
         jobs = self._jobs
         hdr = pkts["hdr"]
         payload = pkts["payload"][:, :lanes]
         acc = self.acc[:, :lanes]
         psn = hdr["psn"].astype(np.int64)
-        wbit = np.left_shift(1, worker)
+        leaf = jobs.leaf[d]
+        tree = bool(leaf.any())  # a leaf's rounds (only they have answers from a root): the tree's steps too
+        data = hdr["type"] == wire.DATA if tree else np.ones(len(pkts), dtype=bool)
+        wbit = np.where(data, np.left_shift(1, np.where(data, worker, 0)), 0) if tree else np.left_shift(1, worker)
         job_epoch = jobs.epoch[d]
         bitmap = self.bitmap[k]
         same_epoch = self.state_epoch[k] == job_epoch
@@ -340,7 +284,16 @@ class AggregationEngine:
         has_bit = (bitmap & wbit) != 0
         contrib = same_round & ~has_bit
         dup = same_round & has_bit
+        if tree:
+            fresh, contrib, dup = fresh & data, contrib & data, dup & data
         answered = dup & (bitmap == jobs.full[d])
+        pending = down = None
+        if tree:  # the phase of a leaf's round: answered by its root or not (other jobs' rounds never read it)
+            phase = self.phase[k]
+            pending = answered & leaf & (phase == 0)  # complete at a leaf, no answer from the root yet: re-send up
+            answered = answered & ~pending
+            # from the root: the answer of a round complete here and waiting for it; anything else is late
+            down = ~data & same_round & (bitmap == jobs.full[d]) & (phase == 0)
         flagged = (hdr["flags"] & wire.FLAG_OVERFLOW) != 0
 
         # A new round: the first write resets the slot/set, no separate clearing pass.
@@ -350,6 +303,8 @@ class AggregationEngine:
         self.state_epoch[fk] = job_epoch[fresh]
         self.bitmap[fk] = wbit[fresh]
         self.overflow[fk] = flagged[fresh]
+        if tree:
+            self.phase[fk] = 0
 
         # A contribution to the current round: saturating add (SUM) or max (MAX), in int32.
         ck = k[contrib]
@@ -372,20 +327,52 @@ class AggregationEngine:
         self.bitmap[ck] |= wbit[contrib]
         self.overflow[ck] |= lane_overflow
 
+        if tree:  # the root's answer: a RESULT's sums and flag replace the partial; after an ACK only ACKs go out
+            result = down & (hdr["type"] == wire.RESULT)
+            acc[k[result]] = payload[result]
+            self.overflow[k[result]] = flagged[result]
+            self.phase[k[down]] = np.where(result[down], 1, 2)
+            tally.jobs("answered", d[down])
+            tally.jobs("late_answer", d[~data & ~down])
+
         done = (fresh | contrib) & (self.bitmap[k] == jobs.full[d])
         tally.jobs("aggregated", d[fresh | contrib])
         tally.jobs("completed", d[done])
         tally.jobs("duplicate", d[dup & ~answered])
         tally.jobs("duplicate_answered", d[answered])
-        tally.jobs("stale", d[~fresh & ~same_round])
+        tally.jobs("stale", d[data & ~fresh & ~same_round])
         tally.jobs("overflow", d[fresh & flagged])
         tally.jobs("overflow", d[contrib][lane_overflow])
 
-        # Completion: one replica per worker of the job (replication id = worker).
-        done_i = np.flatnonzero(done)
+        # Completion: one replica per worker of the job (replication id = worker); a leaf's goes up instead.
         ans_i = np.flatnonzero(answered)
-        if done_i.size + ans_i.size == 0:
+        if pending is None or down is None:  # no leaf's round in the wave: every completion is answered here
+            done_i = np.flatnonzero(done)
+            if done_i.size + ans_i.size == 0:
+                return self._empty_emission(), np.zeros(0, np.int64)
+            return (self._answers(pkts, d, worker, owner, k, done_i, ans_i, tally, lanes, tree),
+                    np.r_[np.repeat(done_i, jobs.workers[d[done_i]]), ans_i])
+        done_i = np.flatnonzero((done & ~leaf) | down)
+        up_i = np.flatnonzero((done & leaf) | pending)
+        parts, causes = [], []
+        if done_i.size + ans_i.size:
+            parts.append(self._answers(pkts, d, worker, owner, k, done_i, ans_i, tally, lanes, tree))
+            causes.append(np.r_[np.repeat(done_i, jobs.workers[d[done_i]]), ans_i])
+        if up_i.size:
+            parts.append(self._up(pkts, d, k, up_i, pending[up_i], tally, lanes))
+            causes.append(up_i)
+        if not parts:
             return self._empty_emission(), np.zeros(0, np.int64)
+        return _concat(parts, self.lanes), np.concatenate(causes)
+
+    def _answers(self, pkts: np.ndarray, d: np.ndarray, worker: np.ndarray, owner: np.ndarray, k: np.ndarray,
+                 done_i: np.ndarray, ans_i: np.ndarray, tally: _Tally, lanes: int, tree: bool) -> Emission:
+        """The RESULTs of the rounds answered in a wave: every worker's replica of each round in ``done_i``
+        (in worker order), then an answer to the sender of each retransmission in ``ans_i`` (``tree``: the
+        wave has a leaf's rounds)."""
+        jobs = self._jobs
+        hdr = pkts["hdr"]
+        acc = self.acc[:, :lanes]
         reps = jobs.workers[d[done_i]]
         src = np.r_[np.repeat(done_i, reps), ans_i]
         dest_worker = np.r_[np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps), worker[ans_i]]
@@ -395,9 +382,15 @@ class AggregationEngine:
             rh[name] = hdr[name][src]
         # An OWNER_ONLY round's sums go to its owner; every other worker gets the header alone, an ACK.
         ack = ((hdr["flags"][src] & wire.FLAG_OWNER_ONLY) != 0) & (dest_worker != owner[src])
+        if tree:
+            rh["job"] = jobs.job_id[d[src]]  # a leaf's answer from its root goes out with the leaf's own
+            rh["generation"] = jobs.generation[d[src]]
+            ack = ack | (jobs.leaf[d[src]] & (self.phase[k[src]] == 2))  # a leaf answered by an ACK holds no sums
         rh["type"] = np.where(ack, wire.ACK, wire.RESULT)
         rh["worker"] = dest_worker
         rh["flags"] = self.overflow[k[src]] * wire.FLAG_OVERFLOW
+        if jobs.roots:  # a root's answers down to its leaves keep OWNER_ONLY
+            rh["flags"] |= jobs.root[d[src]] * (hdr["flags"][src] & wire.FLAG_OWNER_ONLY)
         res["payload"][:, :lanes] = np.where(ack[:, None], 0, acc[k[src]])
         tally.jobs("results_sent", d[src])
         return Emission(
@@ -405,7 +398,28 @@ class AggregationEngine:
             dest=jobs.sources[d[src], dest_worker],
             multicast=np.arange(src.size) < src.size - ans_i.size,
             lengths=np.where(ack, wire.HEADER_SIZE, wire.packet_size(lanes)).astype(np.int64),
-        ), src
+        )
+
+    def _up(self, pkts: np.ndarray, d: np.ndarray, k: np.ndarray, up_i: np.ndarray, resent: np.ndarray,
+            tally: _Tally, lanes: int) -> Emission:
+        """A leaf's partials up, one DATA each (docs/protocol.md, "Trees across racks"): the round's op,
+        slot, owner, set and psn; the uplink's job, generation and worker; OVERFLOW of the partial, the
+        OWNER_ONLY of the packet that sent it, RETRANSMIT on a re-send."""
+        jobs = self._jobs
+        hdr = pkts["hdr"]
+        du, ku = d[up_i], k[up_i]
+        out = wire.empty(up_i.size, self.lanes)
+        uh = out["hdr"]
+        for name in ("op", "slot", "set", "psn"):
+            uh[name] = hdr[name][up_i]
+        uh["type"] = wire.DATA
+        uh["job"], uh["generation"], uh["worker"] = jobs.up_job[du], jobs.up_generation[du], jobs.up_worker[du]
+        uh["flags"] = (self.overflow[ku] * wire.FLAG_OVERFLOW | (hdr["flags"][up_i] & wire.FLAG_OWNER_ONLY)
+                       | resent * wire.FLAG_RETRANSMIT)
+        out["payload"][:, :lanes] = self.acc[ku, :lanes]
+        tally.jobs("sent_up", du)
+        return Emission(packets=out, dest=jobs.up_source[du], multicast=np.zeros(up_i.size, dtype=bool),
+                        lengths=np.full(up_i.size, wire.packet_size(lanes), dtype=np.int64))
 
     def _empty_emission(self) -> Emission:
         return Emission(wire.empty(0, self.lanes), np.zeros(0, np.int64), np.zeros(0, bool), np.zeros(0, np.int64))

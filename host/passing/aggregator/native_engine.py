@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import native, wire
 from .engine import COUNTERS, AggregationEngine, ConfigError, Emission, JobSpec, check_admission
+from .jobs import OWNERS, ROLES, Uplink
 
 
 class NativeAggregationEngine:
@@ -38,6 +39,7 @@ class NativeAggregationEngine:
         self._by_id: dict[int, JobSpec] = {}
         self._last_generation: dict[int, int] = {}
         self._workers = np.zeros(1 << 16, dtype=np.int64)  # job id -> workers (0: none): bounds a batch's RESULTs
+        self._down = np.zeros(1 << 16, dtype=np.int64)  # uplink job id -> its leaf's workers (0: none)
         self._lock = threading.Lock()  # the registry, for callers in several threads
 
     # ---- admission -------------------------------------------------------------
@@ -46,11 +48,17 @@ class NativeAggregationEngine:
         with self._lock:
             check_admission(spec, self._by_id, self.slots, self.lanes, self.max_jobs, self._last_generation)
             sources = np.asarray(spec.sources, dtype=np.int64)
-            native.check(self._lib.pn_engine_add_job(self.handle, spec.job, spec.generation, spec.base, spec.pool,
-                                                     spec.workers, native.address(sources), spec.lanes),
+            up = spec.up or Uplink(0, 0, 0, -1)
+            tree = native.Tree(ROLES.index(spec.role), (ctypes.c_int32 * OWNERS)(*spec.owner_map().tolist()), up.job,
+                               up.generation, up.worker, up.source)
+            native.check(self._lib.pn_engine_add_tree_job(self.handle, spec.job, spec.generation, spec.base,
+                                                          spec.pool, spec.workers, native.address(sources),
+                                                          spec.lanes, ctypes.byref(tree)),
                          f"the native engine refused job {spec.job} that passed admission")
             self._by_id[spec.job] = spec
             self._workers[spec.job] = spec.workers
+            if spec.up is not None:  # what comes down names the uplink's job id: room for the leaf's replicas
+                self._down[spec.up.job] = spec.workers
             return spec
 
     def remove_job(self, job: int) -> JobSpec:
@@ -59,7 +67,10 @@ class NativeAggregationEngine:
                 raise ConfigError(f"job {job} is not admitted")
             native.check(self._lib.pn_engine_remove_job(self.handle, job), f"the native engine lost job {job}")
             self._workers[job] = 0
-            return self._by_id.pop(job)
+            spec = self._by_id.pop(job)
+            if spec.up is not None:
+                self._down[spec.up.job] = 0
+            return spec
 
     def jobs(self) -> list[JobSpec]:
         with self._lock:
@@ -91,8 +102,10 @@ class NativeAggregationEngine:
             raise ValueError("batch, sources and lengths must have one entry per packet")
         emitted = ctypes.c_size_t(0)
         with self._lock:  # no job may come in between sizing the output and processing
-            # Room for every RESULT the batch can cause: a job's worker count per packet of that job.
-            cap = int(self._workers[batch["hdr"]["job"]].sum()) if n else 0
+            # Room for every RESULT the batch can cause: a job's worker count per packet of that job (a leaf's
+            # partial up is one, a host's GATHER there its other workers and one up).
+            ids = batch["hdr"]["job"]
+            cap = int(np.maximum(self._workers[ids], self._down[ids]).sum()) if n else 0
             out = wire.empty(cap, self.lanes)
             dest = np.empty(cap, dtype=np.int64)
             multicast = np.empty(cap, dtype=np.uint8)

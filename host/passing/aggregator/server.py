@@ -41,6 +41,7 @@ from ..keys import AggregatorKeys, serve_curve
 from ..transport import BatchSocket, SendError, TransportStats, parse_endpoint
 from .control_channel import MAX_DATAGRAM, job_from_json, job_to_json
 from .engine import ConfigError, Emission, JobSpec
+from .jobs import ROLES
 from .native_engine import NativeAggregationEngine, make_engine
 
 log = logging.getLogger("passing.aggregator")
@@ -412,7 +413,7 @@ class SoftwareAggregator:
             # max_lanes: the largest packet it takes (a controller sizes groups by it)
             return {"ok": True, "lanes": self.lanes, "max_lanes": self.engine.lanes,
                     "max_datagram": wire.packet_size(self.engine.lanes), "slots": self.engine.slots,
-                    "engine": self.engine_name,
+                    "engine": self.engine_name, "roles": list(ROLES),  # the tree roles it serves
                     "control": {"refused": self.control_refused, "internal_errors": self.control_internal_errors}}
         if cmd == "stats":
             job = rpc.integer(request, "job", 0, (1 << 16) - 1, default=None)
@@ -450,8 +451,9 @@ class SoftwareAggregator:
 
 
 # Every packet of an admitted job ends in exactly one of these (overflow is part of aggregated; a GATHER
-# or NACK that is admitted is relayed): docs/protocol.md, Counters.
-OUTCOMES = ("rejected", "aggregated", "duplicate", "duplicate_answered", "stale", "relayed")
+# or NACK that is admitted is relayed; what comes down to a leaf is answered or late): docs/protocol.md, Counters.
+OUTCOMES = ("rejected", "aggregated", "duplicate", "duplicate_answered", "stale", "relayed", "answered",
+            "late_answer")
 
 
 def job_counters(counters: dict[str, int]) -> dict[str, int]:
