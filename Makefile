@@ -23,7 +23,7 @@ unexport PYTHONDONTWRITEBYTECODE
 PIP_FIND_LINKS_ARGS = $(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/.*find-links='\([^']*\)'/\1/p" \
                         | tr ' ' '\n' | sort -u | sed 's/^/--find-links /')
 INSTALL = $(VENV)/bin/uv pip install --quiet --python $(PY) $(PIP_FIND_LINKS_ARGS)
-$(STAMP): protocol/pyproject.toml host/pyproject.toml host/setup.py controller/pyproject.toml $(wildcard host/csrc/*.c host/csrc/*.h)
+$(STAMP): protocol/pyproject.toml host/pyproject.toml host/setup.py controller/pyproject.toml $(wildcard host/csrc/*.c host/csrc/*.h host/csrc/bpf/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet uv
 	$(INSTALL) -e protocol -e 'host[test]' -e 'controller[test,switch]'

@@ -311,6 +311,7 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     /* a slot is queued at most twice per loop iteration (its first transmission, then a resend) */
     int queued = pn_send_queue_init(&st.sends, (uint32_t)(2 * window + 2));
     int u = pn_udp_init(&st.udp, c->fd, (uint32_t)st.packet_size, RECV_BATCH, c->gso);
+    if (u == 0) u = pn_udp_use_xsk(&st.udp, c->xsk);
     if (!queued || u < 0) {
         free_state(&st);
         return u == -ENOMEM || u == 0 ? PN_ENOMEM : PN_EINVAL;

@@ -105,6 +105,7 @@ class Group:
         drop_seed: int | None = None,
         engine: str = "auto",
         failover: FailoverLine | None = None,
+        io: str = "auto",
     ) -> None:
         if not 0 <= job < 1 << 16:
             raise ValueError(f"job {job} outside 0..65535")
@@ -151,6 +152,12 @@ class Group:
         else:
             socket = BatchSocket(parse_endpoint(bind, 0) if isinstance(bind, str) else bind, lanes=lanes,
                                  offload=offload)
+        try:
+            socket.open_io(io, self.native)  # AF_XDP beside the socket where it can run (passing.xdp)
+        except BaseException:
+            if socket is not bind:
+                socket.close()
+            raise
         self.state = StreamState(job, worker, workers, generation, lanes, shards, socket, drop, drop_rng, rng)
 
     @classmethod
@@ -215,6 +222,16 @@ class Group:
     @property
     def address(self) -> tuple[str, int]:
         return self.socket.address
+
+    @property
+    def io_path(self) -> str:
+        """The I/O path of the group's packets: 'xdp' (AF_XDP beside the socket) or 'udp'."""
+        return self.socket.io_path
+
+    @property
+    def io_reason(self) -> str:
+        """One line: why that path (the AF_XDP mode, or why not AF_XDP)."""
+        return self.socket.io_reason
 
     def close(self) -> None:
         if self.failover is not None:
