@@ -193,13 +193,15 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-offload", action="store_true", help="no UDP GSO/GRO")
     p.add_argument("--engine", choices=native.ENGINES, default="auto",
                    help="host streaming engine: native (C), numpy, or auto (native where it loads)")
+    p.add_argument("--io", choices=("auto", "udp", "xdp"), default="auto",
+                   help="I/O path: AF_XDP beside the UDP socket where it can run (auto, the default), or forced")
     args = p.parse_args(argv)
     if (args.controller is None) == (args.aggregator is None):
         p.error("give either --aggregator or --controller")
     scale: str | float = args.scale if args.scale == "auto" else float(args.scale)
     x = worker_inputs(args.seed, args.worker, args.size, args.dtype)
     options = dict(scale=scale, timeout=args.timeout, offload=not args.no_offload, drop=args.drop,
-                   drop_seed=args.seed * 1000 + args.worker, engine=args.engine)
+                   drop_seed=args.seed * 1000 + args.worker, engine=args.engine, io=args.io)
     mode = "direct"
     try:
         if args.controller:
@@ -233,7 +235,8 @@ def allreduce_main(argv: list[str] | None = None) -> int:
         return 1
     if args.out:
         np.save(args.out, out)
-    report = {"worker": args.worker, "mode": mode, "engine": group.engine, "elements": args.size, "seconds": elapsed,
+    report = {"worker": args.worker, "mode": mode, "engine": group.engine, "io": group.io_path,
+              "io_reason": group.io_reason, "elements": args.size, "seconds": elapsed,
               "gbit_per_s": args.size * 4 * 8 / elapsed / 1e9, "ok": True, "moves": group.moves, "calls": calls,
               **stats}
     if not args.no_check:

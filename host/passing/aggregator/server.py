@@ -395,6 +395,8 @@ class SoftwareAggregator:
             reply["server"] = {"batches": server.batches, "send_errors": server.send_errors,
                                "last_errno": server.last_errno}
         reply["engine"] = self.engine_name
+        reply["io"] = {"path": self.socket.io_path, "reason": self.socket.io_reason,
+                       **({"xsk": self.socket.xsk_stats()} if self.socket.io_path == "xdp" else {})}
         return reply
 
     def handle(self, request: Any) -> dict[str, Any]:

@@ -1,0 +1,134 @@
+"""The AF_XDP I/O path (host/csrc/xsk.c, passing/xdp.py) against the UDP sockets: the same collectives give the
+same bits on both, loss, duplication and reordering included, with the aggregator and the workers in network
+namespaces on veths (loopback has no XDP receive path an XSK can use). Needs root, `ip netns` and a library built
+with AF_XDP; the choice between the paths (auto, forced, the reason) is tested wherever the library loads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from passing import Group, native, xdp
+from passing.launch import free_udp_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from cluster import netns  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native library is not built")
+
+WORKERS = 2
+ELEMENTS = 60_000
+PORT = 47000  # each worker's, in its own namespace
+
+
+def _why_no_netns_xdp() -> str:
+    if not xdp.built():
+        return "the library was built without AF_XDP (libxdp-dev, libbpf-dev, clang: README)"
+    return netns.available()
+
+
+@pytest.fixture(scope="module")
+def network():
+    why = _why_no_netns_xdp()
+    if why:
+        pytest.skip(f"AF_XDP on veths: {why}")
+    with netns.EmulatedNetwork(["agg", *(f"w{w}" for w in range(WORKERS))]) as net:
+        yield net
+
+
+def run(net: netns.EmulatedNetwork, io: str, lanes: int = 64, drop: float = 0.0, impair: bool = False,
+        calls: int = 2) -> tuple[dict, list[dict]]:
+    """The aggregator and the workers over ``io``; their reports (the aggregator's: its stats at the end)."""
+    workers = [f"{net.hosts[f'w{w}'].ip}:{PORT}" for w in range(WORKERS)]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"jobs": [{"job": 1, "pool": 64, "generation": 0, "lanes": lanes, "workers": workers}]}, f)
+    extra = ["--drop-ingress", "0.05", "--drop-egress", "0.05", "--duplicate", "0.05", "--reorder"] if impair else []
+    agg = net.popen("agg", [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen",
+                            f"{net.hosts['agg'].ip}:0", "--control", "none", "--engine", "native", "--io", io,
+                            "--lanes", str(lanes), "--config", f.name, "--seed", "3", *extra],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        ready = json.loads(agg.stdout.readline() or "{}")
+        assert "data" in ready, agg.stderr.read() if agg.poll() is not None else "no ready line"
+        procs = [net.popen(f"w{w}", [sys.executable, "-m", "tests.xdp_worker", json.dumps(
+            {"worker": w, "workers": WORKERS, "aggregator": ready["data"], "bind": workers[w], "pool": 64,
+             "lanes": lanes, "elements": ELEMENTS, "seed": 7, "io": io, "drop": drop, "calls": calls})],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for w in range(WORKERS)]
+        reports = []
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-2000:]
+            reports.append(json.loads(out.splitlines()[-1]))
+    finally:
+        agg.terminate()
+        out, _ = agg.communicate(timeout=30)
+        Path(f.name).unlink()
+    stopped = json.loads(out.splitlines()[-1])
+    return {"ready": ready, **stopped}, reports
+
+
+@pytest.fixture(scope="module")
+def udp_reference(network):
+    return run(network, "udp")
+
+
+def test_xdp_gives_the_udp_paths_bits(network, udp_reference):
+    agg_udp, udp = udp_reference
+    agg, got = run(network, "xdp")
+    assert agg["ready"]["io"] == "xdp" and agg_udp["ready"]["io"] == "udp"
+    assert agg["io"]["path"] == "xdp" and "AF_XDP on" in agg["io"]["reason"]
+    # the aggregator's XSK carried the DATA and the RESULTs (the first packets may go through the socket)
+    assert agg["io"]["xsk"]["rx_packets"] > 0 and agg["io"]["xsk"]["tx_packets"] > 0
+    for r, ref in zip(got, udp):
+        assert r["io"] == "xdp" and ref["io"] == "udp"
+        assert r["xsk"]["rx_packets"] > 0 and r["xsk"]["tx_packets"] > 0
+        assert r["digest"] == ref["digest"]
+    # the int32 sums are exact: recomputed here from the workers' inputs
+    from tests.xdp_worker import inputs
+    expected = sum(inputs(7, w, ELEMENTS)[1][:8].astype(np.int64) for w in range(WORKERS))
+    assert got[0]["int_sum"] == expected.tolist()
+
+
+def test_xdp_under_loss_duplication_and_reordering(network, udp_reference):
+    """5 % loss each way, 5 % duplication and reordering at the aggregator, 2 % loss each way at every worker:
+    the same bits as the loss-free UDP run."""
+    _, udp = udp_reference
+    agg, got = run(network, "xdp", drop=0.02, impair=True)
+    assert agg["io"]["xsk"]["rx_packets"] > 0
+    for r, ref in zip(got, udp):
+        assert r["io"] == "xdp" and r["stats"]["retransmissions"] > 0
+        assert r["digest"] == ref["digest"]
+
+
+def test_xdp_at_the_ps_lanes(network):
+    """364 lanes (a PS on a 1500-byte MTU path): one frame each, the same bits on both paths."""
+    _, udp = run(network, "udp", lanes=364, calls=1)
+    _, got = run(network, "xdp", lanes=364, calls=1)
+    assert [r["digest"] for r in got] == [r["digest"] for r in udp]
+    assert all(r["io"] == "xdp" and r["xsk"]["tx_packets"] > 0 for r in got)
+
+
+def test_auto_takes_the_udp_socket_on_loopback_and_says_why():
+    (port,) = free_udp_ports(1)
+    with Group(1, 0, 1, ["127.0.0.1:9"], bind=f"127.0.0.1:{port}", engine="native") as g:
+        assert g.io_path == "udp"
+        assert ("loopback" in g.io_reason) if xdp.built() else ("without AF_XDP" in g.io_reason)
+    with Group(1, 0, 1, ["127.0.0.1:9"], bind=f"127.0.0.1:{port}", engine="numpy") as g:
+        assert g.io_path == "udp" and "numpy" in g.io_reason
+    with Group(1, 0, 1, ["127.0.0.1:9"], bind=f"127.0.0.1:{port}", engine="native", io="udp") as g:
+        assert g.io_path == "udp" and "io='udp'" in g.io_reason
+
+
+def test_forcing_xdp_where_it_cannot_run_raises_with_the_reason():
+    (port,) = free_udp_ports(1)
+    with pytest.raises(OSError, match="io='xdp': AF_XDP cannot run .*(loopback|without AF_XDP)"):
+        Group(1, 0, 1, ["127.0.0.1:9"], bind=f"127.0.0.1:{port}", engine="native", io="xdp")
+    with pytest.raises(ValueError, match="io must be one of"):
+        Group(1, 0, 1, ["127.0.0.1:9"], bind=f"127.0.0.1:{port}", engine="native", io="dpdk")
