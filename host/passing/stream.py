@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import native, wire
+from . import native, stripes, wire
 from .errors import AggregatorUnreachable, GroupFailed, PassingError, Silenced
 from .gather_stream import GatherStream
 from .recovery import LossRecovery, SilenceWatch
@@ -82,7 +82,10 @@ class Group:
     its source address, so ``bind`` must be the address given to the aggregator; it may
     be a BatchSocket bound earlier (to learn the port before a join), which the group then owns.
     ``rto``, ``max_rto`` and ``timeout``: loss recovery (passing.recovery); ``drop``: a test
-    impairment, this fraction of packets lost each way, here at the host.
+    impairment, this fraction of packets lost each way, here at the host. ``io``: the I/O path, AF_XDP beside
+    the socket where it can run ("auto"), or forced ("udp", "xdp"): passing.xdp. ``streams``: the reduce passes
+    striped over that many streams on threads of their own (native engine, no failover), stream s a job of its
+    own at the aggregators (``stream_jobs[s - 1]``, default job + s) from bind's port + s: passing.stripes.
     """
 
     def __init__(
@@ -106,6 +109,8 @@ class Group:
         engine: str = "auto",
         failover: FailoverLine | None = None,
         io: str = "auto",
+        streams: int = 1,
+        stream_jobs: Sequence[int] | None = None,
     ) -> None:
         if not 0 <= job < 1 << 16:
             raise ValueError(f"job {job} outside 0..65535")
@@ -159,6 +164,16 @@ class Group:
                 socket.close()
             raise
         self.state = StreamState(job, worker, workers, generation, lanes, shards, socket, drop, drop_rng, rng)
+        if streams != 1:  # streams 1.. on threads of their own (passing.stripes)
+            if not 1 <= streams <= 64 or not self.native or failover is not None:
+                socket.close()
+                raise ValueError(f"streams={streams}: 1..64, several only on the native engine and without failover")
+            try:
+                self.state.stripes = stripes.open_stripes(self.state, self.recovery, streams, stream_jobs,
+                                                          socket.address, io, offload)
+            except BaseException:
+                socket.close()
+                raise
 
     @classmethod
     def from_answer(cls, answer: dict, bind: str | tuple[str, int] | BatchSocket, **options) -> Group:
@@ -217,7 +232,15 @@ class Group:
 
     @property
     def stats(self) -> TransportStats:
+        """The socket's counters (with several streams, a sum of every stream's: a copy)."""
+        if self.state.stripes:
+            return stripes.total_stats(self.socket.stats, self.state.stripes)
         return self.socket.stats
+
+    @property
+    def streams(self) -> int:
+        """The streams the group's reduce passes are striped over (passing.stripes)."""
+        return 1 + len(self.state.stripes)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -236,6 +259,7 @@ class Group:
     def close(self) -> None:
         if self.failover is not None:
             self.failover.close()
+        stripes.close_stripes(self.state.stripes)
         self.socket.close()
 
     def __enter__(self) -> Group:
