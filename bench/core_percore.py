@@ -54,6 +54,7 @@ def percore_worker(spec: dict[str, Any]) -> None:
         for _ in range(spec["warmup"]):
             group.allreduce(x, out=out)
         calls = []
+        print("timing", flush=True)  # the profile starts here, past the start-up and the warm-up calls
         for _ in range(spec["iterations"]):
             r0, busy0, t0 = resource.getrusage(resource.RUSAGE_SELF), _cpu_busy(WORKER_CORE), time.perf_counter()
             group.allreduce(x, out=out)
@@ -165,9 +166,9 @@ def percore_run(where: _Where, io: str, lanes: int, elements: int, iterations: i
                                    "--percore-worker", json.dumps(spec)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
         top: list[tuple[float, str]] = []
-        if profile:
-            time.sleep(1.5)  # past the start-up and the warm-up calls
-            top = _profile(worker.pid, 2.0)
+        first = worker.stdout.readline()  # "timing": the timed calls begin
+        if profile and first.strip() == "timing":
+            top = _profile(worker.pid, 1.0)
         out, err = worker.communicate(timeout=600)
     finally:
         agg.terminate()
