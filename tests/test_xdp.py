@@ -44,7 +44,7 @@ def network():
 
 
 def run(net: netns.EmulatedNetwork, io: str, lanes: int = 64, drop: float = 0.0, impair: bool = False,
-        calls: int = 2) -> tuple[dict, list[dict]]:
+        calls: int = 2, elements: int = ELEMENTS) -> tuple[dict, list[dict]]:
     """The aggregator and the workers over ``io``; their reports (the aggregator's: its stats at the end)."""
     workers = [f"{net.hosts[f'w{w}'].ip}:{PORT}" for w in range(WORKERS)]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -59,7 +59,7 @@ def run(net: netns.EmulatedNetwork, io: str, lanes: int = 64, drop: float = 0.0,
         assert "data" in ready, agg.stderr.read() if agg.poll() is not None else "no ready line"
         procs = [net.popen(f"w{w}", [sys.executable, "-m", "tests.xdp_worker", json.dumps(
             {"worker": w, "workers": WORKERS, "aggregator": ready["data"], "bind": workers[w], "pool": 64,
-             "lanes": lanes, "elements": ELEMENTS, "seed": 7, "io": io, "drop": drop, "calls": calls})],
+             "lanes": lanes, "elements": elements, "seed": 7, "io": io, "drop": drop, "calls": calls})],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for w in range(WORKERS)]
         reports = []
         for p in procs:
@@ -113,6 +113,13 @@ def test_xdp_at_the_ps_lanes(network):
     _, got = run(network, "xdp", lanes=364, calls=1)
     assert [r["digest"] for r in got] == [r["digest"] for r in udp]
     assert all(r["io"] == "xdp" and r["xsk"]["tx_packets"] > 0 for r in got)
+
+
+def test_auto_keeps_the_udp_sockets_where_afxdp_would_copy(network):
+    """veth has no zero-copy AF_XDP: "auto" keeps the UDP sockets (faster there), and says why, at both ends."""
+    agg, got = run(network, "auto", calls=1, elements=5000)
+    assert agg["ready"]["io"] == "udp" and "zero-copy" in agg["ready"]["io_reason"]
+    assert all(r["io"] == "udp" and "zero-copy" in r["io_reason"] and r["xsk"] == {} for r in got)
 
 
 def test_auto_takes_the_udp_socket_on_loopback_and_says_why():

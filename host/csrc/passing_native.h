@@ -141,12 +141,17 @@ typedef struct {
 
 /* 1 where this library was built with the AF_XDP path, else 0 (pn_xsk_open then always fails). */
 PN_API int pn_xdp_built(void);
+/* pn_xsk_open's flags */
+#define PN_XSK_GENERIC 1        /* generic (SKB) XDP only, never the driver's */
+#define PN_XSK_ZEROCOPY_ONLY 2  /* zero-copy or nothing (no copy mode): what io="auto" asks */
+
 /* An XSK on queue `queue` of interface `ifindex`, beside the bound UDP socket `udp_fd` (local_ip:local_port,
- * host byte order), for packets of up to packet_size bytes: attaches the steering program (a BPF link:
- * detached when the process ends) in driver mode, else generic mode (skb_mode != 0: generic only), and
- * binds zero-copy where the driver supports it, else copy mode. NULL with a one-line reason in `error`. */
+ * host byte order), for packets of up to packet_size bytes: binds zero-copy where the driver supports it, else
+ * copy mode (unless PN_XSK_ZEROCOPY_ONLY), and attaches the steering program (a BPF link: detached when the
+ * process ends) in driver mode, else generic mode (PN_XSK_GENERIC: generic only). NULL with a one-line reason
+ * in `error`. */
 PN_API pn_xsk *pn_xsk_open(int udp_fd, uint32_t ifindex, uint32_t queue, uint32_t local_ip, uint32_t local_port,
-                           uint32_t packet_size, int skb_mode, char *error, uint32_t error_len);
+                           uint32_t packet_size, int flags, char *error, uint32_t error_len);
 PN_API void pn_xsk_close(pn_xsk *x);
 PN_API void pn_xsk_get_stats(pn_xsk *x, pn_xsk_stats *out);
 /* Tell it the MAC of a destination IP (host byte order) ahead of the first packet from it (it learns

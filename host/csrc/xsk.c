@@ -81,8 +81,8 @@ static int local_mac(uint32_t ifindex, uint8_t mac[6]) {
     return 0;
 }
 
-/* The steering program, loaded and linked to the interface (driver mode, else generic unless skb_mode). */
-static int attach_program(pn_xsk *x, int skb_mode, char *error, uint32_t len) {
+/* The steering program, loaded and linked to the interface (driver mode, else generic unless generic_only: generic alone). */
+static int attach_program(pn_xsk *x, int generic_only, char *error, uint32_t len) {
     x->obj = bpf_object__open_mem(pn_xdp_object, pn_xdp_object_len, NULL);
     if (!x->obj) {
         fail(error, len, "bpf_object__open_mem", errno);
@@ -106,7 +106,7 @@ static int attach_program(pn_xsk *x, int skb_mode, char *error, uint32_t len) {
         fail(error, len, "filling the XDP program's maps", errno);
         return -1;
     }
-    for (int generic = skb_mode ? 1 : 0; generic < 2; generic++) {
+    for (int generic = generic_only ? 1 : 0; generic < 2; generic++) {
         LIBBPF_OPTS(bpf_link_create_opts, opts, .flags = generic ? XDP_FLAGS_SKB_MODE : XDP_FLAGS_DRV_MODE);
         x->link_fd = bpf_link_create(bpf_program__fd(prog), (int)x->ifindex, BPF_XDP, &opts);
         if (x->link_fd >= 0) {
@@ -122,7 +122,7 @@ static int attach_program(pn_xsk *x, int skb_mode, char *error, uint32_t len) {
 }
 
 pn_xsk *pn_xsk_open(int udp_fd, uint32_t ifindex, uint32_t queue, uint32_t local_ip, uint32_t local_port,
-                    uint32_t packet_size, int skb_mode, char *error, uint32_t error_len) {
+                    uint32_t packet_size, int flags, char *error, uint32_t error_len) {
     if (udp_fd < 0 || ifindex == 0 || queue >= 64 || local_port == 0 || local_port > 0xFFFF || packet_size == 0 ||
         packet_size + PN_FRAME_HEADERS > FRAME_SIZE - XDP_PACKET_HEADROOM) {
         fail(error, error_len, "pn_xsk_open (a packet must fit a 2 KiB frame)", EINVAL);
@@ -171,8 +171,8 @@ pn_xsk *pn_xsk_open(int udp_fd, uint32_t ifindex, uint32_t queue, uint32_t local
         fail(error, error_len, "if_indextoname", errno);
         goto out;
     }
-    /* zero-copy where the driver has it, else copy mode (veth, generic XDP) */
-    for (int copy = 0; copy < 2; copy++) {
+    /* zero-copy where the driver has it, else copy mode (veth, generic XDP) unless only zero-copy will do */
+    for (int copy = 0; copy < ((flags & PN_XSK_ZEROCOPY_ONLY) ? 1 : 2); copy++) {
         struct xsk_socket_config cfg = {
             .rx_size = RING, .tx_size = RING, .libxdp_flags = XSK_LIBXDP_FLAGS__INHIBIT_PROG_LOAD,
             .xdp_flags = 0, .bind_flags = (uint16_t)(XDP_USE_NEED_WAKEUP | (copy ? XDP_COPY : XDP_ZEROCOPY))};
@@ -186,7 +186,8 @@ pn_xsk *pn_xsk_open(int udp_fd, uint32_t ifindex, uint32_t queue, uint32_t local
     }
     if (!x->xsk) {
         fail(error, error_len, err == -EBUSY ? "the interface's queue has an XSK socket already" :
-             "xsk_socket__create", -err);
+             (flags & PN_XSK_ZEROCOPY_ONLY) ? "no zero-copy AF_XDP in the interface's driver (copy mode would be "
+             "slower than the UDP sockets with GSO/GRO; io='xdp' forces it)" : "xsk_socket__create", -err);
         goto out;
     }
     uint32_t idx;
@@ -198,7 +199,7 @@ pn_xsk *pn_xsk_open(int udp_fd, uint32_t ifindex, uint32_t queue, uint32_t local
     xsk_ring_prod__submit(&x->fill, RX_FRAMES);
     for (uint32_t i = 0; i < TX_FRAMES; i++) x->free_tx[i] = (uint64_t)(RX_FRAMES + i) * FRAME_SIZE;
     x->free_count = TX_FRAMES;
-    if (attach_program(x, skb_mode, error, error_len) != 0) goto out;
+    if (attach_program(x, flags & PN_XSK_GENERIC, error, error_len) != 0) goto out;
     (void)udp_fd;  /* the UDP socket stays the caller's: io.c reads it beside the XSK */
     return x;
 out:
@@ -414,8 +415,8 @@ struct pn_xsk {
 int pn_xdp_built(void) { return 0; }
 
 pn_xsk *pn_xsk_open(int udp_fd, uint32_t ifindex, uint32_t queue, uint32_t local_ip, uint32_t local_port,
-                    uint32_t packet_size, int skb_mode, char *error, uint32_t error_len) {
-    (void)udp_fd, (void)ifindex, (void)queue, (void)local_ip, (void)local_port, (void)packet_size, (void)skb_mode;
+                    uint32_t packet_size, int flags, char *error, uint32_t error_len) {
+    (void)udp_fd, (void)ifindex, (void)queue, (void)local_ip, (void)local_port, (void)packet_size, (void)flags;
     if (error && error_len)
         snprintf(error, error_len, "built without AF_XDP (libxdp-dev, libbpf-dev or clang absent at install)");
     return NULL;

@@ -1,12 +1,14 @@
 """The AF_XDP I/O path (host/csrc/xsk.c): choosing it for a socket, or the UDP sockets with the reason.
 
-``io="auto"`` (the default of a Group and of the software aggregator) takes AF_XDP where it can run: the
-library was built with it (libxdp, libbpf and clang at install: host/setup.py), the engine is the native one,
-the socket is bound to an interface's address (not 0.0.0.0, not loopback: ``lo`` has no XDP receive path
-an XSK could use), the packets fit the XSK's 2 KiB frames, the process may load XDP programs (CAP_BPF,
-CAP_NET_ADMIN), the interface has no other XDP program and its queue 0 no other XSK socket. Elsewhere the
-UDP sockets, with a one-line reason in the log (INFO) and in ``io_reason``. ``io="udp"`` forces the sockets;
-``io="xdp"`` forces AF_XDP and raises, with the reason, where it cannot run.
+``io="auto"`` (the default of a Group and of the software aggregator) takes AF_XDP where it can run and pays:
+the library was built with it (libxdp, libbpf and clang at install: host/setup.py), the engine is the native
+one, the socket is bound to an interface's address (not 0.0.0.0, not loopback: ``lo`` has no XDP receive path
+an XSK could use), the packets fit the XSK's 2 KiB frames, the interface's driver binds XSK sockets zero-copy
+(copy mode, veth's and generic XDP's, costs a kernel packet per frame, where the UDP sockets' GSO/GRO move 64
+in one: slower, docs/benchmarks.md), the process may load XDP programs (CAP_BPF, CAP_NET_ADMIN), the
+interface has no other XDP program and its queue 0 no other XSK socket. Elsewhere the UDP sockets, with a
+one-line reason in the log (INFO) and in ``io_reason``. ``io="udp"`` forces the sockets; ``io="xdp"`` forces
+AF_XDP, copy mode included, and raises, with the reason, where it cannot run.
 
 The XSK works beside the socket, never instead of it: datagrams are read from both (one the XDP program
 passed on, from another queue of a multi-queue NIC or another interface, still arrives), and packets go
@@ -30,6 +32,7 @@ from . import native, wire
 IO_PATHS = ("auto", "udp", "xdp")
 FRAME_ROOM = 2048 - 256 - 42  # an XSK frame less the kernel's XDP headroom and the Ethernet/IPv4/UDP headers
 SIOCGIFADDR = 0x8915
+ZEROCOPY_ONLY = 2  # pn_xsk_open's PN_XSK_ZEROCOPY_ONLY: what io="auto" asks
 
 log = logging.getLogger("passing.xdp")
 
@@ -150,7 +153,8 @@ def open_path(io: str, sock: Any, lanes: int, engine_native: bool, clip: bool = 
         error = ctypes.create_string_buffer(200)
         ip, port = sock.address
         handle = _lib().pn_xsk_open(sock.fd, found[1], 0, int(ipaddress.IPv4Address(ip)), port,
-                                    min(wire.packet_size(lanes), FRAME_ROOM), 0, error, len(error))
+                                    min(wire.packet_size(lanes), FRAME_ROOM),
+                                    ZEROCOPY_ONLY if io == "auto" else 0, error, len(error))
         if handle:
             path = XdpPath(handle, found[0])
         else:
