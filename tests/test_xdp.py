@@ -6,6 +6,8 @@ with AF_XDP; the choice between the paths (auto, forced, the reason) is tested w
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,7 @@ import pytest
 
 from passing import Group, native, xdp
 from passing.launch import free_udp_ports
+from tests.conformance.scenarios import SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -113,6 +116,21 @@ def test_xdp_at_the_ps_lanes(network):
     _, got = run(network, "xdp", lanes=364, calls=1)
     assert [r["digest"] for r in got] == [r["digest"] for r in udp]
     assert all(r["io"] == "xdp" and r["xsk"]["tx_packets"] > 0 for r in got)
+
+
+def test_the_scenario_table_through_an_aggregator_on_afxdp(network):
+    """tests/test_scenarios.py's table against the native aggregator serving over AF_XDP (another namespace),
+    packets sent from real sockets in a worker's namespace."""
+    agg, w0 = network.hosts["agg"], network.hosts["w0"]
+    done = subprocess.run(["ip", "netns", "exec", w0.namespace, sys.executable, "-m", "pytest", "-q", "-p",
+                           "no:cacheprovider", "-p", "no:xdist", "tests/test_scenarios.py", "-k",
+                           "test_udp_aggregator"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PASSING_SCENARIOS_OVER_XDP": f"{agg.namespace} {agg.ip} {w0.ip}"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", done.stdout)
+    table = sum(1 for s in SCENARIOS if not s.switch_only)
+    assert passed and int(passed.group(1)) == table, done.stdout[-1000:]  # every one, on the native engine
 
 
 def test_auto_keeps_the_udp_sockets_where_afxdp_would_copy(network):
