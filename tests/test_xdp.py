@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +69,7 @@ def run(net: netns.EmulatedNetwork, io: str, lanes: int = 64, drop: float = 0.0,
         for p in procs:
             out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err[-2000:]
-            reports.append(json.loads(out.splitlines()[-1]))
+            reports.append(json.loads(out.splitlines()[-1]))  # the last line: the first says "ready"
     finally:
         agg.terminate()
         out, _ = agg.communicate(timeout=30)
@@ -131,6 +132,47 @@ def test_the_scenario_table_through_an_aggregator_on_afxdp(network):
     passed = re.search(r"(\d+) passed", done.stdout)
     table = sum(1 for s in SCENARIOS if not s.switch_only)
     assert passed and int(passed.group(1)) == table, done.stdout[-1000:]  # every one, on the native engine
+
+
+def _xdp_attached(net: netns.EmulatedNetwork, host: str) -> bool:
+    shown = subprocess.run(["ip", "netns", "exec", net.hosts[host].namespace, "ip", "link", "show", "eth0"],
+                           capture_output=True, text=True).stdout
+    return "xdp" in shown
+
+
+def test_an_aggregator_killed_mid_call_fails_the_call_and_leaves_no_xdp_program(network):
+    """SIGKILL of an aggregator serving over AF_XDP mid-stream: the workers' calls end in AggregatorUnreachable
+    within their timeout (not a hang), the steering program goes with the process (a BPF link), and the next
+    aggregator on that interface gets AF_XDP again."""
+    workers = [f"{network.hosts[f'w{w}'].ip}:{PORT}" for w in range(WORKERS)]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"jobs": [{"job": 1, "pool": 64, "generation": 0, "workers": workers}]}, f)
+    argv = [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", f"{network.hosts['agg'].ip}:0",
+            "--control", "none", "--engine", "native", "--io", "xdp", "--config", f.name]
+    try:
+        agg = network.popen("agg", argv, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        ready = json.loads(agg.stdout.readline())
+        assert ready["io"] == "xdp" and _xdp_attached(network, "agg")
+        procs = [network.popen(f"w{w}", [sys.executable, "-m", "tests.xdp_worker", json.dumps(
+            {"worker": w, "workers": WORKERS, "aggregator": ready["data"], "bind": workers[w], "pool": 64,
+             "lanes": 64, "elements": ELEMENTS, "seed": 7, "io": "xdp", "drop": 0.0, "calls": 100_000,
+             "timeout": 3.0})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            for w in range(WORKERS)]
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # mid-stream
+        agg.kill()  # `ip netns exec` execs the aggregator: this is its SIGKILL
+        agg.wait(10)
+        for p in procs:
+            _, err = p.communicate(timeout=60)
+            assert p.returncode != 0 and "AggregatorUnreachable" in err and "no RESULT" in err, err[-2000:]
+        assert not _xdp_attached(network, "agg")
+        again = network.popen("agg", argv, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        assert json.loads(again.stdout.readline())["io"] == "xdp"
+        again.terminate()
+        again.communicate(timeout=30)
+    finally:
+        Path(f.name).unlink()
 
 
 def test_auto_keeps_the_udp_sockets_where_afxdp_would_copy(network):

@@ -28,7 +28,8 @@ def main(spec: dict) -> None:
     outputs: dict[str, np.ndarray] = {}
     with Group(1, w, n, [spec["aggregator"]], pool=spec["pool"], lanes=spec["lanes"], generation=0,
                bind=spec["bind"], engine="native", io=spec["io"], drop=spec["drop"], drop_seed=w,
-               timeout=30.0) as g:
+               timeout=spec.get("timeout", 30.0)) as g:
+        print("ready", flush=True)
         for call in range(spec["calls"]):
             outputs[f"allreduce_f32_{call}"] = g.allreduce(f)
             outputs[f"allreduce_i32_{call}"] = g.allreduce(i)
