@@ -53,7 +53,7 @@ from core_host import (  # noqa: E402
     passing_allreduce,
     raw_blast,
 )
-from core_percore import percore, percore_worker  # noqa: E402
+from core_percore import callgrind_counts, percore, percore_worker, perf_counts_instructions  # noqa: E402
 from core_targets import MIB, TARGET_LOSS, Targets, judge_host_targets, judge_torch_targets  # noqa: E402
 from core_torch import torch_allreduce, torch_worker  # noqa: E402
 
@@ -226,8 +226,22 @@ def section_percore(args: argparse.Namespace, results: dict[str, Any]) -> list[d
           "CPU, its waiting (wall - CPU) and its core's busy time, ms per call; packets per CPU second ==")
     print(f"{'where':>8} | {'lanes':>5} | {'asked':>5} | {'path':>4} | {'Gbit/s per core':>21} | {'wall':>6} | "
           f"{'user':>7} | {'system':>7} | {'waiting':>7} | {'core':>7} | {'Mpps':>5} | exact")
-    return percore(args.percore_lanes, args.percore_elements, args.percore_iterations, args.pool, args.percore_veth,
+    rows = percore(args.percore_lanes, args.percore_elements, args.percore_iterations, args.pool, args.percore_veth,
                    args.percore_profile)
+    if args.percore_profile and not perf_counts_instructions():
+        lanes = args.percore_lanes[0]
+        print(f"  perf cannot count instructions here: valgrind's callgrind of the native calls instead ({lanes} "
+              "lanes, loopback, 1 M float32; the native library's functions alone): instructions per packet each way",
+              flush=True)
+        c = callgrind_counts(lanes, 1 << 20, args.pool)
+        if "error" in c:
+            print(f"  callgrind: {c['error']}")
+        else:
+            print(f"  {c['instructions_per_packet']:.0f} instructions per packet in the native library", flush=True)
+            for share, name, per_packet in c["top"]:
+                print(f"{'':>20}{share:5.1f}%  {per_packet:7.1f}/packet  {name}")
+        rows.append({"where": "loopback", "callgrind": c})
+    return rows
 
 
 # number -> (key in the results, the function that runs and prints it)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -144,7 +145,7 @@ def _profile(pid: int, seconds: float) -> list[tuple[float, str]]:
 
 
 def percore_run(where: _Where, io: str, lanes: int, elements: int, iterations: int, pool: int,
-                profile: bool) -> dict[str, Any]:
+                profile: bool, wrap: list[str] | None = None) -> dict[str, Any]:
     """One worker and the native aggregator at ``lanes``, pinned, over ``io``; the per-call figures."""
     sys.path.insert(0, str(CORE.parent))
     from passing.launch import free_udp_ports
@@ -167,7 +168,8 @@ def percore_run(where: _Where, io: str, lanes: int, elements: int, iterations: i
         spec = {"aggregator": ready["data"], "bind": f"{where.worker_ip}:{port}", "pool": pool, "lanes": lanes,
                 "elements": elements, "iterations": iterations, "warmup": 2, "io": io,
                 "profile_seconds": 2.0 if profile else 0.0}
-        worker = subprocess.Popen([*where.prefix(True), "taskset", "-c", str(WORKER_CORE), sys.executable, str(CORE),
+        worker = subprocess.Popen([*where.prefix(True), "taskset", "-c", str(WORKER_CORE), *(wrap or []),
+                                   sys.executable, str(CORE),
                                    "--percore-worker", json.dumps(spec)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
         top: list[tuple[float, str]] = []
@@ -204,6 +206,47 @@ def percore_run(where: _Where, io: str, lanes: int, elements: int, iterations: i
         "packets_per_s_per_core": elements / lanes / cpu if cpu else None,
         "retransmissions": report["stats"]["retransmissions"], "profile": top, "calls": calls,
     }
+
+
+def perf_counts_instructions() -> bool:
+    """Whether perf can count instructions here (a VM may have no hardware counters: '<not supported>')."""
+    if not shutil.which("perf"):
+        return False
+    probe = subprocess.run(["perf", "stat", "-x,", "-e", "instructions", "true"], capture_output=True, text=True)
+    return probe.returncode == 0 and "not supported" not in probe.stderr and "not counted" not in probe.stderr
+
+
+def callgrind_counts(lanes: int, elements: int, pool: int) -> dict[str, Any]:
+    """Instructions of the host engine's user-space work per packet (valgrind's callgrind, where perf cannot count
+    them): one worker on loopback under callgrind, 2 warm-up + 1 timed call of ``elements``; the functions of the
+    native library alone (Python's and numpy's start-up and the kernel's work are not in it)."""
+    if not shutil.which("valgrind") or not shutil.which("callgrind_annotate"):
+        return {"error": "valgrind (callgrind) not found"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        where = _Where(False)
+        try:
+            r = percore_run(where, "udp", lanes, elements, 1, pool, False,
+                            wrap=["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"])
+        finally:
+            where.close()
+        if "error" in r or not out.exists():
+            return {"error": r.get("error", "no callgrind output")}
+        text = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100", str(out)],
+                              capture_output=True, text=True).stdout
+    by_function: dict[str, int] = {}
+    for line in text.splitlines():  # "1,234 ( 5.6%)  host/csrc/file.c:function [object]": our sources' alone
+        m = re.match(r"\s*([\d,]+)\s+\(\s*[\d.]+%\)\s+(\S+)", line)
+        if m and "/csrc/" in m.group(2) and ":" in m.group(2):
+            path, function = m.group(2).rsplit(":", 1)
+            name = f"{Path(path).name}:{function}"  # a function with no symbol shows as its address
+            by_function[name] = by_function.get(name, 0) + int(m.group(1).replace(",", ""))
+    native = sorted(((count, name) for name, count in by_function.items()), reverse=True)
+    total = sum(count for count, _ in native)
+    packets = 3 * -(-elements // lanes) + 3  # three SUM passes (2 warm-up, 1 timed) and their MAX rounds
+    return {"lanes": lanes, "elements": elements, "instructions": total, "packets": packets,
+            "instructions_per_packet": total / packets,
+            "top": [(count / total * 100 if total else 0.0, name, count / packets) for count, name in native[:10]]}
 
 
 def io_paths() -> list[str]:
