@@ -186,9 +186,9 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
              * (docs/tofino.md), so every target's is read as overflow (padding lanes too). Not in
              * OWNER_ONLY rounds: only the owner sees the sums, and the workers must agree on an
              * overflow, so there the flag alone tells (as in passing/reduce_stream.py). */
-            if (c->op == PN_OP_SUM && !c->owner_packets && pn_saturated_lanes(d->data, c->lanes)) st->r->overflow[k] = 1;
-            if (c->kind == PN_IN_F32) pn_dequantize_lanes(d->data, n, &s->scale, (float *)c->output + first);
-            else pn_read_lanes(d->data, n, (int32_t *)c->output + first);
+            void *out = c->kind == PN_IN_F32 ? (void *)((float *)c->output + first) : (void *)((int32_t *)c->output + first);
+            int bound = pn_read_result(d->data, n, c->lanes, c->kind, &s->scale, out); /* one pass: values, bound */
+            if (c->op == PN_OP_SUM && !c->owner_packets && bound) st->r->overflow[k] = 1;
         }
         send_first(st, s, offset + s->pool, now); /* self-clocking: this answer releases offset + pool */
         return 1;
