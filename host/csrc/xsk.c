@@ -282,7 +282,10 @@ int pn_xsk_recv(pn_xsk *x, pn_datagram *out, uint32_t max) {
         uint8_t *frame = xsk_umem__get_data(x->area, d->addr);
         x->held[x->held_count++] = xsk_umem__extract_addr(d->addr);
         uint8_t mac[6];
-        if (!pn_frame_parse(frame, d->len, x->local_port, &out[count], mac)) {
+        /* to this socket: its port (the parser) and its address (another of the host's, on the same port, is not) */
+        if (!pn_frame_parse(frame, d->len, x->local_port, &out[count], mac) ||
+            ((uint32_t)frame[30] << 24 | (uint32_t)frame[31] << 16 | (uint32_t)frame[32] << 8 | frame[33]) !=
+                x->local_ip) {
             foreign++;
             continue;
         }
@@ -313,7 +316,8 @@ static void reclaim(pn_xsk *x) {
 static int kick(pn_xsk *x, uint64_t *kicks) {
     for (int tries = 0; tries < 4 * (int)(RING / 32); tries++) {
         if (xsk_prod_nb_free(&x->tx, RING) >= RING) return 0;  /* the kernel took every descriptor */
-        if (!xsk_ring_prod__needs_wakeup(&x->tx) && tries > 0) return 0;
+        /* zero-copy: the driver takes them on its own once woken; copy mode transmits only in sendto */
+        if (x->stats.zerocopy && !xsk_ring_prod__needs_wakeup(&x->tx) && tries > 0) return 0;
         (*kicks)++;
         if (sendto(xsk_socket__fd(x->xsk), NULL, 0, MSG_DONTWAIT, NULL, 0) >= 0) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
