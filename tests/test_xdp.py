@@ -111,6 +111,7 @@ def test_xdp_under_loss_duplication_and_reordering(network, udp_reference):
         assert r["digest"] == ref["digest"]
 
 
+@pytest.mark.slow  # seconds of processes in namespaces: make test-all, make sanitize
 def test_xdp_at_the_ps_lanes(network):
     """364 lanes (a PS on a 1500-byte MTU path): one frame each, the same bits on both paths."""
     _, udp = run(network, "udp", lanes=364, calls=1)
@@ -119,6 +120,7 @@ def test_xdp_at_the_ps_lanes(network):
     assert all(r["io"] == "xdp" and r["xsk"]["tx_packets"] > 0 for r in got)
 
 
+@pytest.mark.slow  # seconds of processes in namespaces: make test-all, make sanitize
 def test_the_scenario_table_through_an_aggregator_on_afxdp(network):
     """tests/test_scenarios.py's table against the native aggregator serving over AF_XDP (another namespace),
     packets sent from real sockets in a worker's namespace."""
@@ -140,6 +142,7 @@ def _xdp_attached(net: netns.EmulatedNetwork, host: str) -> bool:
     return "xdp" in shown
 
 
+@pytest.mark.slow  # seconds of processes in namespaces: make test-all, make sanitize
 def test_an_aggregator_killed_mid_call_fails_the_call_and_leaves_no_xdp_program(network):
     """SIGKILL of an aggregator serving over AF_XDP mid-stream: the workers' calls end in AggregatorUnreachable
     within their timeout (not a hang), the steering program goes with the process (a BPF link), and the next
