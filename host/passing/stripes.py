@@ -27,9 +27,9 @@ from .stream_state import StreamState
 from .transport import BatchSocket, TransportStats
 
 # payload Gbit/s each way per core of the native host engine over the UDP sockets on veth, by lane count: the
-# medians of three runs of bench/core.py's section 8 on its development machine (docs/benchmarks.md, "The host
-# stage per core"; 144 lanes: one run)
-MEASURED_PER_CORE_GBIT = {64: 6.3, 72: 6.6, 144: 7.7, 364: 8.9}
+# medians of four runs of bench/core.py's section 8 on its development machine (docs/benchmarks.md, "The host
+# stage per core"; 144 lanes: two runs)
+MEASURED_PER_CORE_GBIT = {64: 7.0, 72: 6.7, 144: 8.5, 364: 9.3}
 
 
 @dataclass
