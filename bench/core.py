@@ -18,8 +18,13 @@ One run measures, everything on this machine, on loopback, as separate processes
    aggregator), 2, 4, 8 single-rank servers and 2 x 2, 4 x 2 ranks (8 MiB) on loopback, and as
    root, servers in network namespaces over veths: 2 x 1, 2 x 2, 4 x 2 at MTU 1500, 2 x 1 at 9000.
    Each row has the load average beside it.
+8. the host stage per core (bench/core_percore.py): one worker and the native aggregator pinned to a core each,
+   at 64, 72, 144 and 364 lanes, on loopback and (root) on a veth pair between network namespaces, for each I/O
+   path side by side (UDP sockets; AF_XDP where built): payload Gbit/s each way per second of the worker's own
+   CPU, its waiting, perf's top symbols, and callgrind's instructions per packet where perf cannot count them.
 
-Prints tables and the targets next to the figures; writes bench/results/core.json. The
+Prints tables and the targets next to the figures; writes bench/results/core.json (`--sections 8` alone:
+`--out bench/results/core_percore.json`). The
 figures include the CPU contention of the workers and the aggregator sharing the cores.
 """
 
