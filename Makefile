@@ -23,7 +23,7 @@ unexport PYTHONDONTWRITEBYTECODE
 PIP_FIND_LINKS_ARGS = $(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/.*find-links='\([^']*\)'/\1/p" \
                         | tr ' ' '\n' | sort -u | sed 's/^/--find-links /')
 INSTALL = $(VENV)/bin/uv pip install --quiet --python $(PY) $(PIP_FIND_LINKS_ARGS)
-$(STAMP): protocol/pyproject.toml host/pyproject.toml host/setup.py controller/pyproject.toml $(wildcard host/csrc/*.c host/csrc/*.h)
+$(STAMP): protocol/pyproject.toml host/pyproject.toml host/setup.py host/xdp_build.py controller/pyproject.toml $(wildcard host/csrc/*.c host/csrc/*.h host/csrc/bpf/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet uv
 	$(INSTALL) -e protocol -e 'host[test]' -e 'controller[test,switch]'
@@ -164,14 +164,15 @@ clean:
 # ---- the native library (host/csrc) under sanitizers and a fuzzer -----------------------
 # sanitize: the library built with AddressSanitizer + UBSan (gcc) into build/native-asan/, and
 # the native differential, scenario, edge-case, non-finite, turnover, UDP data-path, psn-wrap, lanes and
-# sharded-collectives (relays, ACKs), in-host bulk-move and two-level tree tests
+# sharded-collectives (relays, ACKs), in-host bulk-move, two-level tree and AF_XDP-path tests (the library is
+# built with the AF_XDP path where host/xdp_build.py can build it, as the install does)
 # (both engines:
 # the aggregator's and the host's) run against it; any report fails the run
 # (--capture=sys: a report written to fd 2 by a dying process is not swallowed).
-# fuzz: the libFuzzer harness of the aggregation engine (clang) for FUZZ_SECONDS; its corpus
-# is kept in build/fuzz/corpus. Needs clang and compiler-rt: apt-get install clang-14
+# fuzz: the libFuzzer harnesses of the aggregation engine and of the AF_XDP path's frame parser
+# (clang) for FUZZ_SECONDS each; their corpora are kept in build/fuzz/corpus and build/fuzz/frame-corpus. Needs clang and compiler-rt: apt-get install clang-14
 # libclang-rt-14-dev (Debian bookworm).
-NATIVE_SOURCES := $(filter-out host/csrc/fuzz_engine.c,$(wildcard host/csrc/*.c))
+NATIVE_SOURCES := $(filter-out host/csrc/fuzz_%.c,$(wildcard host/csrc/*.c))
 NATIVE_ASAN    := build/native-asan/libpassing_native.so
 SANITIZE_FLAGS := -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
                   -Wall -Wextra -Werror -fPIC -pthread -Ihost/csrc
@@ -182,14 +183,14 @@ FUZZ_SECONDS   ?= 60
 
 sanitize: $(STAMP)
 	mkdir -p build/native-asan
-	gcc $(SANITIZE_FLAGS) -shared -o $(NATIVE_ASAN) $(NATIVE_SOURCES)
+	gcc $(SANITIZE_FLAGS) -shared -o $(NATIVE_ASAN) $(NATIVE_SOURCES) $$($(PYTHON) host/xdp_build.py build/native-asan/xdp)
 	PASSING_NATIVE_LIB=$(CURDIR)/$(NATIVE_ASAN) \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		$(PY) -m pytest -q -p no:cacheprovider --capture=sys tests/test_native_engine.py tests/test_scenarios.py \
 		tests/test_edge_cases.py tests/test_nonfinite.py tests/test_generation.py tests/test_datapath.py \
 		tests/test_psn_wrap.py tests/test_lanes.py tests/test_sharded_collectives.py tests/test_in_host.py \
-		tests/test_tree.py
+		tests/test_tree.py tests/test_xdp.py
 
 fuzz:
 	@test -n "$(CLANG)" || { echo "make fuzz: clang not found (apt-get install clang-14 libclang-rt-14-dev)" >&2; exit 1; }
@@ -197,6 +198,10 @@ fuzz:
 	$(CLANG) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Wall -Wextra -Werror \
 		-pthread -Ihost/csrc -o build/fuzz/fuzz_engine host/csrc/fuzz_engine.c host/csrc/engine.c host/csrc/engine_jobs.c host/csrc/wire.c
 	build/fuzz/fuzz_engine -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 build/fuzz/corpus
+	mkdir -p build/fuzz/frame-corpus
+	$(CLANG) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Wall -Wextra -Werror \
+		-Ihost/csrc -o build/fuzz/fuzz_frame host/csrc/fuzz_frame.c host/csrc/frame.c
+	build/fuzz/fuzz_frame -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 build/fuzz/frame-corpus
 
 # ---- the differential fuzzer of backend "passing" against gloo (tests/differential) --------------
 # Random programs of torch.distributed collectives on gloo and on passing, compared by machine; `make test`

@@ -18,8 +18,13 @@ One run measures, everything on this machine, on loopback, as separate processes
    aggregator), 2, 4, 8 single-rank servers and 2 x 2, 4 x 2 ranks (8 MiB) on loopback, and as
    root, servers in network namespaces over veths: 2 x 1, 2 x 2, 4 x 2 at MTU 1500, 2 x 1 at 9000.
    Each row has the load average beside it.
+8. the host stage per core (bench/core_percore.py): one worker and the native aggregator pinned to a core each,
+   at 64, 72, 144 and 364 lanes, on loopback and (root) on a veth pair between network namespaces, for each I/O
+   path side by side (UDP sockets; AF_XDP where built): payload Gbit/s each way per second of the worker's own
+   CPU, its waiting, perf's top symbols, and callgrind's instructions per packet where perf cannot count them.
 
-Prints tables and the targets next to the figures; writes bench/results/core.json. The
+Prints tables and the targets next to the figures; writes bench/results/core.json (`--sections 8` alone:
+`--out bench/results/core_percore.json`). The
 figures include the CPU contention of the workers and the aggregator sharing the cores.
 """
 
@@ -53,6 +58,7 @@ from core_host import (  # noqa: E402
     passing_allreduce,
     raw_blast,
 )
+from core_percore import callgrind_counts, percore, percore_worker, perf_counts_instructions  # noqa: E402
 from core_targets import MIB, TARGET_LOSS, Targets, judge_host_targets, judge_torch_targets  # noqa: E402
 from core_torch import torch_allreduce, torch_worker  # noqa: E402
 
@@ -218,14 +224,39 @@ def section_torch(args: argparse.Namespace, results: dict[str, Any]) -> list[dic
     return rows
 
 
+def section_percore(args: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
+    print(f"\n== 8. the host stage per core: one worker (core {0}) and the native aggregator (core 1), "
+          f"{args.percore_elements} float32 a call, 2 warm-up + {args.percore_iterations} timed; payload Gbit/s each "
+          "way per second of the worker's own CPU (median, range), per wall second; the worker's user and system "
+          "CPU, its waiting (wall - CPU) and its core's busy time, ms per call; packets per CPU second ==")
+    print(f"{'where':>8} | {'lanes':>5} | {'asked':>5} | {'path':>4} | {'Gbit/s per core':>21} | {'wall':>6} | "
+          f"{'user':>7} | {'system':>7} | {'waiting':>7} | {'core':>7} | {'Mpps':>5} | exact")
+    rows = percore(args.percore_lanes, args.percore_elements, args.percore_iterations, args.pool, args.percore_veth,
+                   args.percore_profile)
+    if args.percore_profile and not perf_counts_instructions():
+        lanes = args.percore_lanes[0]
+        print(f"  perf cannot count instructions here: valgrind's callgrind of the native calls instead ({lanes} "
+              "lanes, loopback, 1 M float32; the native library's functions alone): instructions per packet each way",
+              flush=True)
+        c = callgrind_counts(lanes, 1 << 20, args.pool)
+        if "error" in c:
+            print(f"  callgrind: {c['error']}")
+        else:
+            print(f"  {c['instructions_per_packet']:.0f} instructions per packet in the native library", flush=True)
+            for share, name, per_packet in c["top"]:
+                print(f"{'':>20}{share:5.1f}%  {per_packet:7.1f}/packet  {name}")
+        rows.append({"where": "loopback", "callgrind": c})
+    return rows
+
+
 # number -> (key in the results, the function that runs and prints it)
 SECTIONS: dict[int, tuple[str, Callable[[argparse.Namespace, dict[str, Any]], Any]]] = {
     1: ("raw", section_raw), 2: ("aggregator_alone", section_capacity), 3: ("allreduce", section_allreduce),
     4: ("steady", section_steady), 5: ("memory", section_memory), 6: ("loss", section_loss),
-    7: ("torch", section_torch),
+    7: ("torch", section_torch), 8: ("percore", section_percore),
 }
 EMPTY: dict[str, Any] = {"raw": {}, "aggregator_alone": {}, "allreduce": [], "steady": {}, "memory": {}, "loss": {},
-                         "torch": []}
+                         "torch": [], "percore": []}
 
 
 def _layout(text: str) -> tuple[int, int]:
@@ -279,6 +310,15 @@ def parse_args() -> argparse.Namespace:
                    help="section 7: float32 elements of the one-server row (0: skip it)")
     p.add_argument("--torch-iterations", type=int, default=20,
                    help="section 7: timed calls of each (after one warm-up); the median is reported")
+    p.add_argument("--percore-lanes", type=int, nargs="+", default=[64, 72, 144, 364],
+                   help="section 8: lane counts (Tofino 1, Tofino 2, a Tofino 2 packet of 2 x 72 lanes, the PS's "
+                        "at MTU 1500)")
+    p.add_argument("--percore-elements", type=int, default=16 * 1024 * 1024, help="section 8: float32 per call")
+    p.add_argument("--percore-iterations", type=int, default=5, help="section 8: timed calls per row")
+    p.add_argument("--percore-veth", action=argparse.BooleanOptionalAction, default=True,
+                   help="section 8: the rows on a veth pair between network namespaces too (root)")
+    p.add_argument("--percore-profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="section 8: perf's top symbols of the worker, first lane count of each row set")
     p.add_argument("--sections", type=int, nargs="+", choices=sorted(SECTIONS), default=sorted(SECTIONS),
                    help="run only these sections (the targets of the others are not judged)")
     p.add_argument("--out", type=Path, default=RESULTS / "core.json")
@@ -286,6 +326,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.workers, args.blast_seconds, args.steady_seconds, args.loss = [2], 1.0, 2.0, [0.0, 0.05]
         args.torch_layouts, args.veths = [(2, 1), (2, 2)], []
+        args.percore_elements, args.percore_iterations, args.percore_lanes = 4 * 1024 * 1024, 3, [64]
     if 0.0 not in args.loss:
         args.loss = [0.0, *args.loss]
     return args
@@ -332,6 +373,8 @@ if __name__ == "__main__":
         gloo_worker(*map(int, sys.argv[2:7]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--torch-worker":
         torch_worker(int(sys.argv[2]), int(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--percore-worker":
+        percore_worker(json.loads(sys.argv[2]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--memory-worker":
         w, n, agg, bind, gen, pool, lanes, elements, engine, use_out = sys.argv[2:12]
         memory_worker(int(w), int(n), agg, bind, int(gen), int(pool), int(lanes), int(elements), engine,

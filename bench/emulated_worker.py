@@ -95,7 +95,8 @@ def main() -> None:
         out["workloads"][name] = {
             "elements": int(elements), "seconds": seconds, "starts": starts, "median_s": statistics.median(seconds),
             "warmup_s": warmup, "cpu_s": cpu,
-            "transport": {k: after[k] - before[k] for k in after},  # over the timed all_reduces
+            # over the timed all_reduces (the counters; io and io_reason as they are)
+            "transport": {k: after[k] - before[k] if isinstance(after[k], int) else after[k] for k in after},
             "in_host_s": in_host_probe(pg, int(elements), args.probes, barrier),
         }
     small = torch.ones(wire.DEFAULT_LANES)

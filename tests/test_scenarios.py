@@ -3,6 +3,8 @@ and the real UDP aggregator, numpy and native."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from passing import native
@@ -23,9 +25,22 @@ def test_engine(scenario, lanes, engine):
     run_scenario(EngineTarget(lanes=lanes, engine=engine), scenario, wire_builder)
 
 
+# tests/test_xdp.py runs this module in a network namespace, the aggregator in another over AF_XDP:
+# "NAMESPACE AGGREGATOR_IP THIS_IP"
+XDP_TARGET = os.environ.get("PASSING_SCENARIOS_OVER_XDP", "").split()
+
+
 @pytest.fixture(scope="module", params=ENGINES)
 def udp_target(request):
-    target = UdpAggregatorTarget(lanes=64, engine=request.param)
+    if XDP_TARGET:
+        if request.param != "native":
+            pytest.skip("the numpy engine has no AF_XDP path")
+        namespace, aggregator_host, host = XDP_TARGET
+        target = UdpAggregatorTarget(lanes=64, engine="native", extra_args=["--io", "xdp"], host=host,
+                                     namespace=namespace, aggregator_host=aggregator_host)
+        assert target.io == "xdp"
+    else:
+        target = UdpAggregatorTarget(lanes=64, engine=request.param)
     yield target
     target.close()
 

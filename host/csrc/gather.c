@@ -158,6 +158,7 @@ static int gather_init(gather_state *g, pn_gather_call *c, pn_stream_report *r) 
     int queued = pn_send_queue_init(&g->sends, (uint32_t)(2 * g->mine + c->workers + 2));
     int u = g->base && g->prefix && g->resent_at && g->nacks && queued
                 ? pn_udp_init(&g->udp, c->fd, (uint32_t)g->packet_size, RECV_BATCH, c->gso) : -ENOMEM;
+    if (u == 0) u = pn_udp_use_xsk(&g->udp, c->xsk);
     if (u < 0) {
         gather_free(g);
         return u == -ENOMEM ? PN_ENOMEM : PN_EINVAL;

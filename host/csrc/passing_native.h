@@ -145,6 +145,41 @@ PN_API size_t pn_engine_process(pn_engine *e, const uint8_t *in, size_t in_strid
                                 const int64_t *sources, size_t n, uint8_t *out, int64_t *out_dest,
                                 uint8_t *out_multicast, uint32_t *out_length, size_t out_cap, size_t *emitted);
 
+/* ---- the AF_XDP I/O path (xsk.c; built where libxdp, libbpf and clang were at install) ---- */
+
+typedef struct pn_xsk pn_xsk;
+
+typedef struct {
+    uint64_t rx_packets, tx_packets;   /* datagrams taken from / given to the XSK rings */
+    uint64_t rx_foreign;               /* frames the XSK got that were not datagrams to its port (dropped) */
+    uint64_t tx_spilled;               /* packets sent through the UDP socket: no MAC known for them yet */
+    uint64_t kicks;                    /* sendto() calls that made the kernel transmit */
+    uint64_t tx_waits;                 /* sends that found no free tx frame and waited for completions */
+    uint64_t ring_rx_dropped, ring_rx_full, ring_fill_empty, ring_tx_invalid;  /* the kernel's XDP_STATISTICS */
+    int32_t zerocopy;                  /* 1: the driver maps the frames (zero-copy); 0: copy mode */
+    int32_t driver_mode;               /* 1: native (driver) XDP; 0: generic (SKB) XDP */
+    uint32_t ifindex, queue;
+} pn_xsk_stats;
+
+/* 1 where this library was built with the AF_XDP path, else 0 (pn_xsk_open then always fails). */
+PN_API int pn_xdp_built(void);
+/* pn_xsk_open's flags */
+#define PN_XSK_GENERIC 1        /* generic (SKB) XDP only, never the driver's */
+#define PN_XSK_ZEROCOPY_ONLY 2  /* zero-copy or nothing (no copy mode): what io="auto" asks */
+
+/* An XSK on queue `queue` of interface `ifindex`, beside the bound UDP socket `udp_fd` (local_ip:local_port,
+ * host byte order), for packets of up to packet_size bytes: binds zero-copy where the driver supports it, else
+ * copy mode (unless PN_XSK_ZEROCOPY_ONLY), and attaches the steering program (a BPF link: detached when the
+ * process ends) in driver mode, else generic mode (PN_XSK_GENERIC: generic only). NULL with a one-line reason
+ * in `error`. */
+PN_API pn_xsk *pn_xsk_open(int udp_fd, uint32_t ifindex, uint32_t queue, uint32_t local_ip, uint32_t local_port,
+                           uint32_t packet_size, int flags, char *error, uint32_t error_len);
+PN_API void pn_xsk_close(pn_xsk *x);
+PN_API void pn_xsk_get_stats(pn_xsk *x, pn_xsk_stats *out);
+/* Tell it the MAC of a destination IP (host byte order) ahead of the first packet from it (it learns
+ * the others from what it receives). PN_OK, or PN_EFULL. */
+PN_API int pn_xsk_add_neighbor(pn_xsk *x, uint32_t ip, const uint8_t *mac);
+
 /* ---- the software aggregator's data path: engine behind a UDP socket --------------- */
 
 typedef struct pn_server pn_server;
@@ -159,6 +194,9 @@ typedef struct {
 
 /* fd: a bound, non-blocking UDP socket (GRO may be on); the server does not own it. */
 PN_API pn_server *pn_server_new(pn_engine *e, int fd, uint32_t batch, int gso);
+/* Serve through the XSK x (pn_xsk_open on the server's socket) beside the socket, before pn_server_run;
+ * the server does not own it. PN_OK, PN_EINVAL or PN_ENOMEM. */
+PN_API int pn_server_use_xsk(pn_server *s, pn_xsk *x);
 PN_API void pn_server_free(pn_server *s);
 /* Seeded drop / duplicate / reorder of received DATA (direction 0) or sent RESULTs (1),
  * for tests. */
@@ -224,6 +262,7 @@ typedef struct {
     int64_t *early_source;
     uint32_t early_cap;
     uint32_t *early_count;
+    pn_xsk *xsk;                 /* the group's AF_XDP path beside fd (pn_xsk_open), or NULL: fd alone */
 } pn_stream_call;
 
 typedef struct {
@@ -270,6 +309,7 @@ typedef struct {
     double silence, silence_every;
     int (*on_silence)(void *ctx);
     void *silence_ctx;
+    pn_xsk *xsk;                 /* as pn_stream_call's */
 } pn_gather_call;
 
 /* One all_gather: sends this worker's packets a window at a time, takes the others' into

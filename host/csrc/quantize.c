@@ -85,24 +85,35 @@ PN_LANE_LOOP uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only)
     return most > 0x7F800000u ? 0x7FC00000u : most;
 }
 
-PN_LANE_LOOP int pn_saturated_lanes(const uint8_t *packet, uint32_t n) {
-    int saturated = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        int32_t v = pn_lane_get(packet, i);
-        saturated |= (v == INT32_MAX) | (v == INT32_MIN);
-    }
-    return saturated;
-}
-
-PN_LANE_LOOP void pn_dequantize_lanes(const uint8_t *restrict packet, uint32_t n, const pn_scale *s,
-                                      float *restrict out) {
-    if (s->f32) {
-        for (uint32_t i = 0; i < n; i++) out[i] = (float)pn_lane_get(packet, i) * s->inverse;
+PN_LANE_LOOP int pn_read_result(const uint8_t *restrict packet, uint32_t n, uint32_t lanes, int kind,
+                                const pn_scale *s, void *restrict out) {
+    int32_t bound = 0;
+    if (kind == PN_IN_I32) {
+        int32_t *o = out;
+        for (uint32_t i = 0; i < n; i++) {
+            int32_t v = pn_lane_get(packet, i);
+            bound |= -((v == INT32_MAX) | (v == INT32_MIN));
+            o[i] = v;
+        }
+    } else if (s->f32) {
+        float *o = out;
+        for (uint32_t i = 0; i < n; i++) {
+            int32_t v = pn_lane_get(packet, i);
+            bound |= -((v == INT32_MAX) | (v == INT32_MIN));
+            o[i] = (float)v * s->inverse;
+        }
     } else {
-        for (uint32_t i = 0; i < n; i++) out[i] = (float)((double)pn_lane_get(packet, i) / s->scale);
+        float *o = out;
+        for (uint32_t i = 0; i < n; i++) {
+            int32_t v = pn_lane_get(packet, i);
+            bound |= -((v == INT32_MAX) | (v == INT32_MIN));
+            o[i] = (float)((double)v / s->scale);
+        }
     }
+    for (uint32_t i = n; i < lanes; i++) { /* the last packet's padding: read for the bound alone */
+        int32_t v = pn_lane_get(packet, i);
+        bound |= -((v == INT32_MAX) | (v == INT32_MIN));
+    }
+    return bound != 0;
 }
 
-PN_LANE_LOOP void pn_read_lanes(const uint8_t *restrict packet, uint32_t n, int32_t *restrict out) {
-    for (uint32_t i = 0; i < n; i++) out[i] = pn_lane_get(packet, i);
-}

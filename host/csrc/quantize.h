@@ -27,13 +27,10 @@ int pn_quantize(float x, const pn_scale *s, int32_t *out);
  * here, never out of range): the caller then redoes the packet with pn_quantize, which saturates and flags. */
 PN_INTERNAL int pn_quantize_f32_fast(const float *restrict x, uint32_t n, float scale, uint8_t *restrict packet);
 
-/* Whether a lane of the packet is at an int32 bound (a saturated sum). */
-PN_INTERNAL int pn_saturated_lanes(const uint8_t *packet, uint32_t n);
-
-/* Lanes to floats: one rounding either way (passing/quantize.py's dequantize). */
-PN_INTERNAL void pn_dequantize_lanes(const uint8_t *restrict packet, uint32_t n, const pn_scale *s, float *restrict out);
-
-/* Lanes to int32 (host order). */
-PN_INTERNAL void pn_read_lanes(const uint8_t *restrict packet, uint32_t n, int32_t *restrict out);
+/* A RESULT's first n lanes to floats (one rounding either way: passing/quantize.py's dequantize) or, kind
+ * PN_IN_I32, to int32 (host order); in the same pass, whether any of the packet's `lanes` lanes (the padding
+ * too) is at an int32 bound, a saturated sum. */
+PN_INTERNAL int pn_read_result(const uint8_t *restrict packet, uint32_t n, uint32_t lanes, int kind, const pn_scale *s,
+                               void *restrict out);
 
 #endif

@@ -20,6 +20,7 @@
 #include "engine.h"
 #include "passing_native.h"
 #include "udp.h"
+#include "xsk.h"
 
 #define OUT_CAP 4096          /* RESULTs per engine call: bounds memory whatever a GRO batch holds */
 #define SEND_TIMEOUT_MS 1000  /* a send buffer full this long: the rest of the batch is lost (counted) */
@@ -165,6 +166,11 @@ pn_server *pn_server_new(pn_engine *e, int fd, uint32_t batch, int gso) {
     }
     atomic_init(&s->stop, 0);
     return s;
+}
+
+int pn_server_use_xsk(pn_server *s, pn_xsk *x) {
+    if (!s) return PN_EINVAL;
+    return pn_udp_use_xsk(&s->udp, x) == 0 ? PN_OK : PN_ENOMEM;
 }
 
 void pn_server_free(pn_server *s) {
@@ -323,14 +329,17 @@ static int record_errno(pn_server *s, int err) {
 int pn_server_run(pn_server *s) {
     if (!s) return PN_EINVAL;
     while (!atomic_load(&s->stop)) {
-        struct pollfd p[2] = {{.fd = s->udp.fd, .events = POLLIN}, {.fd = s->wake_fd, .events = POLLIN}};
-        if (poll(p, 2, -1) < 0) {
+        /* the socket, the stop, and the XSK where there is one (-1: poll skips it) */
+        struct pollfd p[3] = {{.fd = s->udp.fd, .events = POLLIN}, {.fd = s->wake_fd, .events = POLLIN},
+                              {.fd = s->udp.xsk ? pn_xsk_fd(s->udp.xsk) : -1, .events = POLLIN}};
+        if (!(s->udp.xsk && pn_xsk_ready(s->udp.xsk)) && poll(p, 3, -1) < 0) {
             if (errno == EINTR) continue;
             return record_errno(s, errno);
         }
         if (p[1].revents) break;  /* stopped */
-        if (p[0].revents & POLLNVAL) return record_errno(s, EBADF);
-        if (!(p[0].revents & (POLLIN | POLLERR))) continue;
+        if ((p[0].revents | p[2].revents) & POLLNVAL) return record_errno(s, EBADF);
+        if (!((p[0].revents | p[2].revents) & (POLLIN | POLLERR)) && !(s->udp.xsk && pn_xsk_ready(s->udp.xsk)))
+            continue;
         /* drain what is queued; between batches, look whether we were stopped */
         while (!atomic_load(&s->stop)) {
             int received = pn_udp_recv(&s->udp, s->rx, s->rx_cap);

@@ -186,9 +186,9 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
              * (docs/tofino.md), so every target's is read as overflow (padding lanes too). Not in
              * OWNER_ONLY rounds: only the owner sees the sums, and the workers must agree on an
              * overflow, so there the flag alone tells (as in passing/reduce_stream.py). */
-            if (c->op == PN_OP_SUM && !c->owner_packets && pn_saturated_lanes(d->data, c->lanes)) st->r->overflow[k] = 1;
-            if (c->kind == PN_IN_F32) pn_dequantize_lanes(d->data, n, &s->scale, (float *)c->output + first);
-            else pn_read_lanes(d->data, n, (int32_t *)c->output + first);
+            void *out = c->kind == PN_IN_F32 ? (void *)((float *)c->output + first) : (void *)((int32_t *)c->output + first);
+            int bound = pn_read_result(d->data, n, c->lanes, c->kind, &s->scale, out); /* one pass: values, bound */
+            if (c->op == PN_OP_SUM && !c->owner_packets && bound) st->r->overflow[k] = 1;
         }
         send_first(st, s, offset + s->pool, now); /* self-clocking: this answer releases offset + pool */
         return 1;
@@ -311,6 +311,7 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     /* a slot is queued at most twice per loop iteration (its first transmission, then a resend) */
     int queued = pn_send_queue_init(&st.sends, (uint32_t)(2 * window + 2));
     int u = pn_udp_init(&st.udp, c->fd, (uint32_t)st.packet_size, RECV_BATCH, c->gso);
+    if (u == 0) u = pn_udp_use_xsk(&st.udp, c->xsk);
     if (!queued || u < 0) {
         free_state(&st);
         return u == -ENOMEM || u == 0 ? PN_ENOMEM : PN_EINVAL;

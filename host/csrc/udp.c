@@ -2,6 +2,7 @@
  * kernel offers them, cut the per-packet cost further (docs/architecture.md). */
 #define _GNU_SOURCE
 #include "udp.h"
+#include "xsk.h"
 
 #include <errno.h>
 #include <netinet/udp.h>
@@ -67,7 +68,19 @@ int pn_udp_init(pn_udp *u, int fd, uint32_t packet_size, uint32_t batch, int gso
     return 0;
 }
 
+int pn_udp_use_xsk(pn_udp *u, pn_xsk *x) {
+    if (x && !u->spill) {
+        u->spill = calloc(PN_UDP_SEND_CHUNK, sizeof *u->spill);
+        u->spill_dest = calloc(PN_UDP_SEND_CHUNK, sizeof *u->spill_dest);
+        if (!u->spill || !u->spill_dest) return -ENOMEM;
+    }
+    u->xsk = x;
+    return 0;
+}
+
 void pn_udp_free(pn_udp *u) {
+    free(u->spill);
+    free(u->spill_dest);
     free(u->rx);
     free(u->rx_msgs);
     free(u->rx_iov);
@@ -131,7 +144,7 @@ static uint32_t split_messages(pn_udp *u, pn_datagram *out, uint32_t max) {
 
 int pn_udp_pending(const pn_udp *u) { return u->rx_next < u->rx_dirty; }
 
-int pn_udp_recv(pn_udp *u, pn_datagram *out, uint32_t max) {
+static int recv_socket(pn_udp *u, pn_datagram *out, uint32_t max) {
     if (max == 0) return 0;
     if (pn_udp_pending(u)) return (int)split_messages(u, out, max);  /* the rest of the last batch first */
     uint32_t want = max < u->batch ? max : u->batch;
@@ -150,10 +163,33 @@ int pn_udp_recv(pn_udp *u, pn_datagram *out, uint32_t max) {
     return (int)split_messages(u, out, max);
 }
 
+/* With an XSK: what its rx ring holds first (no syscall), and the socket when the ring is empty or every
+ * XSK_TURN receives (a datagram the XDP program passed on, or that came another way, is not starved). */
+#define XSK_TURN 16
+
+int pn_udp_recv(pn_udp *u, pn_datagram *out, uint32_t max) {
+    if (!u->xsk) return recv_socket(u, out, max);
+    if (max == 0) return 0;
+    if (pn_udp_pending(u)) return (int)split_messages(u, out, max);
+    int n = pn_xsk_recv(u->xsk, out, max);
+    if (n < 0) return n;
+    int socket_drained = 1;
+    if ((uint32_t)n < max && (n == 0 || ++u->xsk_turn >= XSK_TURN)) {
+        u->xsk_turn = 0;
+        int m = recv_socket(u, out + n, max - (uint32_t)n);
+        if (m < 0) return m;
+        n += m;
+        socket_drained = u->rx_drained;
+    }
+    u->rx_drained = socket_drained && !pn_xsk_ready(u->xsk);
+    return n;
+}
+
 int pn_udp_wait(pn_udp *u, int timeout_ms, int extra_fd) {
-    if (pn_udp_pending(u)) return 1;
-    struct pollfd p[2] = {{.fd = u->fd, .events = POLLIN}, {.fd = extra_fd, .events = POLLIN}};
-    int r = poll(p, extra_fd >= 0 ? 2 : 1, timeout_ms < 0 ? 0 : timeout_ms);
+    if (pn_udp_pending(u) || (u->xsk && pn_xsk_ready(u->xsk))) return 1;
+    struct pollfd p[3] = {{.fd = u->fd, .events = POLLIN}, {.fd = extra_fd, .events = POLLIN},
+                          {.fd = u->xsk ? pn_xsk_fd(u->xsk) : -1, .events = POLLIN}};
+    int r = poll(p, u->xsk ? 3 : extra_fd >= 0 ? 2 : 1, timeout_ms < 0 ? 0 : timeout_ms);
     if (r < 0) return errno == EINTR ? 0 : -errno;
     if (r == 0) return 0;
     if (extra_fd >= 0 && (p[1].revents & (POLLIN | POLLHUP | POLLERR))) return 2;
@@ -242,8 +278,35 @@ static int send_plain(pn_udp *u, const struct msghdr *refused, uint32_t size, in
     return 0;
 }
 
+static int send_socket(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, uint32_t size,
+                       int timeout_ms, uint64_t *bytes_sent, uint32_t *handled);
+
+/* Through the XSK where it knows the destination's MAC, the rest through the socket; a chunk at a time.
+ * *handled: the packets of the chunks before one that failed. */
 int pn_udp_send(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, uint32_t size,
                 int timeout_ms, uint64_t *bytes_sent, uint32_t *handled) {
+    if (!u->xsk) return send_socket(u, packet, dest, n, size, timeout_ms, bytes_sent, handled);
+    uint32_t ignored;
+    if (!handled) handled = &ignored;
+    *handled = 0;
+    uint64_t unused = 0;
+    if (!bytes_sent) bytes_sent = &unused;
+    for (uint32_t done = 0; done < n;) {
+        uint32_t chunk = n - done < PN_UDP_SEND_CHUNK ? n - done : PN_UDP_SEND_CHUNK, spilled = 0;
+        int r = pn_xsk_send(u->xsk, packet + done, dest + done, chunk, size, timeout_ms, bytes_sent, u->spill,
+                            u->spill_dest, &spilled);
+        if (r == 0 && spilled)
+            r = send_socket(u, (const uint8_t *const *)u->spill, u->spill_dest, spilled, size, timeout_ms, bytes_sent,
+                            NULL);
+        if (r < 0) return r;
+        done += chunk;
+        *handled = done;
+    }
+    return 0;
+}
+
+static int send_socket(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n, uint32_t size,
+                       int timeout_ms, uint64_t *bytes_sent, uint32_t *handled) {
     uint32_t ignored;
     if (!handled) handled = &ignored;
     *handled = 0;

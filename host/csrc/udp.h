@@ -1,4 +1,6 @@
-/* Batched UDP for the native data path: recvmmsg with GRO, sendmmsg with GSO.
+/* Batched UDP for the native data path: recvmmsg with GRO, sendmmsg with GSO; and, where the caller
+ * gives it an XSK (xsk.h: the AF_XDP path), that XSK beside the socket: datagrams are taken from both,
+ * and sent through the XSK to every destination whose MAC it knows (the others through the socket).
  * Internal to the library (not part of its ABI). IPv4, Linux. */
 #ifndef PASSING_UDP_H
 #define PASSING_UDP_H
@@ -12,8 +14,14 @@
 #define PN_UDP_GSO_MAX_BYTES 65000  /* one GSO message is one UDP datagram before segmentation */
 #define PN_UDP_SEND_CHUNK 1024      /* packets per sendmmsg call (UIO_MAXIOV iovecs) */
 
+typedef struct pn_xsk pn_xsk;
+
 typedef struct {
     int fd;
+    pn_xsk *xsk;              /* NULL: the socket alone. Else the AF_XDP path beside it (not owned) */
+    uint32_t xsk_turn;        /* receives since the socket was last read beside a busy XSK */
+    const uint8_t **spill;    /* the packets of a send that go through the socket (no MAC known) */
+    int64_t *spill_dest;
     uint32_t packet_size;     /* the largest datagram received (and sent) */
     int gso;                  /* 1: consecutive packets to one destination leave as one GSO message */
     uint64_t gso_fallbacks;   /* GSO messages the kernel refused, resent as plain datagrams */
@@ -45,6 +53,8 @@ typedef struct {
 } pn_datagram;
 
 int pn_udp_init(pn_udp *u, int fd, uint32_t packet_size, uint32_t batch, int gso);
+/* Use the XSK x (may be NULL) beside the socket from now on. 0, or -ENOMEM. */
+int pn_udp_use_xsk(pn_udp *u, pn_xsk *x);
 void pn_udp_free(pn_udp *u);
 /* What is queued, without blocking, up to `max` datagrams (the buffers stay valid until
  * the next call). A coalesced buffer may hold more datagrams than `max` (GRO coalesces up

@@ -56,6 +56,8 @@ def aggregator_main(argv: list[str] | None = None) -> int:
     s.add_argument("--reorder", action="store_true", help="shuffle every batch, each way")
     s.add_argument("--seed", type=int, default=0, help="seed of the loss/duplication generator")
     s.add_argument("--no-offload", action="store_true", help="no UDP GSO/GRO: one syscall datagram per packet")
+    s.add_argument("--io", choices=("auto", "udp", "xdp"), default="auto",
+                   help="I/O path: AF_XDP beside the UDP socket where it can run (auto, the default), or forced")
     s.add_argument("--engine", choices=native.ENGINES, default="auto",
                    help="native: the data path in C; numpy: in Python; auto: native where it loads (default)")
     s.add_argument("--metrics", metavar="ADDR:PORT", help="serve Prometheus metrics over HTTP here (port 0: any)")
@@ -116,6 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
         egress=Impairment(args.drop_egress, args.duplicate, args.reorder, rng),
         offload=not args.no_offload,
         engine=args.engine,
+        io=args.io,
         keys=None if args.control == "none" else AggregatorKeys.load(args.keys),
     )
     exporter = None
@@ -129,7 +132,8 @@ def _serve(args: argparse.Namespace) -> int:
     host, port = server.address
     print(json.dumps({"event": "ready", "data": f"{host}:{port}", "control": server.control_endpoint,
                       "lanes": server.lanes, "max_lanes": server.engine.lanes, "slots": server.engine.slots,
-                      "engine": server.engine_name,
+                      "engine": server.engine_name, "io": server.socket.io_path,
+                      "io_reason": server.socket.io_reason,
                       "metrics": exporter.address if exporter else None}), flush=True)
     try:
         server.serve()
@@ -191,13 +195,15 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-offload", action="store_true", help="no UDP GSO/GRO")
     p.add_argument("--engine", choices=native.ENGINES, default="auto",
                    help="host streaming engine: native (C), numpy, or auto (native where it loads)")
+    p.add_argument("--io", choices=("auto", "udp", "xdp"), default="auto",
+                   help="I/O path: AF_XDP beside the UDP socket where it can run (auto, the default), or forced")
     args = p.parse_args(argv)
     if (args.controller is None) == (args.aggregator is None):
         p.error("give either --aggregator or --controller")
     scale: str | float = args.scale if args.scale == "auto" else float(args.scale)
     x = worker_inputs(args.seed, args.worker, args.size, args.dtype)
     options = dict(scale=scale, timeout=args.timeout, offload=not args.no_offload, drop=args.drop,
-                   drop_seed=args.seed * 1000 + args.worker, engine=args.engine)
+                   drop_seed=args.seed * 1000 + args.worker, engine=args.engine, io=args.io)
     mode = "direct"
     try:
         if args.controller:
@@ -231,7 +237,8 @@ def allreduce_main(argv: list[str] | None = None) -> int:
         return 1
     if args.out:
         np.save(args.out, out)
-    report = {"worker": args.worker, "mode": mode, "engine": group.engine, "elements": args.size, "seconds": elapsed,
+    report = {"worker": args.worker, "mode": mode, "engine": group.engine, "io": group.io_path,
+              "io_reason": group.io_reason, "elements": args.size, "seconds": elapsed,
               "gbit_per_s": args.size * 4 * 8 / elapsed / 1e9, "ok": True, "moves": group.moves, "calls": calls,
               **stats}
     if not args.no_check:

@@ -67,7 +67,7 @@ class StreamCall(ctypes.Structure):
         ("gso", ctypes.c_int32), ("drop", ctypes.c_double), ("rng", _u64p),
         ("silence", ctypes.c_double), ("silence_every", ctypes.c_double), ("on_silence", SILENCE_CALLBACK),
         ("silence_ctx", _p), ("early", _p), ("early_source", _i64p), ("early_cap", ctypes.c_uint32),
-        ("early_count", _u32p),
+        ("early_count", _u32p), ("xsk", _p),
     ]
 
 
@@ -82,7 +82,7 @@ class GatherCall(ctypes.Structure):
         ("gso", ctypes.c_int32), ("drop", ctypes.c_double), ("rng", _u64p),
         ("early", _p), ("early_source", _i64p), ("early_cap", ctypes.c_uint32), ("early_count", _u32p),
         ("completion_sum", ctypes.c_int32), ("silence", ctypes.c_double), ("silence_every", ctypes.c_double),
-        ("on_silence", SILENCE_CALLBACK), ("silence_ctx", _p),
+        ("on_silence", SILENCE_CALLBACK), ("silence_ctx", _p), ("xsk", _p),
     ]
 
 
@@ -118,6 +118,7 @@ _PROTOTYPES = {
                                             ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
     "pn_server_new": (_p, [_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_int]),
     "pn_server_free": (None, [_p]),
+    "pn_server_use_xsk": (ctypes.c_int, [_p, _p]),
     "pn_server_impair": (ctypes.c_int, [_p, ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_int,
                                         ctypes.c_uint64]),
     "pn_server_run": (ctypes.c_int, [_p]),

@@ -80,6 +80,7 @@ def _run(function: Callable[..., int], call: native.StreamCall | native.GatherCa
         state.socket.fd, state.lanes, state.job, state.generation, state.worker)
     call.rto_min, call.max_rto, call.timeout = recovery.rto_min, recovery.max_rto, recovery.timeout
     call.gso, call.drop = int(state.socket.gso), state.drop
+    call.xsk = state.socket.xsk.handle if state.socket.xsk is not None else None
     call.rng = state.native_rng.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
     if silence is not None:  # ctypes keeps no reference: `keep` holds the callback until the call returns
         keep["on_silence"] = native.SILENCE_CALLBACK(lambda _ctx: int(silence.ask()))

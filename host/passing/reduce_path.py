@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import native, native_stream, quantize, wire
+from . import native, native_stream, quantize, stripes, wire
 from .errors import PassingOverflow
 from .recovery import LossRecovery, SilenceWatch
 from .reduce_stream import ReduceStream
@@ -143,6 +143,9 @@ class ReducePath:
         of ``flat`` (zero-padded to whole packets; float32 quantized with the shard's scale) in,
         their sums into ``out``. Returns per shard whether a RESULT overflowed. With ``owner_packets``
         the rounds are OWNER_ONLY, and only the rows this worker owns are written to ``out``."""
+        if self.native and self.state.stripes:  # several streams, a thread each (passing.stripes)
+            return stripes.striped_pass(self.state, self.recovery, self.state.stripes, op, flat, out, starts, counts,
+                                        scales, owner_packets)
         if self.native:
             return native_stream.reduce_pass(self.state, self.recovery, self.silence, op, flat, out, starts, counts,
                                              scales, owner_packets)

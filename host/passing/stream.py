@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import native, wire
+from . import native, stripes, wire
 from .errors import AggregatorUnreachable, GroupFailed, PassingError, Silenced
 from .gather_stream import GatherStream
 from .recovery import LossRecovery, SilenceWatch
@@ -86,7 +86,10 @@ class Group:
     racks (docs/protocol.md, "Trees across racks"): an auto scale and an average are for them (default:
     ``workers``; allreduce only, for now).
     ``rto``, ``max_rto`` and ``timeout``: loss recovery (passing.recovery); ``drop``: a test
-    impairment, this fraction of packets lost each way, here at the host.
+    impairment, this fraction of packets lost each way, here at the host. ``io``: the I/O path, AF_XDP beside
+    the socket where it can run ("auto"), or forced ("udp", "xdp"): passing.xdp. ``streams``: the reduce passes
+    striped over that many streams on threads of their own (native engine, no failover), stream s a job of its
+    own at the aggregators (``stream_jobs[s - 1]``, default job + s) from bind's port + s: passing.stripes.
     """
 
     def __init__(
@@ -110,6 +113,9 @@ class Group:
         engine: str = "auto",
         failover: FailoverLine | None = None,
         servers: int | None = None,
+        io: str = "auto",
+        streams: int = 1,
+        stream_jobs: Sequence[int] | None = None,
     ) -> None:
         if not 0 <= job < 1 << 16:
             raise ValueError(f"job {job} outside 0..65535")
@@ -159,8 +165,24 @@ class Group:
         else:
             socket = BatchSocket(parse_endpoint(bind, 0) if isinstance(bind, str) else bind, lanes=lanes,
                                  offload=offload)
+        try:
+            socket.open_io(io, self.native)  # AF_XDP beside the socket where it can run (passing.xdp)
+        except BaseException:
+            if socket is not bind:
+                socket.close()
+            raise
         self.state = StreamState(job, worker, workers, generation, lanes, shards, socket, drop, drop_rng, rng)
         self.state.servers = workers if servers is None else servers
+        if streams != 1:  # streams 1.. on threads of their own (passing.stripes)
+            if not 1 <= streams <= 64 or not self.native or failover is not None:
+                socket.close()
+                raise ValueError(f"streams={streams}: 1..64, several only on the native engine and without failover")
+            try:
+                self.state.stripes = stripes.open_stripes(self.state, self.recovery, streams, stream_jobs,
+                                                          socket.address, io, offload)
+            except BaseException:
+                socket.close()
+                raise
 
     @classmethod
     def from_answer(cls, answer: dict, bind: str | tuple[str, int] | BatchSocket, **options) -> Group:
@@ -219,15 +241,34 @@ class Group:
 
     @property
     def stats(self) -> TransportStats:
+        """The socket's counters (with several streams, a sum of every stream's: a copy)."""
+        if self.state.stripes:
+            return stripes.total_stats(self.socket.stats, self.state.stripes)
         return self.socket.stats
+
+    @property
+    def streams(self) -> int:
+        """The streams the group's reduce passes are striped over (passing.stripes)."""
+        return 1 + len(self.state.stripes)
 
     @property
     def address(self) -> tuple[str, int]:
         return self.socket.address
 
+    @property
+    def io_path(self) -> str:
+        """The I/O path of the group's packets: 'xdp' (AF_XDP beside the socket) or 'udp'."""
+        return self.socket.io_path
+
+    @property
+    def io_reason(self) -> str:
+        """One line: why that path (the AF_XDP mode, or why not AF_XDP)."""
+        return self.socket.io_reason
+
     def close(self) -> None:
         if self.failover is not None:
             self.failover.close()
+        stripes.close_stripes(self.state.stripes)
         self.socket.close()
 
     def __enter__(self) -> Group:

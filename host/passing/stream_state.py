@@ -114,6 +114,7 @@ class StreamState:
         self.gather_position = 0
         self.early = EarlyGathers()
         self.socket = socket
+        self.stripes: list[Any] = []  # passing.stripes.Stripe: the group's streams beyond this one (Group(streams=))
 
     def move_to(self, answer: dict[str, Any]) -> None:
         """The new allocation of a move answer: same address, same workers; a socket sized for the new

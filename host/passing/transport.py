@@ -24,6 +24,7 @@ import socket
 import struct
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -145,6 +146,11 @@ class BatchSocket:
         self.dtype = wire.packet_dtype(lanes)
         self.size = self.dtype.itemsize
         self.stats = TransportStats()
+        # the AF_XDP path beside this socket (passing.xdp.open_path: a Group or an aggregator opens it), or
+        # None: the socket alone; io_reason says which and why
+        self.xsk: Any = None
+        self.io_reason = "the UDP socket (no AF_XDP path opened)"
+        self._xsk_closed: dict[str, int] | None = None  # the XSK's last counters, once closed
         self.gro = offload and self._try_gro()
         self.gso = offload  # a message the kernel refuses goes as plain datagrams; GSO stays on
 
@@ -189,7 +195,28 @@ class BatchSocket:
     def address(self) -> tuple[str, int]:
         return self.sock.getsockname()
 
+    @property
+    def io_path(self) -> str:
+        """'xdp' where an AF_XDP path works beside the socket, else 'udp'."""
+        return "xdp" if self.xsk is not None or self._xsk_closed is not None else "udp"
+
+    def xsk_stats(self) -> dict[str, int] | None:
+        """The AF_XDP path's counters (passing.xdp.XskStats; its last ones once closed), or None without one."""
+        return self.xsk.stats() if self.xsk is not None else self._xsk_closed
+
+    def open_io(self, io: str, engine_native: bool, clip: bool = False) -> None:
+        """Open the AF_XDP path beside this socket per ``io`` (passing.xdp.open_path), once."""
+        from . import xdp
+
+        if self.xsk is None:
+            self.xsk, self.io_reason = xdp.open_path(io, self, (self.size - wire.HEADER_SIZE) // 4, engine_native,
+                                                     clip)
+
     def close(self) -> None:
+        if self.xsk is not None:
+            self._xsk_closed = self.xsk.stats()
+            self.xsk.close()
+            self.xsk = None
         self.sock.close()
 
     def __enter__(self) -> BatchSocket:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 
 import numpy as np
 
-from passing import wire
+from passing import launch, wire
 from passing.aggregator.control_channel import ControlClient
 from passing.aggregator.engine import JobSpec, Uplink
 from passing.aggregator.native_engine import make_engine
@@ -60,13 +61,23 @@ class EngineTarget:
 
 
 class UdpAggregatorTarget:
-    """A real `passing-aggregator serve` process; every (job, worker) a real UDP socket."""
+    """A real `passing-aggregator serve` process; every (job, worker) a real UDP socket.
 
-    def __init__(self, lanes: int = 8, extra_args: list[str] | None = None, engine: str = "numpy") -> None:
-        self.lanes = lanes
-        self.proc, ready = start_aggregator(["--lanes", str(lanes), "--slots", "64", "--engine", engine,
-                                             *(extra_args or [])])
+    ``namespace``: the aggregator runs in that network namespace at ``aggregator_host`` (tests/test_xdp.py: over
+    AF_XDP on its veth), the sockets are bound to ``host`` (this process's namespace's address)."""
+
+    def __init__(self, lanes: int = 8, extra_args: list[str] | None = None, engine: str = "numpy",
+                 host: str = "127.0.0.1", namespace: str | None = None, aggregator_host: str = "127.0.0.1") -> None:
+        self.lanes, self.host = lanes, host
+        args = ["--lanes", str(lanes), "--slots", "64", "--engine", engine, *(extra_args or [])]
+        if namespace is None:
+            self.proc, ready = start_aggregator(args)
+        else:
+            self.proc, ready = launch.start_aggregator(
+                args, aggregator_host, popen=lambda cmd, **kw: subprocess.Popen(["ip", "netns", "exec", namespace,
+                                                                                   *cmd], **kw))
         assert ready["engine"] == engine
+        self.io = ready.get("io")
         self.control = ControlClient(ready["control"])
         host, port = ready["data"].rsplit(":", 1)
         self.aggregator = (host, int(port))
@@ -87,7 +98,7 @@ class UdpAggregatorTarget:
     def _socket(self, key: Origin) -> socket.socket:
         if key not in self.sockets:
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            s.bind(("127.0.0.1", 0))
+            s.bind((self.host, 0))
             s.setblocking(False)
             self.sockets[key] = s
         return self.sockets[key]

@@ -164,9 +164,11 @@ class SoftwareAggregator:
         engine: str = "auto",
         keys: AggregatorKeys | None = None,
         max_lanes: int = DEFAULT_MAX_LANES,
+        io: str = "auto",
     ) -> None:
         """``keys``: the control socket's CURVE key pair and the controller's public key, the only
-        client it admits (default: the key directory's, docs/security.md)."""
+        client it admits (default: the key directory's, docs/security.md). ``io``: the I/O path, AF_XDP beside
+        the socket where it can run ("auto"), or forced ("udp", "xdp"): passing.xdp."""
         if lanes < 1 or wire.packet_size(max(lanes, max_lanes)) > MAX_DATAGRAM:
             raise ConfigError(f"lanes {lanes}, max_lanes {max_lanes}: a packet must fit one UDP datagram "
                               f"({MAX_DATAGRAM} bytes: at most {(MAX_DATAGRAM - wire.HEADER_SIZE) // 4} lanes)")
@@ -185,9 +187,17 @@ class SoftwareAggregator:
         if isinstance(self.engine, NativeAggregationEngine):
             try:
                 self.native = NativeDataPath(self.engine, self.socket, self.ingress, self.egress, gso=offload)
+                self.socket.open_io(io, True, clip=True)
+                if self.socket.xsk is not None:
+                    native.check(native.lib().pn_server_use_xsk(self.native.handle, self.socket.xsk.handle),
+                                 "pn_server_use_xsk")
             except (OSError, RuntimeError):
+                if self.native is not None:
+                    self.native.close()
                 self.socket.close()
                 raise
+        else:
+            self.socket.open_io(io, False)
         self._zmq = zmq.Context()  # its own: its ZAP handler admits the controller only
         self._auth = None
         self.control: zmq.Socket | None = None
@@ -386,6 +396,8 @@ class SoftwareAggregator:
             reply["server"] = {"batches": server.batches, "send_errors": server.send_errors,
                                "last_errno": server.last_errno}
         reply["engine"] = self.engine_name
+        reply["io"] = {"path": self.socket.io_path, "reason": self.socket.io_reason,
+                       **({"xsk": self.socket.xsk_stats()} if self.socket.io_path == "xdp" else {})}
         return reply
 
     def handle(self, request: Any) -> dict[str, Any]:

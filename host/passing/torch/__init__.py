@@ -22,8 +22,9 @@ if BACKEND.upper() not in dist.Backend._plugins:
     dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
 
 
-def transport_stats(group: dist.ProcessGroup | None = None) -> dict[str, int]:
-    """This rank's PASSING transport counters (packets, bytes, retransmissions) in ``group``."""
+def transport_stats(group: dist.ProcessGroup | None = None) -> dict[str, int | str]:
+    """This rank's PASSING transport counters (packets, bytes, retransmissions) in ``group``, and its I/O path
+    (``io``: 'xdp' or 'udp'; ``io_reason``: one line, the AF_XDP mode or why not)."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     if not isinstance(pg, ProcessGroupPassing):
         raise TypeError(f"not a PASSING process group: {type(pg).__name__}")

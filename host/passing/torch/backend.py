@@ -189,14 +189,19 @@ class ProcessGroupPassing(ProcessGroup):
         stages = [self.network] if isinstance(self.network, FailoverStage) else []
         return stages + ([self.gather_lane.network] if self.gather_lane is not None else [])
 
-    def transport_stats(self) -> dict[str, int]:
-        """This rank's packets and bytes to and from the aggregator(s) so far (both lanes)."""
+    def transport_stats(self) -> dict[str, int | str]:
+        """This rank's packets and bytes to and from the aggregator(s) so far (both lanes), and its I/O path:
+        ``io`` ('xdp' or 'udp') and ``io_reason`` (one line: the AF_XDP mode, or why not), the gather lane's
+        after a '; ' where it has one."""
         if self.stream is None:
             return {}
-        total = self.stream.stats.as_dict()
-        if self.gather_lane is not None:
-            for key, value in self.gather_lane.network.stream.stats.as_dict().items():
-                total[key] = total.get(key, 0) + value
+        streams = [self.stream] + ([self.gather_lane.network.stream] if self.gather_lane is not None else [])
+        total: dict[str, int | str] = {}
+        for stream in streams:
+            for key, value in stream.stats.as_dict().items():
+                total[key] = int(total.get(key, 0)) + value
+        total["io"] = "; ".join(s.io_path for s in streams)
+        total["io_reason"] = "; ".join(s.io_reason for s in streams)
         return total
 
     def shutdown(self) -> None:

@@ -307,7 +307,7 @@ class _Job:
                                      keys=self.keys) if o.failover_after else None)
             stream = Group.from_answer(answer, bind=sock, scale=o.scale, on_overflow=str(o.on_overflow),
                                        rto=float(o.rto), timeout=float(o.timeout), engine=str(o.engine),
-                                       failover=line)
+                                       failover=line, io=str(o.io))
         except BaseException:
             sock.close()
             if line is not None:

@@ -62,6 +62,7 @@ class Options:
     server: str | None = None  # PASSING_SERVER: which server this rank is on
     job: str | None = None  # PASSING_JOB: job name at the controller (default: a fresh one per run)
     engine: str | None = None  # PASSING_ENGINE: host streaming engine, auto | native | numpy
+    io: str | None = None  # PASSING_IO: I/O path, auto (AF_XDP beside the UDP socket where it can run) | udp | xdp
     failover_after: float | None = None  # PASSING_FAILOVER_AFTER: silent this long, move the group (0: never;
     # default: 5 s, or half the timeout when that is shorter)
     report_interval: float | None = None  # PASSING_REPORT_INTERVAL: s between reports to the controller (0: at leave)
@@ -76,8 +77,8 @@ class Options:
 
     DEFAULTS = {"controller": None, "embedded": "off", "scheme": "passing", "scale": "auto", "on_overflow": "raise",
                 "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 1.0, "host": None, "server": None,
-                "job": None, "engine": "auto", "failover_after": None, "report_interval": 10.0, "mtu": None,
-                "keep_on_gloo": (), "shared_memory": "/dev/shm", "device_backend": "auto"}
+                "job": None, "engine": "auto", "io": "auto", "failover_after": None, "report_interval": 10.0,
+                "mtu": None, "keep_on_gloo": (), "shared_memory": "/dev/shm", "device_backend": "auto"}
 
     def resolve(self, environ: dict[str, str] | None = None, limit: float | None = None) -> Options:
         """A copy with every field filled in, checked. ``limit``: the process group's timeout in seconds, which
@@ -135,6 +136,8 @@ class Options:
             raise OptionError(f"scale must be 'auto' or a positive number; got {self.scale!r}")
         if self.engine not in ENGINES:
             raise OptionError(f"engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
+        if self.io not in ("auto", "udp", "xdp"):
+            raise OptionError(f"io must be one of auto, udp, xdp; got {self.io!r}")
         if self.on_overflow not in ("raise", "auto"):
             raise OptionError(f"on_overflow must be 'raise' or 'auto'; got {self.on_overflow!r}")
         if self.pool is not None and not 1 <= self.pool <= 1 << 16:
