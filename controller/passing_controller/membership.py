@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from . import schema
+from .fabric import MAX_LEAVES, MAX_RACK
 from .keys import digest, matches, new_secret
 from .p4runtime import SwitchError
 from .placement import Placement
@@ -25,7 +26,7 @@ from .topology import Topology
 
 log = logging.getLogger("passing_controller")
 
-MAX_WORKERS = 32
+MAX_WORKERS = MAX_LEAVES * MAX_RACK  # a group: 32 on one aggregator (placement.MAX_FLAT), up to 1 024 across racks
 MAX_GROUP = 1023  # group indices (a server's local rank)
 MAX_PENDING = 4096  # groups waiting for their workers at once
 AGGREGATOR_CHOICES = ("any", "ps")  # a join's "aggregator": the PS and PSRing baselines ask for "ps"
@@ -102,7 +103,7 @@ class Membership:
             s.admitted[record.mode] += 1
             s.admitting.discard((name, group))
         for w, (ident, _) in pending.members.items():
-            self.reply(ident, {"ok": True, **self.placement.answer(record, reason), "worker": w, "token": tokens[w]})
+            self.reply(ident, {"ok": True, **self.placement.worker_answer(record, reason, w), "token": tokens[w]})
 
     def expire(self) -> None:
         """(lock held) Refuse the groups whose workers did not all join in time."""

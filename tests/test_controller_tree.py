@@ -1,0 +1,175 @@
+"""A group across racks placed by the controller (docs/control.md, "Trees across racks"): the real
+`passing-controller` process with a fabric of two racks, three `passing-aggregator` processes (a PS leaf per
+rack, a PS root), and workers that join it on loopback, each host its own 127.x address so that the fabric
+places them: `passing-allreduce --controller` processes, and (more than 32 workers) threads joining through
+passing.control and allreducing through Group.from_answer. Every result equals the flat sum over all
+workers, and the group's end frees every node of the tree."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from cluster.local import free_tcp_port
+from passing import Group
+from passing.aggregator.control_channel import ControlClient
+from passing.cli import worker_inputs
+from passing.control import ControllerError, join, leave
+from passing.launch import free_udp_ports
+from tests.cluster import run_threads, start_aggregator, start_controller
+from tests.keys import ask
+from tests.zygote import CLI_PRELOAD, shared
+
+ELEMENTS, SCALE = 2000, 1e6
+
+
+def host_ip(rack: int, i: int) -> str:
+    return f"127.0.{rack + 1}.{i + 1}"
+
+
+@pytest.fixture
+def fabric(tmp_path):
+    """(controller endpoint, [leaf0, leaf1, root] ready lines) for a fabric of two racks of 20 hosts."""
+    procs = []
+    try:
+        ready = []
+        for _ in range(3):
+            proc, line = start_aggregator()
+            procs.append(proc)
+            ready.append(line)
+        topology = {"ps": [{"data": r["data"], "control": r["control"]} for r in ready], "fabric": [
+            *({"name": f"rack{k}", "ps": ready[k]["data"], "hosts": [host_ip(k, i) for i in range(20)],
+               "uplink": "spine"} for k in range(2)),
+            {"name": "spine", "ps": ready[2]["data"]}]}
+        ctl, ctl_ready = start_controller(topology, tmp_path, f"tcp://127.0.0.1:{free_tcp_port()}")
+        procs.append(ctl)
+        yield ctl_ready["endpoint"], ready
+    finally:
+        for proc in procs:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def assert_freed(ready: list[dict]) -> None:
+    """Every node of the tree let go of the group once it ended."""
+    deadline = time.monotonic() + 10
+    while any(ControlClient(r["control"]).request("stats")["jobs"] for r in ready):
+        assert time.monotonic() < deadline, "a node of the tree still holds the group's job"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["int32", "float32"])
+def test_a_group_across_two_racks_is_placed_as_a_tree_and_sums_as_flat(fabric, tmp_path, dtype):
+    endpoint, ready = fabric
+    workers = 4
+    racks = [0, 1, 0, 1]  # the group's workers sit interleaved across the racks
+    hosts = [host_ip(r, w) for w, r in enumerate(racks)]
+    ports = free_udp_ports(workers)
+    gate = tmp_path / "gate"
+    procs = {}
+    for w in range(workers):
+        out = tmp_path / f"out-{w}.npy"
+        procs[out] = shared(CLI_PRELOAD).popen(
+            [sys.executable, "-m", "passing.cli", "allreduce", "--controller", endpoint, "--job-name", "across",
+             "--worker", str(w), "--workers", str(workers), "--bind", f"{hosts[w]}:{ports[w]}", "--pool", "8",
+             "--size", str(ELEMENTS), "--dtype", dtype, "--scale", str(SCALE), "--seed", "5", "--iterations", "2",
+             "--gate", str(gate), "--timeout", "30", "--failover-after", "0", "--leave", "--out", str(out),
+             "--no-check"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (jobs := ask(endpoint, "status")["jobs"]):  # the placed tree, while the workers wait
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values())
+            time.sleep(0.1)
+        (job,) = jobs
+        assert job["mode"] == "tree" and job["workers"] == workers and job["aggregator"] == ready[2]["data"]
+        tree = job["tree"]
+        assert [(n["name"], n["role"], n["data"]) for n in tree] == [
+            ("rack0", "leaf", ready[0]["data"]), ("rack1", "leaf", ready[1]["data"]),
+            ("spine", "root", ready[2]["data"])]
+        assert [n["workers"] for n in tree[:2]] == [[0, 2], [1, 3]] and [n["first"] for n in tree[:2]] == [0, 2]
+        for r in ready:  # each node holds the job, with its role
+            held = ControlClient(r["control"]).request("stats")["jobs"]
+            assert list(held) == [str(job["job_id"])]
+    finally:
+        gate.touch()
+    for proc in procs.values():
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    inputs = [worker_inputs(5, w, ELEMENTS, dtype) for w in range(workers)]
+    flat = np.sum(inputs, axis=0, dtype=np.float64)
+    for out in procs:
+        got = np.load(out)
+        if dtype == "int32":
+            assert np.array_equal(got, flat.astype(np.int32)), out.name
+        else:  # the scaled sum: each of the 4 values rounds by at most half a step (docs/protocol.md)
+            assert np.max(np.abs(got - flat)) <= workers * 0.5 / SCALE + 1e-5 * np.max(np.abs(flat)), out.name
+    assert ask(endpoint, "status")["jobs"] == []
+    assert_freed(ready)
+
+
+@pytest.mark.timeout(180)
+def test_more_than_32_workers_across_two_racks(fabric):
+    """40 workers (20 per rack): more than one aggregator's bitmap takes; their answers name their leaf,
+    their index there, the job's 40 servers and their number in it."""
+    endpoint, ready = fabric
+    workers = 40
+    ports = free_udp_ports(workers)
+    data = [np.arange(64, dtype=np.int32) * (w + 1) - w for w in range(workers)]
+    lock = threading.Lock()
+    answers: dict[int, dict] = {}
+
+    def work(w: int) -> np.ndarray:
+        ip = host_ip(w % 2, w // 2)
+        answer = join(endpoint, "wide", w, workers, host=ip, udp_port=ports[w], pool=4, timeout=60)
+        with lock:
+            answers[w] = answer
+        try:
+            with Group.from_answer(answer, bind=(ip, ports[w]), timeout=30) as g:
+                return g.allreduce(data[w])
+        finally:
+            leave(endpoint, "wide", 0, w, answer["token"])
+
+    results = run_threads(work, workers, timeout=120)
+    flat = np.sum(data, axis=0)
+    for w, got in enumerate(results):
+        assert isinstance(got, np.ndarray) and np.array_equal(got, flat), (w, got)
+    leaf_data = {f"rack{k}": ready[k]["data"] for k in range(2)}
+    for w, a in answers.items():
+        assert a["mode"] == "tree" and a["servers"] == workers and a["workers"] == 20
+        assert a["leaf"] == f"rack{w % 2}" and a["worker"] == w // 2 and a["number"] == (w % 2) * 20 + w // 2
+        assert f"{a['aggregators'][0]['host']}:{a['aggregators'][0]['port']}" == leaf_data[a["leaf"]]
+    assert_freed(ready)
+    assert ask(endpoint, "status")["jobs"] == []
+
+
+@pytest.mark.timeout(60)
+def test_a_group_under_one_rack_stays_flat_and_too_many_without_racks_are_refused(fabric):
+    endpoint, ready = fabric
+    ports = free_udp_ports(2)
+
+    def work(w: int) -> dict:
+        return join(endpoint, "onerack", w, 2, host=host_ip(1, w), udp_port=ports[w], pool=4, timeout=30)
+
+    answers = run_threads(work, 2)
+    assert all(isinstance(a, dict) and a["mode"] == "ps" and "servers" not in a for a in answers), answers
+    assert [a["worker"] for a in answers] == [0, 1]
+    for w, a in enumerate(answers):
+        leave(endpoint, "onerack", 0, w, a["token"])
+    # 33 workers of one rack's hosts: no tree can take them, and one aggregator takes 32
+    many = free_udp_ports(33)
+
+    def crowd(w: int) -> object:
+        return join(endpoint, "crowd", w, 33, host=host_ip(0, w % 20), udp_port=many[w], pool=4, timeout=30)
+
+    refused = run_threads(crowd, 33)
+    assert all(isinstance(e, ControllerError) and "at most 32" in str(e) for e in refused), refused[:2]
+    assert_freed(ready)
