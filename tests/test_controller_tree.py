@@ -34,7 +34,8 @@ def host_ip(rack: int, i: int) -> str:
 
 @pytest.fixture
 def fabric(tmp_path):
-    """(controller endpoint, [leaf0, leaf1, root] ready lines) for a fabric of two racks of 20 hosts."""
+    """(controller endpoint, [leaf0, leaf1, root] ready lines, their processes) for a fabric of two racks of
+    20 hosts (a PS that does not answer in 2 s is down)."""
     procs = []
     try:
         ready = []
@@ -46,9 +47,10 @@ def fabric(tmp_path):
             *({"name": f"rack{k}", "ps": ready[k]["data"], "hosts": [host_ip(k, i) for i in range(20)],
                "uplink": "spine"} for k in range(2)),
             {"name": "spine", "ps": ready[2]["data"]}]}
-        ctl, ctl_ready = start_controller(topology, tmp_path, f"tcp://127.0.0.1:{free_tcp_port()}")
+        ctl, ctl_ready = start_controller(topology, tmp_path, f"tcp://127.0.0.1:{free_tcp_port()}",
+                                          ["--ps-timeout", "2"])
         procs.append(ctl)
-        yield ctl_ready["endpoint"], ready
+        yield ctl_ready["endpoint"], ready, procs[:3]
     finally:
         for proc in procs:
             proc.terminate()
@@ -69,7 +71,7 @@ def assert_freed(ready: list[dict]) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", ["int32", "float32"])
 def test_a_group_across_two_racks_is_placed_as_a_tree_and_sums_as_flat(fabric, tmp_path, dtype):
-    endpoint, ready = fabric
+    endpoint, ready, _ = fabric
     workers = 4
     racks = [0, 1, 0, 1]  # the group's workers sit interleaved across the racks
     hosts = [host_ip(r, w) for w, r in enumerate(racks)]
@@ -120,7 +122,7 @@ def test_a_group_across_two_racks_is_placed_as_a_tree_and_sums_as_flat(fabric, t
 def test_more_than_32_workers_across_two_racks(fabric):
     """40 workers (20 per rack): more than one aggregator's bitmap takes; their answers name their leaf,
     their index there, the job's 40 servers and their number in it."""
-    endpoint, ready = fabric
+    endpoint, ready, _ = fabric
     workers = 40
     ports = free_udp_ports(workers)
     data = [np.arange(64, dtype=np.int32) * (w + 1) - w for w in range(workers)]
@@ -153,7 +155,7 @@ def test_more_than_32_workers_across_two_racks(fabric):
 
 @pytest.mark.timeout(60)
 def test_a_group_under_one_rack_stays_flat_and_too_many_without_racks_are_refused(fabric):
-    endpoint, ready = fabric
+    endpoint, ready, _ = fabric
     ports = free_udp_ports(2)
 
     def work(w: int) -> dict:
@@ -173,3 +175,32 @@ def test_a_group_under_one_rack_stays_flat_and_too_many_without_racks_are_refuse
     refused = run_threads(crowd, 33)
     assert all(isinstance(e, ControllerError) and "at most 32" in str(e) for e in refused), refused[:2]
     assert_freed(ready)
+
+
+@pytest.mark.timeout(60)
+def test_a_tree_that_cannot_be_placed_falls_back_to_one_aggregator_and_says_why(fabric):
+    """A leaf that does not answer: a group of two racks runs flat on another PS, the reason naming the
+    leaf; every worker gets the flat sum."""
+    endpoint, ready, procs = fabric
+    procs[0].terminate()
+    procs[0].wait(10)
+    ports = free_udp_ports(4)
+    data = [np.full(100, w + 1, dtype=np.int32) for w in range(4)]
+
+    def work(w: int) -> tuple[dict, np.ndarray]:
+        ip = host_ip(w % 2, w // 2)
+        answer = join(endpoint, "fallback", w, 4, host=ip, udp_port=ports[w], pool=4, timeout=30)
+        try:
+            with Group.from_answer(answer, bind=(ip, ports[w]), timeout=10) as g:
+                return answer, g.allreduce(data[w])
+        finally:
+            leave(endpoint, "fallback", 0, w, answer["token"])
+
+    results = run_threads(work, 4)
+    for w, result in enumerate(results):
+        assert isinstance(result, tuple), result
+        answer, got = result
+        assert answer["mode"] == "ps" and answer["worker"] == w and "servers" not in answer
+        assert f"no tree across racks: leaf 'rack0' (PS {ready[0]['control']})" in answer["reason"], answer["reason"]
+        assert f"{answer['aggregators'][0]['host']}:{answer['aggregators'][0]['port']}" != ready[0]["data"]
+        assert np.array_equal(got, np.full(100, 10, dtype=np.int32))
