@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,32 +33,49 @@ def host_ip(rack: int, i: int) -> str:
     return f"127.0.{rack + 1}.{i + 1}"
 
 
-@pytest.fixture
-def fabric(tmp_path):
-    """(controller endpoint, [leaf0, leaf1, root] ready lines, their processes) for a fabric of two racks of
-    20 hosts (a PS that does not answer in 2 s is down)."""
-    procs = []
-    try:
-        ready = []
+class Services:
+    """Three software aggregators (leaf0, leaf1, root: ``ready`` lines, ``procs``) and the controller
+    (``endpoint``, procs[3]) on a fabric of two racks of 20 hosts; a PS that does not answer in 2 s is down."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir, self.procs, self.ready = workdir, [], []
         for _ in range(3):
             proc, line = start_aggregator()
-            procs.append(proc)
-            ready.append(line)
-        topology = {"ps": [{"data": r["data"], "control": r["control"]} for r in ready], "fabric": [
-            *({"name": f"rack{k}", "ps": ready[k]["data"], "hosts": [host_ip(k, i) for i in range(20)],
+            self.procs.append(proc)
+            self.ready.append(line)
+        self.topology = {"ps": [{"data": r["data"], "control": r["control"]} for r in self.ready], "fabric": [
+            *({"name": f"rack{k}", "ps": self.ready[k]["data"], "hosts": [host_ip(k, i) for i in range(20)],
                "uplink": "spine"} for k in range(2)),
-            {"name": "spine", "ps": ready[2]["data"]}]}
-        ctl, ctl_ready = start_controller(topology, tmp_path, f"tcp://127.0.0.1:{free_tcp_port()}",
-                                          ["--ps-timeout", "2"])
-        procs.append(ctl)
-        yield ctl_ready["endpoint"], ready, procs[:3]
-    finally:
-        for proc in procs:
+            {"name": "spine", "ps": self.ready[2]["data"]}]}
+        self.endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.procs.append(self._controller())
+
+    def _controller(self) -> subprocess.Popen:
+        return start_controller(self.topology, self.workdir, self.endpoint, ["--ps-timeout", "2"])[0]
+
+    def restart_controller(self) -> None:
+        """The controller stopped, and started again on its store."""
+        self.procs[3].terminate()
+        self.procs[3].wait(10)
+        self.procs[3] = self._controller()
+
+    def stop(self) -> None:
+        for proc in self.procs:
             proc.terminate()
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+@pytest.fixture
+def fabric(tmp_path):
+    """(controller endpoint, [leaf0, leaf1, root] ready lines, the processes: the three PSs, the controller)."""
+    services = Services(tmp_path)
+    try:
+        yield services.endpoint, services.ready, services
+    finally:
+        services.stop()
 
 
 def assert_freed(ready: list[dict]) -> None:
@@ -181,9 +199,9 @@ def test_a_group_under_one_rack_stays_flat_and_too_many_without_racks_are_refuse
 def test_a_tree_that_cannot_be_placed_falls_back_to_one_aggregator_and_says_why(fabric):
     """A leaf that does not answer: a group of two racks runs flat on another PS, the reason naming the
     leaf; every worker gets the flat sum."""
-    endpoint, ready, procs = fabric
-    procs[0].terminate()
-    procs[0].wait(10)
+    endpoint, ready, services = fabric
+    services.procs[0].terminate()
+    services.procs[0].wait(10)
     ports = free_udp_ports(4)
     data = [np.full(100, w + 1, dtype=np.int32) for w in range(4)]
 
@@ -204,3 +222,47 @@ def test_a_tree_that_cannot_be_placed_falls_back_to_one_aggregator_and_says_why(
         assert f"no tree across racks: leaf 'rack0' (PS {ready[0]['control']})" in answer["reason"], answer["reason"]
         assert f"{answer['aggregators'][0]['host']}:{answer['aggregators'][0]['port']}" != ready[0]["data"]
         assert np.array_equal(got, np.full(100, 10, dtype=np.int32))
+
+
+@pytest.mark.timeout(60)
+def test_a_tree_survives_a_controller_restart_and_its_end_frees_every_node(fabric):
+    """The stored tree: its slots at every node are held again after a restart, its workers' leaves end
+    it there, and every node lets go of it."""
+    endpoint, ready, services = fabric
+    ports = free_udp_ports(4)
+    restarted = threading.Event()
+
+    def work(w: int) -> list[np.ndarray]:
+        ip = host_ip(w % 2, w // 2)
+        answer = join(endpoint, "restart", w, 4, host=ip, udp_port=ports[w], pool=8, timeout=30)
+        with Group.from_answer(answer, bind=(ip, ports[w]), timeout=10) as g:
+            out = [g.allreduce(np.full(50, w, dtype=np.int32))]
+            assert restarted.wait(30)
+            out.append(g.allreduce(np.full(50, 2 * w, dtype=np.int32)))
+        leave(endpoint, "restart", 0, w, answer["token"], timeout=20)
+        return out
+
+    def used() -> dict[str, int]:
+        return {a["aggregator"]: a["slots"] - a["free_slots"] for a in ask(endpoint, "metrics")["aggregators"]}
+
+    def restart() -> None:
+        deadline = time.monotonic() + 30
+        while not ask(endpoint, "status")["jobs"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert used() == {r["control"]: 8 for r in ready}
+        services.restart_controller()
+        (job,) = ask(endpoint, "status")["jobs"]
+        assert job["mode"] == "tree" and [n["name"] for n in job["tree"]] == ["rack0", "rack1", "spine"]
+        assert used() == {r["control"]: 8 for r in ready}  # held again at every node
+        restarted.set()
+
+    watcher = threading.Thread(target=restart)
+    watcher.start()
+    results = run_threads(work, 4)
+    watcher.join(40)
+    for result in results:
+        assert isinstance(result, list), result
+        assert np.array_equal(result[0], np.full(50, 6)) and np.array_equal(result[1], np.full(50, 12))
+    assert_freed(ready)
+    assert ask(endpoint, "status")["jobs"] == [] and used() == {r["control"]: 0 for r in ready}
