@@ -22,6 +22,8 @@ from passing.aggregator.control_channel import ControlClient
 from passing.cli import worker_inputs
 from passing.control import ControllerError, join, leave
 from passing.launch import free_udp_ports
+from passing_controller.top import render
+from passing_controller.topology import Topology
 from tests.cluster import run_threads, start_aggregator, start_controller
 from tests.keys import ask
 from tests.zygote import CLI_PRELOAD, shared
@@ -242,6 +244,9 @@ def test_a_tree_survives_a_controller_restart_and_its_end_frees_every_node(fabri
         leave(endpoint, "restart", 0, w, answer["token"], timeout=20)
         return out
 
+    def job_id() -> int:
+        return ask(endpoint, "status")["jobs"][0]["job_id"]
+
     def used() -> dict[str, int]:
         return {a["aggregator"]: a["slots"] - a["free_slots"] for a in ask(endpoint, "metrics")["aggregators"]}
 
@@ -251,6 +256,9 @@ def test_a_tree_survives_a_controller_restart_and_its_end_frees_every_node(fabri
             assert time.monotonic() < deadline
             time.sleep(0.1)
         assert used() == {r["control"]: 8 for r in ready}
+        lines = render(ask(endpoint, "metrics"), None, endpoint)  # passing-ctl top's frame
+        assert "1 across racks" in lines[2] and "1 tree" in lines[2], lines[2]
+        assert any(line.split()[:4] == ["restart", "0", str(job_id()), "tree"] for line in lines), lines
         services.restart_controller()
         (job,) = ask(endpoint, "status")["jobs"]
         assert job["mode"] == "tree" and [n["name"] for n in job["tree"]] == ["rack0", "rack1", "spine"]
@@ -266,3 +274,39 @@ def test_a_tree_survives_a_controller_restart_and_its_end_frees_every_node(fabri
         assert np.array_equal(result[0], np.full(50, 6)) and np.array_equal(result[1], np.full(50, 12))
     assert_freed(ready)
     assert ask(endpoint, "status")["jobs"] == [] and used() == {r["control"]: 0 for r in ready}
+
+
+@pytest.mark.timeout(60)
+def test_an_aggregator_without_the_roles_takes_no_tree(tmp_path, monkeypatch):
+    """An older `passing-aggregator` (its ping states no roles: here a real one whose ping the controller
+    reads without them) is not given a leaf job: the group runs flat, the reason naming that leaf."""
+    from tests.keys import controller
+
+    services = Services(tmp_path)
+    services.procs.pop().terminate()  # this test runs the controller in-process, to read one PS as older
+    ctl = controller(Topology.from_dict(services.topology), tmp_path / "inproc.sqlite", join_timeout=10)
+    request = ctl.ps.request
+
+    def older(control: str, cmd: str, timeout: float | None = None, **fields: object) -> dict:
+        reply = request(control, cmd, timeout, **fields)
+        return {k: v for k, v in reply.items() if k != "roles"} if control == services.ready[1]["control"] else reply
+
+    monkeypatch.setattr(ctl.ps, "request", older)
+    thread = threading.Thread(target=ctl.serve)
+    thread.start()
+    try:
+        ports = free_udp_ports(2)
+
+        def work(w: int) -> dict:
+            return join(ctl.endpoint, "older", w, 2, host=host_ip(w, 0), udp_port=ports[w], pool=4, timeout=30)
+
+        answers = run_threads(work, 2)
+        for a in answers:
+            assert isinstance(a, dict) and a["mode"] == "ps", a
+            assert "no tree across racks: leaf 'rack1'" in a["reason"] and "takes no leaf role" in a["reason"], a
+        held = {r["control"]: ControlClient(r["control"]).request("stats")["jobs"] for r in services.ready}
+        assert sum(len(j) for j in held.values()) == 1  # the flat job alone: the tree's node let go of theirs
+    finally:
+        ctl.stop()
+        thread.join(10)
+        services.stop()
