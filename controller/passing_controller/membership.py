@@ -17,7 +17,7 @@ from . import schema
 from .fabric import MAX_LEAVES, MAX_RACK
 from .keys import digest, matches, new_secret
 from .p4runtime import SwitchError
-from .placement import Placement
+from .placement import MAX_FLAT, Placement
 from .schema import RequestError, Unauthorized
 from .serve import InPool, Reply
 from .state import PendingGroup, State
@@ -47,7 +47,8 @@ class Membership:
         s = self.state
         name = schema.text(req, "job", schema.NAME, what="a job name (letters, digits, ._:/@+-, at most 200)")
         group = schema.integer(req, "group", 0, MAX_GROUP, default=0)
-        workers = schema.integer(req, "workers", 1, MAX_WORKERS)
+        # more than one aggregator's 32 only where racks can take them (a tree, placement.py)
+        workers = schema.integer(req, "workers", 1, MAX_WORKERS if self.topo.fabric is not None else MAX_FLAT)
         worker = schema.integer(req, "worker", 0, workers - 1)
         host = schema.text(req, "host", schema.HOST, what="a host name or address")
         schema.integer(req, "udp_port", 1, 65535)

@@ -117,6 +117,9 @@ class TreePlacement:
         except (TreeRefused, FabricError) as e:
             self._undo(nodes, added, job_id)
             raise TreeRefused(str(e)) from None
+        except BaseException:  # whatever else failed (a bug, the store): nothing of the tree stays taken
+            self._undo(nodes, added, job_id)
+            raise
         tree = [{"name": n.name, "role": n.role, "control": n.ps.control, "data": n.ps.data, "base": n.base}
                 for n in nodes]
         for entry, rack in zip(tree, p.racks, strict=False):  # a leaf's servers: group indices, first number
