@@ -166,7 +166,7 @@ def test_more_than_32_workers_across_two_racks(fabric):
         assert isinstance(got, np.ndarray) and np.array_equal(got, flat), (w, got)
     leaf_data = {f"rack{k}": ready[k]["data"] for k in range(2)}
     for w, a in answers.items():
-        assert a["mode"] == "tree" and a["servers"] == workers and a["workers"] == 20
+        assert a["mode"] == "tree" and a["servers"] == workers and a["workers"] == 20 and a["owner_only"]
         assert a["leaf"] == f"rack{w % 2}" and a["worker"] == w // 2 and a["number"] == (w % 2) * 20 + w // 2
         assert f"{a['aggregators'][0]['host']}:{a['aggregators'][0]['port']}" == leaf_data[a["leaf"]]
     assert_freed(ready)

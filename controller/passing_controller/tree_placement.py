@@ -69,13 +69,15 @@ def nodes_of(record: Record) -> list[dict[str, Any]]:
 def worker_answer(record: Record, worker: int) -> dict[str, Any]:
     """What a join answer says to group worker ``worker`` of a tree (docs/control.md, "Trees across
     racks"): its leaf's address, its index at the leaf (``worker``, its bit there) among the leaf's
-    ``workers``, the job's ``servers`` and its ``number`` in the whole group."""
+    ``workers``, the job's ``servers`` and its ``number`` in the whole group, and whether OWNER_ONLY rounds,
+    GATHER and NACK cross the tree (``owner_only``: owners are 7 bits, so a tree of at most 128 servers)."""
     for node in nodes_of(record):
         if node["role"] == "leaf" and worker in node["workers"]:
             host, port = node["data"].rsplit(":", 1)
             local = node["workers"].index(worker)
             return {"worker": local, "workers": len(node["workers"]), "servers": len(record.workers),
                     "number": node["first"] + local, "leaf": node["name"],
+                    "owner_only": bool(record.aggregator.get("owner_only")),
                     "aggregators": [{"host": host, "port": int(port), "pool": record.pool}]}
     raise KeyError(f"worker {worker} is under no leaf of job id {record.job_id}")
 
@@ -126,7 +128,8 @@ class TreePlacement:
             entry.update(workers=list(rack.hosts), first=rack.first)
         root = nodes[-1]
         r = Record(job_id, name, group, "tree", generation, int(root.base or 0), pool, workers,
-                   {"data": root.ps.data, "control": root.ps.control, "lanes": lanes, "tree": tree})
+                   {"data": root.ps.data, "control": root.ps.control, "lanes": lanes, "tree": tree,
+                    "owner_only": p.owner_only})
         with self.state.lock:
             for n in nodes:
                 self.state.store.mark_up(n.ps.control)
