@@ -97,3 +97,14 @@ def test_a_group_that_fails_for_any_reason_answers_every_member(controller, monk
     for o in outcomes:
         assert isinstance(o, ControllerError) and "the allocation broke" in str(o), o
     assert seconds < 5 and controller.pending == {}
+
+
+@pytest.mark.timeout(30)
+def test_more_than_32_workers_without_racks_are_refused_at_once(controller):
+    """One aggregator takes 32 workers; a topology without a fabric has nowhere to put more (with one, up
+    to 1 024 across racks: tests/test_controller_tree.py)."""
+    start = time.monotonic()
+    with pytest.raises(ControllerError, match=r"workers.*1\.\.32"):
+        join(controller.endpoint, "too-big", 0, 33, host="127.0.0.1", udp_port=free_udp_ports(1)[0],
+             timeout=JOIN_TIMEOUT + 5)
+    assert time.monotonic() - start < JOIN_TIMEOUT / 2

@@ -55,7 +55,8 @@ def allreduce(sizes: list[int]) -> dict:
                     expected /= world
                 x_max = torch.tensor([x.abs().max().item()])
                 dist.all_reduce(x_max, op=dist.ReduceOp.MAX, group=reference)
-                b = bound(float(x_max), servers, world, pg.stream.workers if pg.stream else world)
+                # the servers the stream scales for: its group's, or a tree's whole job (its leaf's are fewer)
+                b = bound(float(x_max), servers, world, pg.stream.state.servers if pg.stream else world)
                 if op == dist.ReduceOp.AVG:
                     b /= world
                 err = float((mine - expected).abs().max())

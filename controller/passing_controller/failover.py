@@ -192,6 +192,11 @@ class Failover:
         """Every worker is stuck: a new allocation for the whole group, on the next aggregator
         that can serve (the same one when it still answers and comes first). Pool thread."""
         s = self.state
+        if r.mode == "tree":  # failover at either level of a tree is not built yet: the group ends
+            self.placement.teardown(r)
+            return {"state": "failed", "redo": redo, "dead": [],
+                    "error": f"job {r.job_name!r} group {r.group}: no RESULT reached any worker through its tree "
+                             "across racks, and moving a tree is not supported yet"}
         name = "switch" if r.mode == "switch" else r.aggregator["control"]
         with s.lock:
             s.suspect.add(name)

@@ -14,9 +14,10 @@ import time
 from typing import Any
 
 from . import schema
+from .fabric import MAX_LEAVES, MAX_RACK
 from .keys import digest, matches, new_secret
 from .p4runtime import SwitchError
-from .placement import Placement
+from .placement import MAX_FLAT, Placement
 from .schema import RequestError, Unauthorized
 from .serve import InPool, Reply
 from .state import PendingGroup, State
@@ -25,7 +26,7 @@ from .topology import Topology
 
 log = logging.getLogger("passing_controller")
 
-MAX_WORKERS = 32
+MAX_WORKERS = MAX_LEAVES * MAX_RACK  # a group: 32 on one aggregator (placement.MAX_FLAT), up to 1 024 across racks
 MAX_GROUP = 1023  # group indices (a server's local rank)
 MAX_PENDING = 4096  # groups waiting for their workers at once
 AGGREGATOR_CHOICES = ("any", "ps")  # a join's "aggregator": the PS and PSRing baselines ask for "ps"
@@ -46,7 +47,8 @@ class Membership:
         s = self.state
         name = schema.text(req, "job", schema.NAME, what="a job name (letters, digits, ._:/@+-, at most 200)")
         group = schema.integer(req, "group", 0, MAX_GROUP, default=0)
-        workers = schema.integer(req, "workers", 1, MAX_WORKERS)
+        # more than one aggregator's 32 only where racks can take them (a tree, placement.py)
+        workers = schema.integer(req, "workers", 1, MAX_WORKERS if self.topo.fabric is not None else MAX_FLAT)
         worker = schema.integer(req, "worker", 0, workers - 1)
         host = schema.text(req, "host", schema.HOST, what="a host name or address")
         schema.integer(req, "udp_port", 1, 65535)
@@ -102,7 +104,7 @@ class Membership:
             s.admitted[record.mode] += 1
             s.admitting.discard((name, group))
         for w, (ident, _) in pending.members.items():
-            self.reply(ident, {"ok": True, **self.placement.answer(record, reason), "worker": w, "token": tokens[w]})
+            self.reply(ident, {"ok": True, **self.placement.worker_answer(record, reason, w), "token": tokens[w]})
 
     def expire(self) -> None:
         """(lock held) Refuse the groups whose workers did not all join in time."""

@@ -57,7 +57,7 @@ def controller_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:
     jobs = GaugeMetricFamily("passing_jobs", "jobs with a group running in this mode", labels=("mode",))
     admitted = CounterMetricFamily("passing_groups_admitted", "job groups allocated since the controller started",
                                    labels=("mode",))
-    for mode in ("switch", "ps"):
+    for mode in ("switch", "ps", "tree"):
         groups.add_metric((mode,), sum(g["mode"] == mode for g in running))
         jobs.add_metric((mode,), len({g["job"] for g in running if g["mode"] == mode}))
         admitted.add_metric((mode,), snapshot["admitted"][mode])

@@ -14,6 +14,7 @@ from typing import Any
 
 from .allocation import MAX_JOB_ID
 from .allocator import SlotAllocator, SlotsExhausted
+from .fabric import FabricError
 from .keys import digest
 from .p4runtime import SwitchError
 from .ps_control import PsControl
@@ -23,12 +24,14 @@ from .state import PS_SLOTS, PendingGroup, State, allocation_key
 from .store import Record
 from .switch import GROUP_CONTROLS, SWITCH_RETRY_SECONDS, SwitchLink, allocation
 from .topology import PsEndpoint, Topology, ps_pool
+from .tree_placement import TreePlacement, TreeRefused, tree_plan, worker_answer
 
 log = logging.getLogger("passing_controller")
 
 UDP_PORT = 9877  # docs/protocol.md: the aggregator's PASSING port
 MAX_POOL = 65536
 AGGREGATOR_RETRY_SECONDS = 30.0  # a PS that failed goes last in the order for this long
+MAX_FLAT = 32  # workers of a group on one aggregator (its bitmap); more only across racks (a tree)
 
 
 class AggregatorFailed(RuntimeError):
@@ -40,6 +43,7 @@ class Placement:
                  default_pool: int) -> None:
         self.topo, self.state, self.switch, self.ps, self.readout = topo, state, switch, ps, readout
         self.default_pool = default_pool
+        self.trees = TreePlacement(topo, state, ps, default_pool)
 
     def largest_pool(self) -> int:
         """The largest pool any aggregator of the topology could give one group."""
@@ -62,6 +66,13 @@ class Placement:
                             "udp_port": int(req["udp_port"]), "token": digest(tokens[w])}
                            for w, (_, req) in sorted(pending.members.items())]
             tried: list[str] = []
+            placed = self._tree(job_id, name, group, generation, pending, workers, exclude, tried)
+            if placed is not None:
+                return placed
+            if len(workers) > MAX_FLAT:
+                raise RequestError(f"{len(workers)} workers: a group on one aggregator takes at most {MAX_FLAT}; "
+                                   "more need racks of a fabric (docs/control.md, Fabric)"
+                                   + (": " + "; ".join(tried) if tried else ""))
             for aggregator in order:
                 if aggregator in exclude:
                     tried.append(f"{aggregator} is down")
@@ -91,6 +102,23 @@ class Placement:
         finally:
             with s.lock:
                 s.claimed.discard(job_id)
+
+    def _tree(self, job_id: int, name: str, group: int, generation: int, pending: PendingGroup,
+              workers: list[dict], exclude: frozenset[str], tried: list[str]) -> tuple[Record, str] | None:
+        """A group whose workers sit under several leaves of the fabric: its tree, or None (placed flat as
+        today: under one leaf, no fabric, or a tree that could not be placed, why in ``tried``)."""
+        try:
+            p = tree_plan(self.topo, workers)
+            if p is None:
+                return None
+            record = self.trees.allocate(p, job_id, name, group, generation, pending.pool, workers, exclude)
+        except (FabricError, TreeRefused) as e:
+            tried.append(f"no tree across racks: {e}")
+            return None
+        with self.state.lock:
+            self._add(record)
+        racks = ", ".join(f"{n['name']} ({len(n['workers'])})" for n in record.aggregator["tree"][:-1])
+        return record, f"a tree across racks: leaves {racks} under root {record.aggregator['tree'][-1]['name']}"
 
     def candidates(self, job_id: int, wanted: str) -> list[str]:
         """The aggregators to try for a group, in order: the one policy for choosing an aggregator.
@@ -183,6 +211,12 @@ class Placement:
         self.state.store.add(r)
         self.state.records[(r.job_name, r.group)] = r
 
+    def worker_answer(self, record: Record, reason: str, worker: int) -> dict[str, Any]:
+        """A join answer's part for group worker ``worker`` (its token aside): a tree's worker is told its
+        leaf, its index there and its number in the group (tree_placement.worker_answer)."""
+        out = {**self.answer(record, reason), "worker": worker}
+        return {**out, **worker_answer(record, worker)} if record.mode == "tree" else out
+
     def answer(self, record: Record, reason: str) -> dict[str, Any]:
         """The part of a join (or move) answer that is the same for every worker of the group."""
         host, port = record.aggregator["data"].rsplit(":", 1)
@@ -212,7 +246,9 @@ class Placement:
         with s.lock:
             self.begin_teardown(r)
         final = self.readout.final_counters(r) if reachable else {}
-        if r.mode == "switch":
+        if r.mode == "tree":
+            self.trees.teardown(r, reachable)
+        elif r.mode == "switch":
             with self.switch.lock:
                 if self.switch.session is not None and reachable:
                     a = allocation(self.topo, r)
@@ -231,7 +267,10 @@ class Placement:
         with s.lock:
             metrics = self.readout.group_metrics(r, final, running=False)
             s.reports.pop(r.job_id, None)
-            (s.allocator if r.mode == "switch" else s.ps_allocators[r.aggregator["control"]]).release(r.base)
+            if r.mode == "tree":
+                self.trees.release(r)
+            else:
+                (s.allocator if r.mode == "switch" else s.ps_allocators[r.aggregator["control"]]).release(r.base)
             s.store.remove(r.job_id)
             if s.records.get((r.job_name, r.group)) is r:
                 del s.records[(r.job_name, r.group)]

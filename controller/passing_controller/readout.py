@@ -41,7 +41,8 @@ class Readout:
                 "free_ranges": s.allocator.free_ranges(),
                 "jobs": [{"job": r.job_name, "group": r.group, "job_id": r.job_id, "mode": r.mode, "base": r.base,
                           "pool": r.pool, "generation": r.generation, "workers": len(r.workers),
-                          "aggregator": r.aggregator["data"], "lanes": r.lanes(self.topo.lanes)}
+                          "aggregator": r.aggregator["data"], "lanes": r.lanes(self.topo.lanes),
+                          **({"tree": r.aggregator["tree"]} if r.mode == "tree" else {})}
                          for r in self._running_records()],
                 "pending": [{"job": k[0], "group": k[1], "joined": sorted(p.members), "workers": p.workers}
                             for k, p in s.pending.items()],
@@ -113,7 +114,7 @@ class Readout:
         """The counters of every PS that holds one of ``records``: (answers, errors) by control endpoint."""
         answers: dict[str, dict] = {}
         errors: dict[str, str] = {}
-        for control in sorted({r.aggregator["control"] for r in records if r.mode == "ps"}):
+        for control in sorted({r.aggregator["control"] for r in records if r.mode in ("ps", "tree")}):
             try:
                 answers[control] = self.ps.request(control, "stats", timeout=self.ps.check_timeout)["jobs"]
             except (OSError, RequestError) as e:  # a PS that does not answer shows no counters, the rest do

@@ -55,7 +55,7 @@ class State:
         # For `metrics` (memory only: counters restart with the controller, as Prometheus expects):
         self.reports: dict[int, dict[int, dict[str, float]]] = {}  # job id -> worker -> its latest report
         self.finished: list[dict[str, Any]] = []  # groups torn down lately, with their final counters
-        self.admitted = {"switch": 0, "ps": 0}  # groups allocated since start (joins and moves), by mode
+        self.admitted = {"switch": 0, "ps": 0, "tree": 0}  # groups allocated since start (joins and moves), by mode
         self.joins_failed = 0  # groups no aggregator could take since start (joins and moves)
         # requests refused, by why ("internal": a bug of ours, logged with its request)
         self.refused = {"malformed": 0, "unauthorized": 0, "invalid": 0, "internal": 0}
@@ -70,6 +70,11 @@ class State:
         self.suspect: set[str] = set()  # aggregators being checked: tried last meanwhile
         for r in self.store.all():
             self.records[(r.job_name, r.group)] = r
+            if r.mode == "tree":  # slots at every node of a tree across racks (tree_placement.nodes_of)
+                for node in r.aggregator["tree"]:
+                    self.ps_allocators.setdefault(node["control"], SlotAllocator(PS_SLOTS)).reserve(node["base"],
+                                                                                                    r.pool)
+                continue
             (self.allocator if r.mode == "switch" else self.ps_allocators.setdefault(
                 r.aggregator["control"], SlotAllocator(PS_SLOTS))).reserve(r.base, r.pool)
 

@@ -49,11 +49,13 @@ def render(snapshot: dict[str, Any], previous: dict[str, Any] | None, controller
                    for a in snapshot["aggregators"]]
     lines.append("aggregators: " + (" | ".join(aggregators) or "none"))
     running = [g for g in snapshot["groups"] if g["running"]]
-    by_mode = {m: [g for g in running if g["mode"] == m] for m in ("switch", "ps")}
+    by_mode = {m: [g for g in running if g["mode"] == m] for m in ("switch", "ps", "tree")}
     admitted = sum(snapshot["admitted"].values())
+    trees = (f", {len({g['job'] for g in by_mode['tree']})} across racks" if by_mode["tree"] else "",
+             f", {len(by_mode['tree'])} tree" if by_mode["tree"] else "")  # shown while a tree runs
     lines.append(f"jobs: {len({g['job'] for g in by_mode['switch']})} on the switch, "
-                 f"{len({g['job'] for g in by_mode['ps']})} on a PS   groups: {len(by_mode['switch'])} switch, "
-                 f"{len(by_mode['ps'])} ps, {snapshot['pending']} waiting   admitted {admitted}, "
+                 f"{len({g['job'] for g in by_mode['ps']})} on a PS{trees[0]}   groups: {len(by_mode['switch'])} "
+                 f"switch, {len(by_mode['ps'])} ps{trees[1]}, {snapshot['pending']} waiting   admitted {admitted}, "
                  f"refused {snapshot['joins_failed']}")
     lines += ["", HEADER]
     seconds = snapshot["time"] - previous["time"] if previous else 0.0
