@@ -297,7 +297,7 @@ def main() -> None:
 
     for module in sys.argv[1:]:
         importlib.import_module(module)
-    report_lock = threading.Lock()
+    report_lock = threading.RLock()  # the fork reports while it holds it
 
     def report(event: dict[str, Any]) -> None:
         with report_lock:
@@ -334,8 +334,7 @@ def main() -> None:
             if pid == 0:
                 _child(request, live_stdout)
             # said under the lock: the reaper (which reports under it too) cannot say this pid exited before
-            sys.stdout.write(json.dumps({"event": "forked", "pid": pid}) + "\n")
-            sys.stdout.flush()
+            report({"event": "forked", "pid": pid})
         if live_stdout is not None:
             os.close(live_stdout)
         children.add(pid)
