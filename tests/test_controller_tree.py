@@ -310,3 +310,84 @@ def test_an_aggregator_without_the_roles_takes_no_tree(tmp_path, monkeypatch):
         ctl.stop()
         thread.join(10)
         services.stop()
+
+
+@pytest.mark.timeout(90)
+def test_stats_metrics_and_top_show_every_node_of_a_tree(fabric):
+    """`stats`, `metrics` (and Prometheus) and `passing-ctl top` show each node's counters: each leaf took
+    its rack's contributions and sent one partial up per round, the root took the leaves' partials and
+    answered each leaf once per round; a node whose aggregator is gone shows its error, the others their
+    counters."""
+    from passing_controller.metrics import controller_metrics
+
+    endpoint, ready, services = fabric
+    ports = free_udp_ports(4)
+    checked, done, lanes = threading.Event(), threading.Semaphore(0), []
+    data = [np.arange(5000, dtype=np.int32) + w for w in range(4)]
+
+    def work(w: int) -> np.ndarray:
+        ip = host_ip(w % 2, w // 2)
+        answer = join(endpoint, "counted", w, 4, host=ip, udp_port=ports[w], pool=8, timeout=30)
+        try:
+            with Group.from_answer(answer, bind=(ip, ports[w]), timeout=10) as g:
+                out = [g.allreduce(data[w]) for _ in range(2)]
+            lanes.append(answer["lanes"])
+            done.release()
+            assert checked.wait(40)
+            return out[-1]
+        finally:
+            leave(endpoint, "counted", 0, w, answer["token"], timeout=20)
+
+    failed: list[BaseException] = []
+
+    def check() -> None:
+        try:
+            for _ in range(4):  # every worker's two allreduces are done
+                assert done.acquire(timeout=40)
+            stats = ask(endpoint, "stats")
+            (job,) = [k for k in stats if k.isdigit()]
+            nodes = stats[job]["nodes"]
+            c = [n["counters"] for n in nodes]
+            assert [(n["name"], n["role"], n["aggregator"]) for n in nodes] == [
+                ("rack0", "leaf", ready[0]["control"]), ("rack1", "leaf", ready[1]["control"]),
+                ("spine", "root", ready[2]["control"])]
+            leaf0, leaf1, root = c
+            rounds = root["completed"]
+            assert rounds == 2 * -(-5000 // lanes[0]) > 2  # 2 allreduces of 5000 values, several packets each
+            for leaf in (leaf0, leaf1):  # two servers per rack: two contributions a round, one partial up
+                assert leaf["completed"] == rounds and leaf["aggregated"] == 2 * rounds
+                assert leaf["sent_up"] >= rounds and leaf["answered"] == rounds and leaf["rejected"] == 0
+            assert root["aggregated"] == 2 * rounds and root["sent_up"] == 0 and root["answered"] == 0
+            assert {k: v for k, v in stats[job].items() if k != "nodes"} == root  # the job's own: the root's
+            metrics = ask(endpoint, "metrics")
+            (g,) = metrics["groups"]
+            assert [n["counters"]["completed"] for n in g["nodes"]] == [rounds] * 3
+            families = {f.name: f for f in controller_metrics(metrics)}
+            sent_up = {s.labels["node"]: s.value for s in families["passing_group_node_sent_up_packets"].samples
+                       if s.name.endswith("_total")}
+            assert sent_up == {"rack0": leaf0["sent_up"], "rack1": leaf1["sent_up"], "spine": 0}
+            lines = render(metrics, metrics, endpoint)  # passing-ctl top's frame
+            rows = [line.split() for line in lines if line.startswith("  ")]
+            assert [r[:2] for r in rows] == [["leaf", "rack0"], ["leaf", "rack1"], ["root", "spine"]], lines
+            assert all(r[r.index("late") + 1] == "0" for r in rows), rows
+            services.procs[0].terminate()  # leaf rack0's aggregator is gone: its node says so, the rest read
+            services.procs[0].wait(10)
+            nodes = ask(endpoint, "stats")[job]["nodes"]
+            assert "error" in nodes[0] and "counters" not in nodes[0], nodes[0]
+            assert nodes[1]["counters"]["completed"] == rounds and nodes[2]["counters"]["completed"] == rounds
+            lines = render(ask(endpoint, "metrics"), None, endpoint)
+            assert any(line.startswith("  leaf rack0") and "not answering" in line for line in lines), lines
+        except BaseException as e:  # handed to the test
+            failed.append(e)
+        finally:
+            checked.set()
+
+    watcher = threading.Thread(target=check)
+    watcher.start()
+    results = run_threads(work, 4, timeout=80)
+    watcher.join(60)
+    if failed:
+        raise failed[0]
+    flat = np.sum(data, axis=0)
+    for got in results:
+        assert isinstance(got, np.ndarray) and np.array_equal(got, flat), got

@@ -78,6 +78,10 @@ def controller_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:
     per_group = {c: CounterMetricFamily(counter_name("passing_group", c), f"the aggregator's '{c}' counter of the "
                                         "group (docs/protocol.md)", labels=GROUP_LABELS)
                  for c in COUNTER_UNITS if c != "malformed"}
+    node_labels = (*GROUP_LABELS, "node", "role")
+    per_node = {c: CounterMetricFamily(counter_name("passing_group_node", c), f"the '{c}' counter of the group at "
+                                       "one node of its tree (a leaf or the root)", labels=node_labels)
+                for c in COUNTER_UNITS if c != "malformed"}
     host_labels = ("job", "group", "worker")
     per_host = {k: CounterMetricFamily(name, text, labels=host_labels) for k, (name, text) in HOST_COUNTERS.items()}
     calls = SummaryMetricFamily("passing_host_allreduce_seconds", "the worker's allreduce calls and their time",
@@ -90,6 +94,10 @@ def controller_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:
         for c, value in g["counters"].items():
             if c in per_group:
                 per_group[c].add_metric(labels, value)
+        for node in g.get("nodes", []):  # a tree's: each leaf's and the root's (a node not answering: none)
+            for c, value in node.get("counters", {}).items():
+                if c in per_node:
+                    per_node[c].add_metric((*labels, node["name"], node["role"]), value)
         for worker, stats in g["hosts"].items():
             hl = (g["job"], str(g["group"]), worker)
             for k, family in per_host.items():
@@ -97,4 +105,4 @@ def controller_metrics(snapshot: dict[str, Any]) -> Iterator[Metric]:
                     family.add_metric(hl, stats[k])
             if "calls" in stats:
                 calls.add_metric(hl, count_value=stats["calls"], sum_value=stats.get("call_seconds", 0.0))
-    yield from (info, alive, pool, *per_group.values(), *per_host.values(), calls)
+    yield from (info, alive, pool, *per_group.values(), *per_node.values(), *per_host.values(), calls)

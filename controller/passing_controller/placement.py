@@ -246,6 +246,7 @@ class Placement:
         with s.lock:
             self.begin_teardown(r)
         final = self.readout.final_counters(r) if reachable else {}
+        final_nodes = self.readout.final_nodes(r) if reachable else None  # a tree's, node by node
         if r.mode == "tree":
             self.trees.teardown(r, reachable)
         elif r.mode == "switch":
@@ -265,7 +266,7 @@ class Placement:
                     s.store.mark_down(r.aggregator["control"], str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
                 log.warning("PS %s did not remove job id %d: %s", r.aggregator["control"], r.job_id, e)
         with s.lock:
-            metrics = self.readout.group_metrics(r, final, running=False)
+            metrics = self.readout.group_metrics(r, final, running=False, nodes=final_nodes)
             s.reports.pop(r.job_id, None)
             if r.mode == "tree":
                 self.trees.release(r)

@@ -16,6 +16,7 @@ from .state import State
 from .store import Record
 from .switch import SwitchLink
 from .topology import Topology
+from .tree_placement import nodes_of
 
 log = logging.getLogger("passing_controller")
 
@@ -98,6 +99,8 @@ class Readout:
                 out[str(r.job_id)] = {"error": ps_errors[r.aggregator["control"]]}
             else:
                 out[str(r.job_id)] = ps_jobs[r.aggregator["control"]].get(str(r.job_id), {})
+            if r.mode == "tree":  # each node's: the leaves' and the root's (the job's own are the root's)
+                out[str(r.job_id)] = {**out[str(r.job_id)], "nodes": node_counters(r, ps_jobs, ps_errors)}
         return out
 
     def _read_switch(self) -> dict[str, dict[int, int]] | None:
@@ -111,10 +114,13 @@ class Readout:
                 return None
 
     def _read_ps(self, records: list[Record]) -> tuple[dict[str, dict], dict[str, str]]:
-        """The counters of every PS that holds one of ``records``: (answers, errors) by control endpoint."""
+        """The counters of every PS that holds one of ``records`` (each node of a tree): (answers, errors) by
+        control endpoint."""
         answers: dict[str, dict] = {}
         errors: dict[str, str] = {}
-        for control in sorted({r.aggregator["control"] for r in records if r.mode in ("ps", "tree")}):
+        controls = {r.aggregator["control"] for r in records if r.mode == "ps"}
+        controls.update(node["control"] for r in records if r.mode == "tree" for node in nodes_of(r))
+        for control in sorted(controls):
             try:
                 answers[control] = self.ps.request(control, "stats", timeout=self.ps.check_timeout)["jobs"]
             except (OSError, RequestError) as e:  # a PS that does not answer shows no counters, the rest do
@@ -132,7 +138,7 @@ class Readout:
             s.finished = [g for g in s.finished if now - g["ended"] < FINISHED_RETENTION]
             records = self._running_records()
         switch_read = self._read_switch() if any(r.mode == "switch" for r in records) else None
-        ps_jobs, _ = self._read_ps(records)
+        ps_jobs, ps_errors = self._read_ps(records)
         with s.lock:
             groups = []
             for r in records:
@@ -140,7 +146,8 @@ class Readout:
                     job_counters = counters.job_counters(switch_read, r.job_id) if switch_read is not None else {}
                 else:
                     job_counters = ps_jobs.get(r.aggregator["control"], {}).get(str(r.job_id), {})
-                groups.append(self.group_metrics(r, job_counters, running=True))
+                nodes = node_counters(r, ps_jobs, ps_errors) if r.mode == "tree" else None
+                groups.append(self.group_metrics(r, job_counters, running=True, nodes=nodes))
             slots = []
             for entry in self.aggregators():
                 name = entry["aggregator"]
@@ -156,11 +163,13 @@ class Readout:
             out["switch_totals"] = counters.totals_of(switch_read)
         return out
 
-    def group_metrics(self, r: Record, job_counters: dict[str, int], running: bool) -> dict[str, Any]:
-        """(lock held) One group as `metrics` shows it."""
+    def group_metrics(self, r: Record, job_counters: dict[str, int], running: bool,
+                      nodes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """(lock held) One group as `metrics` shows it; a tree's with its ``nodes`` (node_counters)."""
         return {"job": r.job_name, "group": r.group, "job_id": r.job_id, "generation": r.generation,
                 "mode": r.mode, "aggregator": r.aggregator.get("control", "switch"), "pool": r.pool,
                 "workers": len(r.workers), "running": running, "counters": job_counters,
+                **({"nodes": nodes} if nodes is not None else {}),
                 "hosts": {str(w): stats for w, stats in sorted(self.state.reports.get(r.job_id, {}).items())}}
 
     def final_counters(self, r: Record) -> dict[str, int]:
@@ -174,3 +183,33 @@ class Readout:
         except (OSError, RequestError, SwitchError, KeyError) as e:
             log.info("final counters of job id %d: %s", r.job_id, e)
             return {}
+
+    def final_nodes(self, r: Record) -> list[dict[str, Any]] | None:
+        """A tree's node counters as it ends (for `metrics`; None for a group of one aggregator): a node
+        that does not answer within a second shows its error, the others their counters."""
+        if r.mode != "tree":
+            return None
+        answers: dict[str, dict] = {}
+        errors: dict[str, str] = {}
+        for node in nodes_of(r):
+            try:
+                answers[node["control"]] = self.ps.request(node["control"], "stats", timeout=1.0, job=r.job_id)["jobs"]
+            except (OSError, RequestError) as e:
+                errors[node["control"]] = str(e)
+        return node_counters(r, answers, errors)
+
+
+def node_counters(r: Record, ps_jobs: dict[str, dict], ps_errors: dict[str, str]) -> list[dict[str, Any]]:
+    """Each node of a tree record, the leaves in order and the root last (docs/control.md, stats): its
+    ``name``, ``role``, ``aggregator`` (control endpoint) and ``counters`` (that aggregator's counters of the
+    job: the flat ones and a tree's ``sent_up``, ``answered``, ``late_answer``), or ``error`` where the
+    node's aggregator did not answer."""
+    out = []
+    for node in nodes_of(r):
+        entry: dict[str, Any] = {"name": node["name"], "role": node["role"], "aggregator": node["control"]}
+        if node["control"] in ps_errors:
+            entry["error"] = ps_errors[node["control"]]
+        else:
+            entry["counters"] = ps_jobs.get(node["control"], {}).get(str(r.job_id), {})
+        out.append(entry)
+    return out

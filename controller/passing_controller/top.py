@@ -3,7 +3,8 @@
 It asks the controller for its `metrics` answer (docs/control.md) and shows the
 aggregators with their slots, then one row per job group: mode, slots, workers, and rates
 from the difference of two answers (packets the aggregator took, rounds completed, the
-workers' retransmissions, allreduce calls and their mean time). curses from the standard
+workers' retransmissions, allreduce calls and their mean time); under a tree's row, one row
+per node (each leaf, then the root) with its own counters. curses from the standard
 library: it runs in any terminal, over ssh too. `--once` prints one frame as text.
 """
 
@@ -76,9 +77,30 @@ def render(snapshot: dict[str, Any], previous: dict[str, Any] | None, controller
             f"{g['job'][:24]:<24} {g['group']:>5} {g['job_id']:>4} {g['mode']:<6} {g['pool']:>6} {g['workers']:>7} "
             f"{rate['received']:>10} {rate['completed']:>9} {rate['retransmissions']:>8} {rate['calls']:>8} "
             f"{ms_per_call:>8}  {'running' if g['running'] else 'ended'}")
+        lines += node_rows(g, old, seconds)
     if not snapshot["groups"]:
         lines.append("(no job groups)")
     return lines
+
+
+def node_rows(g: dict[str, Any], old: dict[str, Any] | None, seconds: float) -> list[str]:
+    """A tree's rows under its group's: one per node (its leaves, then its root), with the rates of the
+    packets it took, its completed rounds, the partials it sent up and the root's answers it took, and its
+    late answers, duplicates and rejects so far; a node whose aggregator does not answer says so."""
+    before = {n["name"]: n.get("counters", {}) for n in (old or {}).get("nodes", [])}
+    rows = []
+    for node in g.get("nodes", []):
+        head = f"  {node['role']} {node['name']}"[:24]
+        if "error" in node:
+            rows.append(f"{head:<24} not answering: {node['error']}"[:160])
+            continue
+        c, was = node["counters"], before.get(node["name"])
+        rate = {k: _rate(c.get(k, 0), None if was is None else was.get(k, 0), seconds)
+                for k in ("received", "completed", "sent_up", "answered")}
+        rows.append(f"{head:<24} {'':>5} {'':>4} {'':<6} {'':>6} {'':>7} {rate['received']:>10} "
+                    f"{rate['completed']:>9}  up/s {rate['sent_up']} answered/s {rate['answered']} late "
+                    f"{c.get('late_answer', 0)} dup {c.get('duplicate', 0)} rejected {c.get('rejected', 0)}")
+    return rows
 
 
 def once(controller: str, keys: ClientKeys) -> int:
