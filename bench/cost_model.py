@@ -144,6 +144,103 @@ def bottleneck_packets_per_s(scheme: str, setup: Setup) -> float:
     return setup.servers * link_pps  # every server link feeds the switch
 
 
+# ---- racks under leaves, joined by a spine (bench/emulated_racks.py) -------------------------------------
+
+RACK_SCHEMES = ("ring", "hring", "ps", "tree")  # one rank a server: PASSING's in-host stage has nothing to do
+
+
+@dataclass(frozen=True)
+class Racks:
+    """A cluster of ``racks`` x ``per_rack`` servers, one rank each: server links of ``rate_mbit`` to their
+    rack's leaf, each leaf's uplink of ``uplink_mbit`` to the spine (each direction). Oversubscription is
+    per_rack x rate / uplink (1: none; 2 and 4: the uplink carries half and a quarter of what the rack's
+    servers can send). The flat PS sits on the spine behind a server link of its own; a tree's root is the
+    spine (no link of its own to cross), its leaves the racks' leaf switches."""
+
+    racks: int
+    per_rack: int
+    rate_mbit: float
+    uplink_mbit: float
+    pool: int = 128
+    rtt_s: float = 0.002
+    fixed_s: float = 0.0
+    lanes: int = LANES
+
+    @property
+    def servers(self) -> int:
+        return self.racks * self.per_rack
+
+    @property
+    def oversubscription(self) -> float:
+        return self.per_rack * self.rate_mbit / self.uplink_mbit
+
+
+def tcp_seconds(payload_bytes: float, rate_mbit: float) -> float:
+    """Seconds ``payload_bytes`` of gloo's TCP payload take on a link of ``rate_mbit``, frames and ACKs counted."""
+    return payload_bytes * (TCP_FRAME + TCP_ACK_SHARE) / TCP_PAYLOAD * 8 / (rate_mbit * 1e6)
+
+
+def predict_racks(scheme: str, elements: int, r: Racks) -> Prediction:
+    """Predicted seconds of one all_reduce of ``elements`` float32 across racks (each link each way):
+
+    * ring (ranks in rack order): every server link and every uplink carries 2(N-1)/N K (one edge of the
+      ring leaves each rack, one enters it): K-sized over min(B, U);
+    * hring: reduce_scatter in the rack, (m-1)/m K on a server link; then the shards' rings across racks,
+      2(R-1)/R K/m on a server link and m of them, 2(R-1)/R K, on an uplink; then the all_gather in the rack,
+      (m-1)/m K: three stages one after the other;
+    * ps: the PS link carries N P packets, an uplink m P (a rack's servers each send their whole gradient);
+    * tree: a server link and an uplink each carry P packets (a leaf sends one partial per round up and
+      takes one RESULT down), the root is the spine: P packets over min(B, U); the windows: m at a leaf, one
+      on an uplink."""
+    if scheme not in RACK_SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r} across racks; one of {', '.join(RACK_SCHEMES)}")
+    n, m, k = r.servers, r.per_rack, 4 * elements
+    if scheme == "ring":
+        payload_bytes = 2 * (n - 1) / n * k
+        network = tcp_seconds(payload_bytes, min(r.rate_mbit, r.uplink_mbit))
+        link = "uplink" if r.uplink_mbit < r.rate_mbit else "server link"
+        wire = payload_bytes * (TCP_FRAME + TCP_ACK_SHARE) / TCP_PAYLOAD
+        return Prediction(scheme, r.fixed_s + network, network, 0.0, r.fixed_s, link, wire, False)
+    if scheme == "hring":
+        inside = (m - 1) / m * k  # each of reduce_scatter and all_gather, on a server link
+        across_server = 2 * (r.racks - 1) / r.racks * k / m
+        across_uplink = m * across_server
+        cross = max(tcp_seconds(across_server, r.rate_mbit), tcp_seconds(across_uplink, r.uplink_mbit))
+        network = 2 * tcp_seconds(inside, r.rate_mbit) + cross
+        link = "uplink" if tcp_seconds(across_uplink, r.uplink_mbit) > tcp_seconds(across_server, r.rate_mbit) \
+            else "server link"
+        wire = across_uplink * (TCP_FRAME + TCP_ACK_SHARE) / TCP_PAYLOAD
+        return Prediction(scheme, r.fixed_s + network, network, 0.0, r.fixed_s, link, wire, False)
+    p, size = packets(elements, r.lanes), frame(r.lanes)
+    if scheme == "ps":  # (link, packets, windows) of each link it crosses
+        links = [("PS link", n * p, n, r.rate_mbit), ("uplink", m * p, m, r.uplink_mbit)]
+    else:
+        links = [("server link", p, 1, r.rate_mbit), ("uplink", p, 1, r.uplink_mbit)]
+    times = []
+    for name, count, g, rate in links:
+        link_pps = rate * 1e6 / (8 * size)
+        window_pps = g * r.pool / r.rtt_s if r.rtt_s > 0 else math.inf
+        times.append((count / min(link_pps, window_pps), name, count, window_pps < link_pps))
+    network, link, count, limited = max(times)
+    return Prediction(scheme, r.fixed_s + network, network, 0.0, r.fixed_s, link, count * size, limited)
+
+
+def ring_steps(servers: int) -> int:
+    """Steps of a ring all_reduce, one after the other: reduce-scatter and all-gather, N - 1 each."""
+    return 2 * (servers - 1)
+
+
+def predict_latency(scheme: str, servers: int, step_s: float, round_trip_s: float) -> float:
+    """A small all_reduce where latency, not bandwidth, sets the time: the ring's 2(N - 1) steps of
+    ``step_s`` each, against the tree's one round trip through two levels (a leaf's round trip, measured as
+    ``round_trip_s`` with one aggregator, and the root's on top: twice it)."""
+    if scheme == "ring":
+        return ring_steps(servers) * step_s
+    if scheme == "tree":
+        return 2 * round_trip_s
+    raise ValueError(f"no latency model for {scheme!r}")
+
+
 def main() -> None:
     """Print the model's table for the paper's configurations at 10 Gbit/s, full size, at each lane count
     (``--lanes``, default 64 and 72: a Tofino 1's and a Tofino 2's program), with Ring / PASSING."""

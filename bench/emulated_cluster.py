@@ -61,6 +61,12 @@ def pool_for(rate_mbit: float, lanes: int = cost_model.LANES) -> int:
     return 1 << round(math.log2(max(16.0, min(most, QUEUE_BUDGET_S * link_pps / MAX_WINDOWS))))
 
 
+def tbf_sizes(rate_mbit: float, lanes: int = cost_model.LANES) -> tuple[int, int]:
+    """(bucket, queue) bytes of a link's tbf at ``rate_mbit`` (Cluster.set_rate says why these)."""
+    burst = max(3100, int(rate_mbit * 1e6 / 8 * 0.002))
+    return burst, max(4 * MAX_WINDOWS * pool_for(rate_mbit, lanes) * cost_model.frame(lanes), 256 * 1024)
+
+
 def cpu_pressure_us() -> int:
     """Microseconds in which some runnable task waited for a CPU (PSI), 0 where the kernel has no PSI."""
     try:
@@ -167,9 +173,7 @@ class Cluster:
         traffic is enough for the timer. The queue must hold MAX_WINDOWS full windows
         without a tail drop, as a switch buffer of that size would.
         """
-        burst = max(3100, int(rate_mbit * 1e6 / 8 * 0.002))
-        limit = max(4 * MAX_WINDOWS * pool_for(rate_mbit, self.lanes) * cost_model.frame(self.lanes), 256 * 1024)
-        self.net.set_rate(rate_mbit, burst, limit)
+        self.net.set_rate(rate_mbit, *tbf_sizes(rate_mbit, self.lanes))
         self.rate_mbit = rate_mbit
 
     def popen(self, where: str, argv: list[str], **kwargs: Any) -> subprocess.Popen:

@@ -173,3 +173,96 @@ def limit(ns: str, dev: str, rate_mbit: float, burst_bytes: int | None = None, q
     queue = ["limit", str(queue_bytes)] if queue_bytes else ["latency", "50ms"]
     _sh("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), *queue,
         ns=ns)
+
+
+RACK_SUBNET = "10.56"  # racks' hosts 10.56.<rack+1>.<i+1>, a leaf's bridge 10.56.<rack+1>.254, the spine 10.56.0.254
+
+
+class RackNetwork(EmulatedNetwork):
+    """Racks of hosts under leaf bridges joined by a spine bridge (bench/emulated_racks.py), one L2 network.
+
+    ``racks`` x ``per_rack`` host namespaces ``r<k>s<i>`` on a link of ``rate_mbit`` to the bridge of their
+    rack's leaf namespace ``leaf<k>``; each leaf on an uplink of ``uplink_mbit`` to the bridge of the spine
+    namespace (``self.switch``); ``extra`` hosts (a PS) on a link of ``rate_mbit`` to the spine. Every link
+    is rate-limited with tbf in both directions (``limited``; ``set_rate`` sets the server links and
+    ``set_uplink_rate`` the uplinks). ``self.leaves[k]`` is leaf k (its bridge's address, where a rack's
+    aggregator listens); ``popen`` takes a host, a leaf name or "switch" (the spine)."""
+
+    def __init__(self, racks: int, per_rack: int, rate_mbit: float, uplink_mbit: float,
+                 extra: Sequence[str] = ()) -> None:
+        why = available()
+        if why:
+            raise RuntimeError(f"cannot emulate a cluster: {why}")
+        if not (1 <= racks <= 250 and 1 <= per_rack <= 250):
+            raise ValueError(f"racks {racks} and hosts per rack {per_rack} must be within 1..250")
+        remove_stale()
+        self.tag = f"{PREFIX}{os.getpid()}"
+        self.switch = Host("spine", f"{self.tag}-spine", f"{RACK_SUBNET}.0.254", "br0")
+        self.hosts: dict[str, Host] = {}
+        self.leaves: dict[str, Host] = {}
+        self.procs: list[subprocess.Popen] = []
+        self._namespaces: list[str] = []
+        self.limited: list[tuple[str, str]] = []  # server and extra links
+        self.uplinks: list[tuple[str, str]] = []
+        self._links = 0
+        atexit.register(self.stop)
+        try:
+            self._bridge(self.switch)
+            for k in range(racks):
+                leaf = Host(f"leaf{k}", f"{self.tag}-leaf{k}", f"{RACK_SUBNET}.{k + 1}.254", "br0")
+                self._bridge(leaf)
+                self.leaves[leaf.name] = leaf
+                self.uplinks += self._link(leaf.namespace, "uplink", self.switch.namespace, uplink_mbit)
+                for i in range(per_rack):
+                    self._host(f"r{k}s{i}", f"{RACK_SUBNET}.{k + 1}.{i + 1}", leaf, rate_mbit)
+            for j, name in enumerate(extra):
+                self._host(name, f"{RACK_SUBNET}.250.{j + 1}", self.switch, rate_mbit)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _bridge(self, node: Host) -> None:
+        self._make_namespace(node.namespace)
+        _sh("ip", "link", "add", "br0", "type", "bridge", ns=node.namespace)
+        _sh("ip", "addr", "add", f"{node.ip}/16", "dev", "br0", ns=node.namespace)
+        _sh("ip", "link", "set", "br0", "up", ns=node.namespace)
+
+    def _link(self, ns: str, name: str, bridge_ns: str, rate: float) -> list[tuple[str, str]]:
+        """A veth named ``name`` in ``ns`` (on ``ns``'s bridge when it has one: a leaf's uplink) to a port of
+        ``bridge_ns``'s bridge, tbf on both ends: the two (namespace, device) it limits."""
+        self._links += 1
+        inner, outer = f"{self.tag}a{self._links}"[-15:], f"{self.tag}b{self._links}"[-15:]
+        _sh("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
+        _sh("ip", "link", "set", inner, "netns", ns)
+        _sh("ip", "link", "set", outer, "netns", bridge_ns)
+        _sh("ip", "link", "set", inner, "name", name, ns=ns)
+        if name == "uplink":
+            _sh("ip", "link", "set", name, "master", "br0", ns=ns)
+        _sh("ip", "link", "set", name, "up", ns=ns)
+        _sh("ip", "link", "set", outer, "master", "br0", ns=bridge_ns)
+        _sh("ip", "link", "set", outer, "up", ns=bridge_ns)
+        ends = [(ns, name), (bridge_ns, outer)]
+        for where, dev in ends:
+            limit(where, dev, rate)
+        return ends
+
+    def _host(self, name: str, ip: str, bridge: Host, rate: float) -> None:
+        host = Host(name, f"{self.tag}-{name}", ip)
+        self._make_namespace(host.namespace)
+        ends = self._link(host.namespace, "eth0", bridge.namespace, rate)
+        _sh("ip", "addr", "add", f"{ip}/16", "dev", "eth0", ns=host.namespace)
+        self.limited += ends
+        self.hosts[name] = host
+
+    def set_uplink_rate(self, rate_mbit: float, burst_bytes: int | None = None, queue_bytes: int | None = None) -> None:
+        """Every leaf's uplink (both directions) to ``rate_mbit``."""
+        for ns, dev in self.uplinks:
+            limit(ns, dev, rate_mbit, burst_bytes, queue_bytes)
+
+    def popen(self, where: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start ``argv`` in host, leaf or "switch" (the spine) ``where``; it is killed at stop()."""
+        ns = (self.switch.namespace if where == "switch" else
+              self.leaves[where].namespace if where in self.leaves else self.hosts[where].namespace)
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], **kwargs)
+        self.procs.append(proc)
+        return proc
