@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all setup test test-all test-torch-suite lint demo bench bench-quick bench-core bench-control bench-bmv2 p4 p4-tofino p4-tofino2 p4-testgen p4-mutants clean
+.PHONY: all setup test test-all test-torch-suite lint demo bench bench-quick bench-racks bench-core bench-control bench-bmv2 p4 p4-tofino p4-tofino2 p4-testgen p4-mutants clean
 
 all: test
 
@@ -72,6 +72,13 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(INSTALL) -e protocol -e 'host[bench]'
 	$(PY) bench/emulated.py --quick --switch-kind $(SWITCH_KIND)
+
+# Racks (issue 47): 4 racks x 2 servers under leaves and a spine, uplinks 1:1, 2:1 and 4:1; rack-ordered ring,
+# hierarchical ring, PS and the PASSING tree beside the cost model; then 32 servers, small tensors: the ring's
+# 2(N - 1) steps against the tree's round trip (root: network namespaces; docs/benchmarks.md, Racks).
+bench-racks: $(STAMP)
+	$(INSTALL) -e protocol -e 'host[bench]'
+	$(PY) bench/emulated_racks.py
 
 bench-core: $(STAMP)
 	$(INSTALL) -e protocol -e 'host[torch]'

@@ -50,3 +50,36 @@ def test_the_emulated_switch_kinds_are_the_programs_lane_counts():
     # the 1G-equivalent: the queue
     assert (emulated_cluster.pool_for(10.0, 64), emulated_cluster.pool_for(10.0, 128)) == (128, 64)
     assert emulated_run.Bandwidth("10G", 100.0, 128).lanes == 128
+
+
+def test_across_racks_the_tree_carries_one_gradient_on_every_uplink_and_the_ring_its_2_n_minus_1_over_n():
+    """predict_racks (bench/emulated_racks.py's model): 4 racks x 2 servers at 100 Mbit/s. Not oversubscribed
+    (uplinks of 200 Mbit/s) the server links set every scheme's pace; at 4:1 (50 Mbit/s) the uplinks do, and
+    each scheme's time grows by what its uplink carries: the tree one gradient's packets, the ring
+    2(N - 1)/N of the gradient, the hierarchical ring 2(R - 1)/R of it, the PS two gradients (its own link
+    still the bottleneck)."""
+    elements = 255_570
+    k = cost_model.packets(elements) * cost_model.FRAME * 8 / 100e6  # one gradient's packets at 100 Mbit/s
+    one, four = (cost_model.Racks(4, 2, 100.0, 200.0 / o, pool=256, rtt_s=1e-3) for o in (1, 4))
+    assert one.oversubscription == 1 and four.oversubscription == 4 and four.servers == 8
+    tree1, tree4 = (cost_model.predict_racks("tree", elements, r) for r in (one, four))
+    assert tree1.seconds == pytest.approx(k) and tree1.link == "server link"
+    assert tree4.seconds == pytest.approx(2 * k) and tree4.link == "uplink"  # 50 Mbit/s: twice as long
+    ring1, ring4 = (cost_model.predict_racks("ring", elements, r) for r in (one, four))
+    tcp = (cost_model.TCP_FRAME + cost_model.TCP_ACK_SHARE) / cost_model.TCP_PAYLOAD
+    assert ring1.seconds == pytest.approx(2 * 7 / 8 * 4 * elements * tcp * 8 / 100e6)
+    assert ring4.seconds == pytest.approx(2 * ring1.seconds) and ring4.link == "uplink"
+    hring4 = cost_model.predict_racks("hring", elements, four)  # in-rack halves at B, the racks' rings at U
+    inside = 2 * 0.5 * 4 * elements * tcp * 8 / 100e6
+    assert hring4.seconds == pytest.approx(inside + 2 * 3 / 4 * 4 * elements * tcp * 8 / 50e6)
+    ps4 = cost_model.predict_racks("ps", elements, four)
+    assert ps4.seconds == pytest.approx(8 * k) and ps4.link == "PS link"  # 8 gradients on its own link
+    assert ring4.seconds / tree4.seconds == pytest.approx(ring1.seconds / tree1.seconds)
+    with pytest.raises(ValueError, match="across racks"):
+        cost_model.predict_racks("switchml", elements, one)
+
+
+def test_the_latency_model_is_the_rings_2_n_minus_1_steps_against_two_levels_of_one_round_trip():
+    assert [cost_model.ring_steps(n) for n in (2, 8, 32)] == [2, 14, 62]
+    assert cost_model.predict_latency("ring", 32, step_s=1e-3, round_trip_s=5e-3) == pytest.approx(0.062)
+    assert cost_model.predict_latency("tree", 32, step_s=1e-3, round_trip_s=5e-3) == pytest.approx(0.010)
