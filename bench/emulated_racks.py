@@ -235,15 +235,19 @@ def markdown(report: dict[str, Any]) -> str:
            f"(factor {m['factor']:g} of 10 Gbit/s), {m['elements']} float32 (ResNet50 / factor); software "
            f"aggregators at {m['lanes']} lanes. Load at the start: {m['uptime_start']}. **Taken under load**: "
            "ranks, aggregators and links share this machine's cores with whatever else runs.", "",
-           "| uplink | scheme | measured s | model s | ratio | uplink MB/call (model) | server link MB/call | "
-           "retx | drops | load (1 min) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| uplink | scheme | measured s | model s | ratio | model's bottleneck | its MB/call: measured, model | "
+           "uplink MB/call | server link MB/call | retx | drops | load (1 min) |",
+           "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in report["bandwidth"]:
         if r.get("failed"):
             out.append(f"| {r['oversubscription']:g}:1 | {r['scheme']} | FAILED: {r['error'][:80]} |")
             continue
+        link = r["model"]["link"]
+        measured = r[{"uplink": "uplink_bytes", "server link": "server_link_bytes", "PS link": "ps_link_bytes"}[link]]
         out.append(f"| {r['oversubscription']:g}:1 ({r['uplink_mbit']:g} Mbit/s) | {r['scheme']} | "
-                   f"{r['measured_s']:.3f} | {r['model_s']:.3f} | {r['ratio']:.2f} | {r['uplink_bytes'] / 1e6:.2f} "
-                   f"| {r['server_link_bytes'] / 1e6:.2f} | {r['retransmissions']} | "
+                   f"{r['measured_s']:.3f} | {r['model_s']:.3f} | {r['ratio']:.2f} | {link} | {measured / 1e6:.2f}, "
+                   f"{r['model']['link_bytes'] / 1e6:.2f} | {r['uplink_bytes'] / 1e6:.2f} | "
+                   f"{r['server_link_bytes'] / 1e6:.2f} | {r['retransmissions']} | "
                    f"{r['tbf_drops'] + r['udp_rcvbuf_drops']} | {r['loadavg'][0]} |")
     if report["latency"]:
         out += ["", "Latency-bound (fixed scale: one round trip a call on the tree):", "",
