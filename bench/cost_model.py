@@ -207,9 +207,9 @@ def predict_racks(scheme: str, elements: int, r: Racks) -> Prediction:
         across_uplink = m * across_server
         cross = max(tcp_seconds(across_server, r.rate_mbit), tcp_seconds(across_uplink, r.uplink_mbit))
         network = 2 * tcp_seconds(inside, r.rate_mbit) + cross
-        link = "uplink" if tcp_seconds(across_uplink, r.uplink_mbit) > tcp_seconds(across_server, r.rate_mbit) \
-            else "server link"
-        wire = across_uplink * (TCP_FRAME + TCP_ACK_SHARE) / TCP_PAYLOAD
+        on_uplink = tcp_seconds(across_uplink, r.uplink_mbit) > tcp_seconds(across_server, r.rate_mbit)
+        link = "uplink" if on_uplink else "server link"  # the one that sets the racks' rings' pace
+        wire = (across_uplink if on_uplink else 2 * inside + across_server) * (TCP_FRAME + TCP_ACK_SHARE) / TCP_PAYLOAD
         return Prediction(scheme, r.fixed_s + network, network, 0.0, r.fixed_s, link, wire, False)
     p, size = packets(elements, r.lanes), frame(r.lanes)
     if scheme == "ps":  # (link, packets, windows) of each link it crosses
