@@ -314,7 +314,7 @@ def test_an_aggregator_without_the_roles_takes_no_tree(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(90)
 def test_stats_metrics_and_top_show_every_node_of_a_tree(fabric):
-    """`stats`, `metrics` (and Prometheus) and `passing-ctl top` show each node's counters: each leaf took
+    """`stats`, `status`, `metrics` (and Prometheus) and `passing-ctl top` show each node's counters: each leaf took
     its rack's contributions and sent one partial up per round, the root took the leaves' partials and
     answered each leaf once per round; a node whose aggregator is gone shows its error, the others their
     counters."""
@@ -359,6 +359,9 @@ def test_stats_metrics_and_top_show_every_node_of_a_tree(fabric):
                 assert leaf["sent_up"] >= rounds and leaf["answered"] == rounds and leaf["rejected"] == 0
             assert root["aggregated"] == 2 * rounds and root["sent_up"] == 0 and root["answered"] == 0
             assert {k: v for k, v in stats[job].items() if k != "nodes"} == root  # the job's own: the root's
+            (placed,) = ask(endpoint, "status")["jobs"]  # status: the tree's nodes, each with its counters
+            assert [(n["name"], n["counters"]["completed"], n["counters"]["sent_up"]) for n in placed["tree"]] == [
+                ("rack0", rounds, leaf0["sent_up"]), ("rack1", rounds, leaf1["sent_up"]), ("spine", rounds, 0)]
             metrics = ask(endpoint, "metrics")
             (g,) = metrics["groups"]
             assert [n["counters"]["completed"] for n in g["nodes"]] == [rounds] * 3
@@ -375,6 +378,8 @@ def test_stats_metrics_and_top_show_every_node_of_a_tree(fabric):
             nodes = ask(endpoint, "stats")[job]["nodes"]
             assert "error" in nodes[0] and "counters" not in nodes[0], nodes[0]
             assert nodes[1]["counters"]["completed"] == rounds and nodes[2]["counters"]["completed"] == rounds
+            (placed,) = ask(endpoint, "status")["jobs"]
+            assert "error" in placed["tree"][0] and placed["tree"][2]["counters"]["completed"] == rounds
             lines = render(ask(endpoint, "metrics"), None, endpoint)
             assert any(line.startswith("  leaf rack0") and "not answering" in line for line in lines), lines
         except BaseException as e:  # handed to the test

@@ -52,6 +52,24 @@ class Readout:
                 "fabric": self.fabric(),
             }
 
+    def trees_running(self) -> bool:
+        with self.state.lock:
+            return any(r.mode == "tree" for r in self._running_records())
+
+    def status_with_nodes(self) -> dict[str, Any]:
+        """(pool thread) ``status``, each tree's nodes with their counters read now (node_counters: a node
+        whose PS does not answer within the check timeout shows its error)."""
+        out = self.status()
+        with self.state.lock:
+            trees = {r.job_id: r for r in self._running_records() if r.mode == "tree"}
+        ps_jobs, ps_errors = self._read_ps(list(trees.values()))
+        for job in out["jobs"]:
+            if job["job_id"] in trees and "tree" in job:
+                read = {n["name"]: n for n in node_counters(trees[job["job_id"]], ps_jobs, ps_errors)}
+                job["tree"] = [{**node, **{k: v for k, v in read.get(node["name"], {}).items()
+                                           if k in ("counters", "error")}} for node in job["tree"]]
+        return out
+
     def fabric(self) -> list[dict[str, Any]]:
         """The topology's racks (docs/control.md, Fabric): each node, its role, aggregator, hosts and uplink."""
         if self.topo.fabric is None:

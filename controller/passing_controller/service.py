@@ -94,6 +94,9 @@ class Controller:
             raise RequestError(f"unknown command {rpc.show(cmd)}")
         if cmd not in (OPERATOR_COMMANDS if role == "operator" else WORKER_COMMANDS):
             raise Unauthorized(f"{cmd} is for operators; this key is a {role}'s")
+        if cmd == "status" and self.readout.trees_running():  # it reads each tree node's counters: off this thread
+            self.server.in_pool(self.server.answer_later, identity, self.readout.status_with_nodes)
+            return
         if cmd in ("stats", "metrics"):  # they read aggregators: off this thread
             job_id = schema.integer(req, "job_id", 1, MAX_JOB_ID, default=None) if cmd == "stats" else None
             self.server.in_pool(self.server.answer_later, identity, self.stats if cmd == "stats" else self.metrics,
