@@ -170,7 +170,7 @@ class ReducePath:
             if owners is None:
                 part[:] = quantize.dequantize(values, scales[i]) if scales is not None else values
                 continue
-            mine = np.repeat(owners[i] == self.state.worker, lanes)[: part.size]  # the rows whose sums came here
+            mine = np.repeat(owners[i] == self.state.number, lanes)[: part.size]  # the rows whose sums came here
             part[mine] = quantize.dequantize(values[mine], scales[i]) if scales is not None else values[mine]
         return overflow
 
