@@ -21,8 +21,8 @@ from passing.launch import free_udp_ports
 from passing.quantize import auto_scale, error_bound
 from passing_controller.fabric import Fabric, plan
 from tests.cluster import run_threads, start_aggregator
-from tests.test_controller_tree import Services, assert_freed, host_ip
 from tests.keys import ask
+from tests.test_controller_tree import Services, assert_freed, host_ip
 
 RACKS = [0, 1, 1, 0, 1, 0]  # the rack of each group worker: interleaved, so numbers differ from indices
 SERVERS = len(RACKS)

@@ -18,11 +18,12 @@ from .stream_state import StreamState
 class GatherStream:
     """One all_gather. The pieces are the job's servers', by global number (a flat group's: its workers;
     a tree's: docs/protocol.md, "Trees across racks"): server o's is its GATHER positions G .. G + counts[o]
-    - 1 (G: this call's start, the same at every worker), its packets' ``owner`` o; ``sizes`` in that order. A worker sends its own packets at most a window (its first
-    aggregator's pool) ahead of what it holds from the slowest peer (all send at one pace, so a full
-    receiver stops them all); sends its missing runs' NACKs after a silence (the probe rule of the reduce
-    stream); answers the NACKs it gets by sending again; and, holding every piece, contributes its
-    completion round (one DATA, lane 0 = 1), whose RESULT ends the call for every worker at once."""
+    - 1 (G: this call's start, the same at every worker), its packets' ``owner`` o; ``sizes`` in that order.
+    A worker sends its own packets at most a window (its first aggregator's pool) ahead of what it holds from
+    the slowest peer (all send at one pace, so a full receiver stops them all); sends its missing runs' NACKs
+    after a silence (the probe rule of the reduce stream); answers the NACKs it gets by sending again; and,
+    holding every piece, contributes its completion round (one DATA, lane 0 = 1), whose RESULT ends the call
+    for every worker at once."""
 
     def __init__(self, state: StreamState, recovery: LossRecovery, silence: SilenceWatch | None,
                  piece: np.ndarray, sizes: list[int]) -> None:
@@ -38,7 +39,8 @@ class GatherStream:
         self.mine = mine = int(counts[me])
         self.packets = wire.empty(mine, lanes)
         hdr = self.packets["hdr"]
-        hdr["type"], hdr["job"], hdr["worker"], hdr["generation"] = wire.GATHER, state.job, state.worker, state.generation
+        hdr["type"], hdr["job"], hdr["generation"] = wire.GATHER, state.job, state.generation
+        hdr["worker"] = state.worker  # my bit at my aggregator
         hdr["set"] = wire.owner_set(me, 0)
         hdr["psn"] = (self.start + np.arange(mine)) & 0xFFFFFFFF
         body = np.zeros(mine * row_bytes, np.uint8)
@@ -55,8 +57,8 @@ class GatherStream:
         # the completion round: one DATA on the first aggregator's reduce stream
         self.position = int(state.next_psn[0])
         slot, set_ = wire.slot_and_set(self.position, state.aggregators[0].pool)
-        self.completion = wire.encode(type=wire.DATA, job=state.job, worker=state.worker, psn=self.position, slot=int(slot),
-                                      set=int(set_), generation=state.generation, lanes=lanes,
+        self.completion = wire.encode(type=wire.DATA, job=state.job, worker=state.worker, psn=self.position,
+                                      slot=int(slot), set=int(set_), generation=state.generation, lanes=lanes,
                                       payload=np.r_[1, np.zeros(lanes - 1, np.int64)])
         self.sent = 0  # my packets sent once: a prefix
         self.resent_at = np.full(mine, -np.inf)  # when each was last sent again for a NACK

@@ -12,7 +12,8 @@ stream (passing.stream_state holds them between calls). The parts, by object:
     receivers and a completion round;
   - passing.recovery: loss recovery (RTT estimate, RACK, probes) and failover's silence rule;
   - passing.native_stream: the same two loops in C (host/csrc/stream.c, gather.c, through passing.native);
-  - passing.errors, passing.replay: what a call raises, and its replay record.
+  - passing.errors, passing.replay: what a call raises, and its replay record;
+  - passing.numbering: a job's servers across racks, and reduce_scatter's and all_gather's wire work in them.
 
 ``reduce_scatter`` is the reduce stream with OWNER_ONLY rounds (a packet's sums come back to the
 worker whose block it is, the others get a header-only ACK); ``allgather`` sends each worker's bytes
@@ -28,9 +29,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import native, stripes, wire
+from . import native, numbering, stripes, wire
 from .errors import AggregatorUnreachable, GroupFailed, PassingError, Silenced
-from .gather_stream import GatherStream
 from .recovery import LossRecovery, SilenceWatch
 from .reduce_path import ReducePath
 from .replay import Replay
@@ -61,27 +61,6 @@ def _check_reduce(x: np.ndarray, op: str, call: str) -> None:
         raise TypeError("op 'avg' needs a float32 array (an int32 average is not an int32)")
 
 
-def _check_numbering(worker: int, workers: int, servers: int | None, number: int | None,
-                     numbers: Sequence[int] | None) -> np.ndarray | None:
-    """The rules of a group's numbers in the whole job (``Group``'s ``number`` and ``numbers``); the
-    order (``numbers`` as an array), None for the global order."""
-    total = workers if servers is None else servers
-    if number is None:
-        if numbers is not None:
-            raise ValueError("numbers without this server's number")
-        return None
-    if not 0 <= number < total:
-        raise ValueError(f"number {number} outside 0..{total - 1} (the job's servers)")
-    if total == workers and number != worker:
-        raise ValueError(f"number {number}: a flat group's server is numbered by its worker index {worker}")
-    if numbers is None:
-        return None
-    order = np.array([int(v) for v in numbers], np.int64)
-    if order.size != total or not np.array_equal(np.sort(order), np.arange(total)):
-        raise ValueError(f"numbers must order the job's {total} servers (each of 0..{total - 1} once)")
-    return order
-
-
 def _check_out(out: np.ndarray, dtype: np.dtype, size: int, unit: str = "elements") -> None:
     """The rules of an output given by the caller, which is written in place: its dtype and size,
     C-contiguous, writeable."""
@@ -105,11 +84,8 @@ class Group:
     be a BatchSocket bound earlier (to learn the port before a join), which the group then owns.
     ``servers``: the servers of the whole job where this group is a leaf's, its rack's part of a tree across
     racks (docs/protocol.md, "Trees across racks"): an auto scale and an average are for them (default:
-    ``workers``). ``number``: this server's global number in that job (the owner of its reduce_scatter block
-    and of its all_gather piece); ``numbers``: every server's global number in the caller's order (the index
-    each joined as: the order of reduce_scatter's blocks and all_gather's pieces; default: the global order);
-    ``owner_only``: whether the tree carries OWNER_ONLY rounds, GATHER and NACK (at most 128 servers; else
-    reduce_scatter and all_gather go through SUM rounds). ``from_answer`` takes all four from a join answer.
+    ``workers``); ``number``, ``numbers``, ``owner_only``: this server's global number there, every server's
+    in the caller's order, whether the tree carries owners (passing.numbering). ``from_answer`` takes them all.
     ``rto``, ``max_rto`` and ``timeout``: loss recovery (passing.recovery); ``drop``: a test
     impairment, this fraction of packets lost each way, here at the host. ``io``: the I/O path, AF_XDP beside
     the socket where it can run ("auto"), or forced ("udp", "xdp"): passing.xdp. ``streams``: the reduce passes
@@ -156,7 +132,7 @@ class Group:
         if servers is not None and not workers <= servers <= MAX_SERVERS:
             raise ValueError(f"servers must be {workers}..{MAX_SERVERS} (the job's, at least this leaf's workers), "
                              f"got {servers}")
-        order = _check_numbering(worker, workers, servers, number, numbers)
+        order = numbering.check_numbering(worker, workers, servers, number, numbers)
         if scale != "auto" and not (isinstance(scale, (int, float)) and scale > 0):
             raise ValueError(f"scale must be 'auto' or a positive number, got {scale!r}")
         if on_overflow not in ("raise", "auto"):
@@ -253,8 +229,7 @@ class Group:
     def rank(self) -> int:
         """This server's index in the caller's order of the job's servers (reduce_scatter's block, all_gather's
         piece): ``worker`` in a flat group."""
-        order = self.state.order
-        return self.state.number if order is None else int(np.flatnonzero(order == self.state.number)[0])
+        return numbering.rank_of(self.state)
 
     @property
     def lanes(self) -> int:
@@ -357,8 +332,7 @@ class Group:
         The reduce path with OWNER_ONLY rounds: each server's block is padded to whole packets, and a
         packet's sums come back to the block's server alone (its ``owner``: its global number); the others
         get a header-only ACK. Per server: up ``size``, down ``size / servers`` of sums and one ACK per
-        packet of the others. A tree without owners (more than 128 servers): SUM rounds, every block's sums
-        to every server (down ``size``), this server's block kept."""
+        packet of the others. A tree without owners (more than 128 servers): SUM rounds (down ``size``)."""
         x = np.asarray(array)
         _check_reduce(x, op, "reduce_scatter")
         self._check_numbered("reduce_scatter")
@@ -383,15 +357,13 @@ class Group:
         return out
 
     def allgather_bytes(self, piece: np.ndarray, sizes: Sequence[int], out: np.ndarray) -> np.ndarray:
-        """Every server's ``piece`` of bytes, server r's (``rank`` r's) ``sizes[r]`` bytes at
-        ``sum(sizes[:r])`` of ``out`` (uint8, C-contiguous, ``sum(sizes)`` bytes). Every server gives the
-        same ``sizes``.
+        """Every server's ``piece`` of bytes, ``rank`` r's ``sizes[r]`` bytes at ``sum(sizes[:r])`` of ``out``
+        (uint8, C-contiguous, ``sum(sizes)`` bytes). Every server gives the same ``sizes``.
 
         Each server sends its piece once as GATHER packets (its ``owner``: its global number), which the
         aggregator (a tree: each level) relays to the others; a receiver asks for what it lacks with NACKs,
         and the call ends with a one-packet completion round through the reduce path once every server
-        holds every piece. A tree without owners (more than 128 servers): one SUM round of int32 lanes
-        that each hold 16 bits of the pieces, every other server contributing zeros there (exact)."""
+        holds every piece. A tree without owners (more than 128 servers): a SUM round (passing.numbering)."""
         sizes = [int(v) for v in sizes]
         self._check_numbered("all_gather")
         me = self.rank
@@ -439,41 +411,14 @@ class Group:
     def _run(self, call: Replay, out: np.ndarray, source: np.ndarray | None = None) -> None:
         """Put ``call`` on the wire once, reading ``source`` (default: its input), writing ``out``."""
         source = call.input if source is None else source
-        state = self.state
-        order = np.arange(state.servers) if state.order is None else state.order  # rank -> global number
         if call.kind == "gather":
             assert call.sizes is not None
-            starts = np.r_[0, np.cumsum(call.sizes)][:-1]
-            if not state.owner_only:  # a tree of more than 128 servers: no GATHER crosses it
-                self._gather_by_sums(source, call.sizes, starts, out)
-                return
-            by_number = np.empty(state.servers, np.int64)
-            by_number[order] = np.arange(state.servers)  # global number -> rank
-            GatherStream(state, self.recovery, self._silence_watch(), source,
-                         [call.sizes[r] for r in by_number]).run(out, starts[by_number], self.native)
-        elif call.kind == "scatter":  # each server's block padded to whole packets, in global number order
-            chunk = source.size // state.servers
-            per = -(-chunk // self.lanes)  # packets of each server's block
-            padded = np.zeros((state.servers, per * self.lanes), source.dtype)
-            padded[order, :chunk] = source.reshape(state.servers, chunk)
-            flat = padded.reshape(-1)
-            # OWNER_ONLY rounds, packet i's owner the server numbered i // per; a tree without owners: SUM rounds
-            self._reduce_path().run(flat, flat, call.op, owner_packets=per if state.owner_only else None)
-            out[:] = padded[state.number, :chunk]
+            numbering.gather(self.state, self.recovery, self._silence_watch(), self.native, self._reduce_path(), source,
+                             call.sizes, out)
+        elif call.kind == "scatter":
+            numbering.scatter(self.state, self._reduce_path(), source, out, call.op)
         else:
             self._reduce_path().run(source, out, call.op)
-
-    def _gather_by_sums(self, piece: np.ndarray, sizes: list[int], starts: np.ndarray, out: np.ndarray) -> None:
-        """An all_gather as one SUM round (a tree of more than 128 servers, whose owners the wire cannot
-        name): each 16 bits of the gathered bytes in an int32 lane, this server's piece at its place and
-        zeros elsewhere, so every lane's sum is the one server's bits there, exact and far from saturating."""
-        total = sum(sizes)
-        mine = np.zeros(total + total % 2, np.uint8)
-        me = self.rank
-        mine[starts[me] : starts[me] + sizes[me]] = piece
-        lanes = mine.view("<u2").astype(np.int32)
-        self._reduce_path().run(lanes, lanes, "sum")
-        out[:] = lanes.astype("<u2").view(np.uint8)[:total]
 
     def _reduce_path(self) -> ReducePath:
         return ReducePath(self.state, self.recovery, self._silence_watch(), self.native, self.scale, self.on_overflow)
