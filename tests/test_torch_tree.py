@@ -80,3 +80,16 @@ def test_fsdp2_fully_shard_across_two_racks_trains_as_on_gloo(tmp_path):
 
     check_fsdp_reports(run_across_racks(tmp_path, "tests.torch_sharded_worker", ["fsdp", "15", "0.3"], 4, 1, 360),
                        mode="tree")
+
+
+@pytest.mark.slow  # ~70 s: forty torch ranks and five services
+@pytest.mark.timeout(600)
+def test_forty_servers_across_two_racks_equal_gloo(tmp_path):
+    """More than one aggregator's 32 servers: 40 single-rank servers, 20 per rack, one group at the controller
+    placed as a tree of 40 (owners: at most 128); reduce_scatter and all_gather (every form) equal gloo's."""
+    reports = run_across_racks(tmp_path, "tests.torch_sharded_worker", ["collectives", "5"], 40, 1, 500)
+    for r in reports:
+        assert r["mode"] == "tree" and r["servers"] == 40
+        for c in r["checks"]:
+            assert c["streamed"] or c["empty"], f"not through PASSING: {c}"
+            assert c["exact"] if c["want_exact"] else c["error"] <= 1e-5 * max(1.0, c["scale"]), c
