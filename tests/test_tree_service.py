@@ -171,11 +171,36 @@ def test_a_leafs_group_takes_the_jobs_servers_and_numbers_and_refuses_what_it_ca
         with pytest.raises(ValueError, match="sizes must give 4 byte counts"):
             g.allgather_bytes(np.zeros(1, np.uint8), [1, 1], np.zeros(2, np.uint8))
     # the class round's counts: 6 bits up to 63 servers, 10 beyond (three counts of up to 1 023 in 30 bits)
-    assert nonfinite_shift(63) == 6 and nonfinite_shift(64) == 10 and nonfinite_shift(1024) == 10
+    assert nonfinite_shift(63) == 6 and nonfinite_shift(64) == 10 and nonfinite_shift(1023) == 10
     out = np.zeros(4, np.float32)
     classes = np.array([0, 900, 900 << 10, 1000 << 20], np.int32)  # none, NaN, +inf, -inf from many servers
     apply_nonfinite(out, classes, 10)
     assert out[0] == 0 and np.isnan(out[1]) and out[2] == np.inf and out[3] == -np.inf
+
+
+@pytest.mark.parametrize("servers", [63, 64, 1023, 1024])
+def test_the_class_round_counts_every_server_of_the_largest_tree(servers):
+    """Every server holding the same non-finite value at an element (a loss scale too high does that) must
+    give IEEE's answer: the class round's sums, taken here as an aggregator sums them (int32, each in range),
+    decode to the counts. 1 024 servers need 11-bit counts: two rounds (10 bits would read 1 024 NaN as +inf)."""
+    from passing.reduce_path import apply_nonfinite, nonfinite_classes, nonfinite_codes, nonfinite_shift
+
+    shift = nonfinite_shift(servers)
+    assert shift == (6 if servers < 64 else 10 if servers < 1024 else 11)
+    inputs = np.zeros((servers, 6), np.float32)
+    inputs[:, 1], inputs[:, 2], inputs[:, 3] = np.nan, np.inf, -np.inf  # on every server
+    inputs[0, 4], inputs[1:, 4] = np.inf, -np.inf  # +inf meets -inf: NaN
+    inputs[-1, 5] = np.nan  # on one server alone
+    rounds = [nonfinite_codes(x, shift) for x in inputs]
+    sums = []
+    for k in range(len(rounds[0])):
+        total = np.sum([r[k].astype(np.int64) for r in rounds], axis=0)
+        assert total.max() <= np.iinfo(np.int32).max  # an aggregator's int32 sum: no saturation
+        sums.append(total.astype(np.int32))
+    out = np.ones(6, np.float32)
+    apply_nonfinite(out, nonfinite_classes(sums, shift), shift)
+    assert out[0] == 1  # finite: left as the data round made it
+    assert np.isnan(out[1]) and out[2] == np.inf and out[3] == -np.inf and np.isnan(out[4]) and np.isnan(out[5])
 
 
 LEAF_OBJECT = {"job": 1, "pool": 4, "workers": ["10.0.0.1:2000", "10.0.0.2:2000"], "role": "leaf",
