@@ -154,9 +154,10 @@ def test_a_leafs_group_takes_the_jobs_servers_and_numbers_and_refuses_what_it_ca
     for numbering, error in [({"number": 40}, "number 40 outside 0..39"), ({"number": -1}, "outside"),
                              ({"numbers": list(range(40))}, "numbers without this server's number"),
                              ({"number": 3, "numbers": [0, 1, 2]}, "must order the job's 40 servers"),
-                             ({"number": 3, "numbers": [0] * 40}, "each of 0..39 once")]:
+                             ({"number": 3, "numbers": [0] * 40}, "each of 0..39 once"),
+                             ({"servers": 129, "number": 0}, "owner_only with 129 servers: owners are 7 bits")]:
         with pytest.raises(ValueError, match=error):
-            Group(1, 0, 2, ["127.0.0.1:9"], bind="127.0.0.1:0", servers=40, **numbering)
+            Group(1, 0, 2, ["127.0.0.1:9"], bind="127.0.0.1:0", **{"servers": 40, **numbering})
     with pytest.raises(ValueError, match="a flat group's server is numbered by its worker index 0"):
         Group(1, 0, 2, ["127.0.0.1:9"], bind="127.0.0.1:0", number=1)
     with Group(1, 0, 2, ["127.0.0.1:9"], bind="127.0.0.1:0", servers=40) as g:  # no number: allreduce only

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from . import wire
 from .gather_stream import GatherStream
 from .recovery import LossRecovery, SilenceWatch
 from .reduce_path import ReducePath
@@ -19,10 +20,13 @@ from .stream_state import StreamState
 
 
 def check_numbering(worker: int, workers: int, servers: int | None, number: int | None,
-                    numbers: Sequence[int] | None) -> np.ndarray | None:
-    """The rules of a group's numbers in the whole job (``Group``'s ``number`` and ``numbers``); the
-    order (``numbers`` as an array), None for the global order."""
+                    numbers: Sequence[int] | None, owner_only: bool = True) -> np.ndarray | None:
+    """The rules of a group's numbers in the whole job (``Group``'s ``number``, ``numbers`` and
+    ``owner_only``); the order (``numbers`` as an array), None for the global order."""
     total = workers if servers is None else servers
+    if owner_only and total > wire.MAX_OWNER + 1:
+        raise ValueError(f"owner_only with {total} servers: owners are 7 bits (at most {wire.MAX_OWNER + 1} "
+                         "servers); a larger tree reduce-scatters and all-gathers with owner_only=False")
     if number is None:
         if numbers is not None:
             raise ValueError("numbers without this server's number")

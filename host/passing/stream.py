@@ -132,7 +132,7 @@ class Group:
         if servers is not None and not workers <= servers <= MAX_SERVERS:
             raise ValueError(f"servers must be {workers}..{MAX_SERVERS} (the job's, at least this leaf's workers), "
                              f"got {servers}")
-        order = numbering.check_numbering(worker, workers, servers, number, numbers)
+        order = numbering.check_numbering(worker, workers, servers, number, numbers, owner_only)
         if scale != "auto" and not (isinstance(scale, (int, float)) and scale > 0):
             raise ValueError(f"scale must be 'auto' or a positive number, got {scale!r}")
         if on_overflow not in ("raise", "auto"):
