@@ -92,13 +92,10 @@ class TreePlacement:
         assert p.root is not None
         nodes = [_Node(r.node.name, "leaf", self._endpoint(r.node.name, r.node.aggregator)) for r in p.racks]
         nodes.append(_Node(p.root.name, "root", self._endpoint(p.root.name, p.root.aggregator)))
-        for n in nodes:
-            if n.ps.control in exclude:
-                raise TreeRefused(f"{n.role} {n.name!r} (PS {n.ps.control}) is down")
         added: list[_Node] = []
         try:
-            for n in nodes:
-                n.lanes = self._check(n)
+            for n in nodes:  # a node down (``exclude``) or failing its check is taken by a spare PS, if any
+                n.lanes = self._check_or_substitute(n, nodes, exclude)
             lanes = min(n.lanes for n in nodes)
             # the most workers any node of the tree has: a leaf's rack, or the root's leaves
             pool = pool or ps_pool(lanes, max([len(r.hosts) for r in p.racks] + [len(p.racks)]), self.default_pool)
@@ -142,6 +139,40 @@ class TreePlacement:
             raise TreeRefused(f"fabric node {node!r} is the switch, whose program takes no tree roles yet")
         return next(ps for ps in self.topo.ps if ps.data == data)  # the fabric names PSs of the topology
 
+    def _check_or_substitute(self, n: _Node, nodes: list[_Node], exclude: frozenset[str]) -> int:
+        """The node's lanes (``_check``); a node whose PS is down (in ``exclude``: a move leaves it) or fails
+        its check is given a spare instead (``spares``), each tried in turn; none left: TreeRefused."""
+        tried = [f"{n.role} {n.name!r} (PS {n.ps.control}) is down"] if n.ps.control in exclude else []
+        if not tried:
+            try:
+                return self._check(n)
+            except TreeRefused as e:
+                tried.append(str(e))
+        for spare in self.spares({m.ps.control for m in nodes} | exclude):
+            first = n.ps
+            n.ps = spare
+            try:
+                lanes = self._check(n)
+            except TreeRefused as e:
+                tried.append(f"spare {e}")
+                n.ps = first
+                continue
+            log.info("tree node %s (%s): PS %s instead of %s (%s)", n.name, n.role, spare.control, first.control,
+                     tried[0])
+            return lanes
+        raise TreeRefused("; ".join(tried) + ("" if len(tried) > 1 else ", and no spare PS is left"))
+
+    def spares(self, used: set[str]) -> list[PsEndpoint]:
+        """The PSs that may take a node of a tree in place of one that is down, in the order tried: the
+        topology's PSs that no node of the fabric names first (spares), then those of other nodes; never one
+        in ``used`` (the tree's other nodes, those down), and those that failed lately last."""
+        named = {node.aggregator for node in self.topo.fabric.nodes.values()} if self.topo.fabric else set()
+        with self.state.lock:
+            down, now = self.state.store.down(), time.time()
+        resting = {a for a, (_, retry_at, _) in down.items() if retry_at > now}
+        free = [ps for ps in self.topo.ps if ps.control not in used]
+        return sorted(free, key=lambda ps: (ps.control in resting, ps.data in named))
+
     def _check(self, n: _Node) -> int:
         """The node's lanes, once its `ping` states the role it is to take."""
         ping = self._request(n, "ping")
@@ -173,11 +204,12 @@ class TreePlacement:
                     self.state.ps_allocators[n.ps.control].release(n.base)
                     n.base = None
 
-    def teardown(self, r: Record, reachable: bool) -> None:
-        """(pool thread) Every node lets go of the group's job where it still answers; its slots go free."""
+    def teardown(self, r: Record, down: frozenset[str] = frozenset()) -> None:
+        """(pool thread) Every node lets go of the group's job where it still answers (``down``: the PSs known
+        dead, not asked); its slots go free."""
         for node in nodes_of(r):
-            if not reachable:
-                break
+            if node["control"] in down:
+                continue
             try:
                 self.ps.request(node["control"], "remove_job", job=r.job_id)
             except (OSError, RequestError) as e:  # a dead PS holds nothing: the group ends anyway

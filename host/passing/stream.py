@@ -476,7 +476,7 @@ class Group:
         return True
 
     def _move_to(self, answer: dict[str, Any]) -> None:
-        """The group's new allocation (the controller's move answer): same address, same workers
+        """The group's new allocation (the controller's move answer): same address, same servers
         (passing.stream_state.StreamState.move_to)."""
         self.state.move_to(answer)
         self.moves += 1

@@ -117,8 +117,15 @@ class StreamState:
         self.stripes: list[Any] = []  # passing.stripes.Stripe: the group's streams beyond this one (Group(streams=))
 
     def move_to(self, answer: dict[str, Any]) -> None:
-        """The new allocation of a move answer: same address, same workers; a socket sized for the new
-        aggregator's packets when their lane count differs (a PS of another MTU)."""
+        """The new allocation of a move answer: same address, the same servers; a socket sized for the new
+        aggregator's packets when their lane count differs (a PS of another MTU). A tree's group may move
+        to one aggregator, or a flat one to a tree, so the worker's index and the workers at its aggregator
+        are the answer's (docs/control.md, Failover); the servers of the whole job never change."""
+        workers = int(answer["workers"])
+        servers = int(answer.get("servers", workers))
+        if servers != self.servers or not 0 <= int(answer["worker"]) < workers <= servers:
+            raise PassingError(f"a move to {servers} servers (worker {answer['worker']} of {workers} at its "
+                             f"aggregator) for a group of {self.servers}")
         lanes = int(answer["lanes"])
         if lanes != self.lanes:
             address, stats, offload = self.socket.address, self.socket.stats, self.socket.gso
@@ -127,6 +134,7 @@ class StreamState:
             self.socket.stats = stats
             self.lanes = lanes
         self.job, self.generation = int(answer["job_id"]), int(answer["generation"])
+        self.worker, self.workers = int(answer["worker"]), workers
         self.aggregators = aggregators_of(answer)
         self.aggregator_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
         self.next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
