@@ -1,0 +1,94 @@
+"""DDP across two racks survives a leaf and then the root being killed (docs/reliability.md): four servers of
+one rank each, two per rack (each server its own 127.x address; tests/test_controller_tree.Services: a PS leaf
+per rack, a PS root, two spare PSs, the real controller), backend "passing" placed as a tree. Rack 0's leaf is
+SIGKILLed past rank 0's fifth step; once the controller has moved every group off it, the root is SIGKILLed
+too. Each time the groups move to a tree with a spare in the lost node's place, and the training ends as
+the same training on gloo does: the ranks' parameters identical at every check, loss and accuracy as gloo's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed (pip install -e 'host[test]')")
+pytest.importorskip("sklearn", reason="scikit-learn is not installed (pip install -e 'host[test]')")
+
+from cluster.local import collect, launch_ranks  # noqa: E402
+from tests.keys import ask  # noqa: E402
+from tests.test_controller_tree import Services, host_ip  # noqa: E402
+from tests.test_torch_failover import check_training  # noqa: E402
+from tests.zygote import torch_ranks  # noqa: E402
+
+WORKER = [sys.executable, "-m", "tests.torch_worker"]
+EPOCHS, SERVERS = 8, 4
+
+
+def running(procs: list) -> bool:
+    """True while every rank runs; a rank that ended says why."""
+    for rank, p in enumerate(procs):
+        if p.poll() is not None:
+            raise AssertionError(f"rank {rank} ended ({p.returncode}) too soon:\n{p.communicate()[1][-3000:]}")
+    return True
+
+
+def on_node(control: str, endpoint: str) -> bool:
+    """Whether some group still has a node of its tree on the PS of ``control``."""
+    return any(n["control"] == control for j in ask(endpoint, "status")["jobs"] for n in j.get("tree", []))
+
+
+@pytest.mark.slow  # two DDP trainings of four ranks, seven services
+@pytest.mark.timeout(600)
+def test_ddp_across_two_racks_survives_a_leaf_and_the_root_killed(tmp_path):
+    hosts = {"env_for_server": lambda s: {"PASSING_HOST": host_ip(s % 2, s // 2)}, "popen_for_server": torch_ranks}
+    gloo = collect(launch_ranks([*WORKER, "ddp_gloo", str(EPOCHS)], SERVERS, 1, {"PASSING_CONTROLLER": ""},
+                                **hosts), 300)
+    for rank, (rc, report, stderr) in enumerate(gloo):
+        assert rc == 0 and report is not None, f"gloo rank {rank} failed ({rc}):\n{stderr[-3000:]}"
+    services = Services(tmp_path, spares=2)
+    marker = tmp_path / "training"
+    leaf, root = services.ready[0]["control"], services.ready[2]["control"]
+    try:
+        procs = launch_ranks([*WORKER, "ddp_fault", str(EPOCHS)], SERVERS, 1,
+                             {"PASSING_CONTROLLER": services.endpoint, "PASSING_TIMEOUT": "60",
+                              "PASSING_FAILOVER_AFTER": "1", "PASSING_TEST_MARKER": str(marker),
+                              "PYTHONFAULTHANDLER": "1"}, **hosts)
+        try:
+            while not marker.exists():  # rank 0 is past its fifth training step
+                assert running(procs)
+                time.sleep(0.05)
+            assert on_node(leaf, services.endpoint)
+            kills = [time.time()]
+            os.kill(services.procs[0].pid, signal.SIGKILL)
+            while on_node(leaf, services.endpoint):  # every group moved off the dead leaf
+                assert running(procs)
+                time.sleep(0.05)
+            assert on_node(root, services.endpoint)
+            kills.append(time.time())
+            os.kill(services.procs[2].pid, signal.SIGKILL)
+            while on_node(root, services.endpoint):
+                assert running(procs)
+                time.sleep(0.05)
+            trees = [j for j in ask(services.endpoint, "status")["jobs"] if j["mode"] == "tree"]
+            outcomes = collect(procs, 300)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        for rank, (rc, report, stderr) in enumerate(outcomes):
+            assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
+        reports = [report for _, report, _ in outcomes]
+        print(f"kills at {kills[0] - reports[0]['passing']['started']:.1f} s and "
+              f"{kills[1] - reports[0]['passing']['started']:.1f} s of the training")
+        check_training(reports, [report["gloo"] for _, report, _ in gloo])
+        assert all(r["passing"]["started"] < kills[0] < kills[1] < r["passing"]["ended"] for r in reports), \
+            "not mid-training"
+        assert all(r["mode"] == "tree" and r["moves"] >= 2 and not r["on_gloo"] for r in reports), reports
+        spares = [r["data"] for r in services.ready[3:]]
+        assert trees and all([n["data"] for n in j["tree"]] == [spares[0], services.ready[1]["data"], spares[1]]
+                             for j in trees), trees
+    finally:
+        services.stop()
