@@ -216,3 +216,53 @@ def test_a_silent_leaf_with_no_spare_moves_the_group_to_one_ps(tmp_path):
             assert held == ({str(job["job_id"])} if data_of[control] == job["aggregator"] else set()), (control, held)
     finally:
         finish(services, 0)
+
+
+@pytest.mark.slow  # 40 worker threads with heartbeats
+@pytest.mark.timeout(180)
+def test_a_tree_of_more_than_32_with_no_spare_ends_with_the_reason(tmp_path):
+    """40 servers (20 per rack), the root SIGKILLed and no spare: the tree cannot be placed again and no one
+    aggregator takes 40, so every worker gets GroupFailed naming the root and why, within the bound, and
+    every slot of the old allocation is free."""
+    workers = 40
+    services = Services(tmp_path)
+    ports = free_udp_ports(workers)
+    data = [np.arange(64, dtype=np.int32) * (w + 1) for w in range(workers)]
+    struck = threading.Event()
+
+    def work(w: int) -> object:
+        ip = host_ip(w % 2, w // 2)
+        answer = join(services.endpoint, "wide", w, workers, host=ip, udp_port=ports[w], pool=4, timeout=60)
+        line = Failover(services.endpoint, "wide", 0, w, answer["token"], after=AFTER, heartbeat=HEARTBEAT_SECONDS)
+        with Group.from_answer(answer, bind=(ip, ports[w]), timeout=60, failover=line) as g:
+            first = g.allreduce(data[w])
+            if w == 0:
+                os.kill(services.procs[2].pid, signal.SIGKILL)
+                struck.set()
+            assert struck.wait(30)
+            start = time.monotonic()
+            try:
+                g.allreduce(data[w])
+            except GroupFailed as e:
+                return first, e, time.monotonic() - start
+            return first, None, time.monotonic() - start
+
+    try:
+        outcomes = run_threads(work, workers, timeout=150)
+        flat = np.sum(data, axis=0)
+        for w, outcome in enumerate(outcomes):
+            assert isinstance(outcome, tuple), f"worker {w}: {outcome!r}"
+            first, error, seconds = outcome
+            assert np.array_equal(first, flat)
+            assert isinstance(error, GroupFailed), (w, error)
+            assert "no aggregator left" in str(error) and f"PS {services.ready[2]['control']}" in str(error), error
+            assert "a group on one aggregator takes at most 32" in str(error) and "no spare PS" in str(error), error
+            assert seconds <= BOUND, seconds
+        print(f"40 servers, root killed, no spare: GroupFailed in {max(o[2] for o in outcomes):.1f} s at most")
+        status = ask(services.endpoint, "status")
+        assert status["jobs"] == []
+        used = {a["aggregator"]: a["slots"] - a["free_slots"] for a in ask(services.endpoint, "metrics")["aggregators"]}
+        assert set(used.values()) == {0}, used
+        assert_freed(services.ready[:2])
+    finally:
+        services.stop()

@@ -140,38 +140,40 @@ class TreePlacement:
         return next(ps for ps in self.topo.ps if ps.data == data)  # the fabric names PSs of the topology
 
     def _check_or_substitute(self, n: _Node, nodes: list[_Node], exclude: frozenset[str]) -> int:
-        """The node's lanes (``_check``); a node whose PS is down (in ``exclude``: a move leaves it) or fails
-        its check is given a spare instead (``spares``), each tried in turn; none left: TreeRefused."""
-        tried = [f"{n.role} {n.name!r} (PS {n.ps.control}) is down"] if n.ps.control in exclude else []
-        if not tried:
-            try:
-                return self._check(n)
-            except TreeRefused as e:
-                tried.append(str(e))
-        for spare in self.spares({m.ps.control for m in nodes} | exclude):
-            first = n.ps
-            n.ps = spare
+        """The node's lanes (``_check``), on its own PS or a spare (``spares``): a PS that is down (in
+        ``exclude``: a move leaves it) is not tried, one that failed lately is tried after the spares, any
+        other first. None answers: TreeRefused, saying why for each."""
+        own, resting = n.ps, self._resting()
+        spares = self.spares({m.ps.control for m in nodes} | exclude)
+        tried = [f"{n.role} {n.name!r} (PS {own.control}) is down"] if own.control in exclude else []
+        order = spares if tried else [*spares, own] if own.control in resting else [own, *spares]
+        for ps in order:
+            n.ps = ps
             try:
                 lanes = self._check(n)
             except TreeRefused as e:
-                tried.append(f"spare {e}")
-                n.ps = first
+                tried.append(str(e) if ps is own else f"spare {e}")
                 continue
-            log.info("tree node %s (%s): PS %s instead of %s (%s)", n.name, n.role, spare.control, first.control,
-                     tried[0])
+            if ps is not own:
+                log.info("tree node %s (%s): PS %s instead of %s", n.name, n.role, ps.control, own.control)
             return lanes
-        raise TreeRefused("; ".join(tried) + ("" if len(tried) > 1 else ", and no spare PS is left"))
+        n.ps = own
+        raise TreeRefused("; ".join(tried) + ("" if spares else ", and no spare PS is left"))
 
     def spares(self, used: set[str]) -> list[PsEndpoint]:
-        """The PSs that may take a node of a tree in place of one that is down, in the order tried: the
-        topology's PSs that no node of the fabric names first (spares), then those of other nodes; never one
-        in ``used`` (the tree's other nodes, those down), and those that failed lately last."""
+        """The PSs that may take a node of a tree in place of its own, in the order tried: the topology's PSs
+        that no node of the fabric names first (spares), then those of other nodes; never one in ``used``
+        (the tree's other nodes, those down), and those that failed lately last."""
         named = {node.aggregator for node in self.topo.fabric.nodes.values()} if self.topo.fabric else set()
-        with self.state.lock:
-            down, now = self.state.store.down(), time.time()
-        resting = {a for a, (_, retry_at, _) in down.items() if retry_at > now}
+        resting = self._resting()
         free = [ps for ps in self.topo.ps if ps.control not in used]
         return sorted(free, key=lambda ps: (ps.control in resting, ps.data in named))
+
+    def _resting(self) -> set[str]:
+        """The PSs that failed lately (marked down, not yet due for a retry)."""
+        with self.state.lock:
+            down, now = self.state.store.down(), time.time()
+        return {a for a, (_, retry_at, _) in down.items() if retry_at > now}
 
     def _check(self, n: _Node) -> int:
         """The node's lanes, once its `ping` states the role it is to take."""

@@ -125,7 +125,7 @@ class StreamState:
         servers = int(answer.get("servers", workers))
         if servers != self.servers or not 0 <= int(answer["worker"]) < workers <= servers:
             raise PassingError(f"a move to {servers} servers (worker {answer['worker']} of {workers} at its "
-                             f"aggregator) for a group of {self.servers}")
+                               f"aggregator) for a group of {self.servers}")
         lanes = int(answer["lanes"])
         if lanes != self.lanes:
             address, stats, offload = self.socket.address, self.socket.stats, self.socket.gso
