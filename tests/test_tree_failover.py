@@ -268,3 +268,37 @@ def test_a_tree_of_more_than_32_with_no_spare_ends_with_the_reason(tmp_path):
         assert_freed(services.ready[:2])
     finally:
         services.stop()
+
+
+@pytest.mark.slow  # waits out the dead leaf's ping (--ps-timeout 2 s)
+@pytest.mark.timeout(120)
+def test_a_join_finds_a_leaf_down_and_places_the_tree_with_the_spare(tmp_path):
+    """A rack's leaf that does not answer at the join: the spare takes its place, the group runs as a tree
+    (not flat, as with no spare: test_controller_tree), and every worker gets the exact sum."""
+    services = Services(tmp_path, spares=1)
+    try:
+        services.procs[0].terminate()
+        services.procs[0].wait(10)
+        ports = free_udp_ports(4)
+        data = [np.full(100, w + 1, dtype=np.int32) for w in range(4)]
+
+        def work(w: int) -> tuple[dict, np.ndarray]:
+            ip = host_ip(w % 2, w // 2)
+            answer = join(services.endpoint, "spare", w, 4, host=ip, udp_port=ports[w], pool=4, timeout=30)
+            try:
+                with Group.from_answer(answer, bind=(ip, ports[w]), timeout=10) as g:
+                    return answer, g.allreduce(data[w])
+            finally:
+                leave(services.endpoint, "spare", 0, w, answer["token"])
+
+        spare = services.ready[3]["data"]
+        for w, result in enumerate(run_threads(work, 4)):
+            assert isinstance(result, tuple), result
+            answer, got = result
+            assert answer["mode"] == "tree" and answer["leaf"] == f"rack{w % 2}", answer
+            leaf = f"{answer['aggregators'][0]['host']}:{answer['aggregators'][0]['port']}"
+            assert leaf == (spare if w % 2 == 0 else services.ready[1]["data"]), (w, leaf)
+            assert np.array_equal(got, np.full(100, 10, dtype=np.int32))
+        assert_freed(services.ready[1:])
+    finally:
+        services.stop()
