@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,17 +209,21 @@ class TreePlacement:
 
     def teardown(self, r: Record, down: frozenset[str] = frozenset()) -> None:
         """(pool thread) Every node lets go of the group's job where it still answers (``down``: the PSs known
-        dead, not asked); its slots go free."""
-        for node in nodes_of(r):
-            if node["control"] in down:
-                continue
-            try:
-                self.ps.request(node["control"], "remove_job", job=r.job_id)
-            except (OSError, RequestError) as e:  # a dead PS holds nothing: the group ends anyway
-                with self.state.lock:
-                    self.state.store.mark_down(node["control"], str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
-                log.warning("PS %s (%s %s) did not remove job id %d: %s", node["control"], node["role"],
-                            node["name"], r.job_id, e)
+        dead, not asked); its slots go free. The nodes are asked at once: a dead one that no check has found
+        yet (a group idle while it died) costs one request's timeout, however many there are."""
+        nodes = [node for node in nodes_of(r) if node["control"] not in down]
+        if nodes:
+            with ThreadPoolExecutor(len(nodes)) as pool:
+                list(pool.map(lambda node: self._remove(node, r.job_id), nodes))
+
+    def _remove(self, node: dict[str, Any], job_id: int) -> None:
+        try:
+            self.ps.request(node["control"], "remove_job", job=job_id)
+        except (OSError, RequestError) as e:  # a dead PS holds nothing: the group ends anyway
+            with self.state.lock:
+                self.state.store.mark_down(node["control"], str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
+            log.warning("PS %s (%s %s) did not remove job id %d: %s", node["control"], node["role"], node["name"],
+                        job_id, e)
 
     def release(self, r: Record) -> None:
         """(lock held) The slots of every node of a tree record."""
