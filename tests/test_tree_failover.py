@@ -47,9 +47,9 @@ class Run:
     ``strike()`` runs (on a timer, so the calls are in flight) as worker 0 starts call STRIKE_AT. Worker 0 reads
     the controller's status and every PS's jobs once its calls are done, before anyone leaves."""
 
-    def __init__(self, services: Services, job: str, data: list[list[np.ndarray]], strike: Callable[[], None]
-                 ) -> None:
-        self.services, self.job, self.data, self.strike = services, job, data, strike
+    def __init__(self, services: Services, job: str, data: list[list[np.ndarray]], strike: Callable[[], None],
+                 call: Callable[[Group, np.ndarray], np.ndarray] = Group.allreduce) -> None:
+        self.services, self.job, self.data, self.strike, self.call = services, job, data, strike, call
         self.first: dict = {}  # worker 0's join answer
         self.after: dict = {}  # the status, and the jobs each PS holds, once worker 0 is done
         self.done = threading.Barrier(len(data), timeout=120)
@@ -79,7 +79,7 @@ class Run:
                     threading.Timer(0.002, self.strike).start()
                 start = time.monotonic()
                 try:
-                    results.append(g.allreduce(x))
+                    results.append(self.call(g, x))
                 except GroupFailed as e:
                     results.append(e)
                     break
@@ -109,16 +109,18 @@ class Run:
         return outcomes
 
 
-def check_exact(data: list[list[np.ndarray]], outcomes: list) -> float:
-    """Every worker's every result the exact sum; every worker moved once. Returns the longest call."""
-    expected = [np.sum([d[k] for d in data], axis=0) for k in range(CALLS)]
+def check_exact(data: list[list[np.ndarray]], outcomes: list, expect: Callable | None = None) -> float:
+    """Every worker's every result exact (``expect(w, k)``, default: the sum of call k); every worker moved
+    once. Returns the longest call."""
+    sums = [np.sum([d[k] for d in data], axis=0) for k in range(CALLS)]
+    expect = expect or (lambda w, k: sums[k])
     for w, outcome in enumerate(outcomes):
         assert isinstance(outcome, tuple), f"worker {w}: {outcome!r}"
         _, results, moves, _, _ = outcome
         assert len(results) == CALLS, results[-1]
         for k, got in enumerate(results):
             assert isinstance(got, np.ndarray), f"worker {w} call {k}: {got!r}"
-            assert np.array_equal(got, expected[k]), (w, k)
+            assert np.array_equal(got, expect(w, k)), (w, k)
         assert moves == 1, (w, moves)
     return max(max(o[3]) for o in outcomes)
 
@@ -138,11 +140,11 @@ def strike_with(services: Services, index: int, sig: signal.Signals, run_box: li
     return strike
 
 
-def run_struck(tmp_path: Path, spares: int, index: int, sig: signal.Signals, job: str, workers: int = 4
-               ) -> tuple[Services, Run, list]:
+def run_struck(tmp_path: Path, spares: int, index: int, sig: signal.Signals, job: str, workers: int = 4,
+               call: Callable[[Group, np.ndarray], np.ndarray] = Group.allreduce) -> tuple[Services, Run, list]:
     services = Services(tmp_path, spares=spares)
     box: list = []
-    run = Run(services, job, inputs(workers), strike_with(services, index, sig, box))
+    run = Run(services, job, inputs(workers), strike_with(services, index, sig, box), call)
     box.append(run)
     try:
         outcomes = run.run()
@@ -302,3 +304,28 @@ def test_a_join_finds_a_leaf_down_and_places_the_tree_with_the_spare(tmp_path):
         assert_freed(services.ready[1:])
     finally:
         services.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["reduce_scatter", "allgather"])
+def test_sharded_calls_through_a_leaf_killed_with_no_spare_keep_the_callers_order(tmp_path, kind):
+    """The racks interleave the group (workers 0, 2 under rack0; 1, 3 under rack1), so the tree numbers its
+    servers 0, 2, 1, 3 and the flat PS it moves to (rack0's leaf SIGKILLed, no spare) 0, 1, 2, 3: every
+    reduce_scatter block and every all_gather piece stays in the caller's order (the join's worker) through
+    the move, and exact."""
+    call = Group.reduce_scatter if kind == "reduce_scatter" else Group.allgather
+    services, run, outcomes = run_struck(tmp_path, 0, 0, signal.SIGKILL, f"sharded-{kind}", call=call)
+    try:
+        def expect(w: int, k: int) -> np.ndarray:
+            if kind == "allgather":
+                return np.stack([d[k] for d in run.data])
+            return np.split(np.sum([d[k] for d in run.data], axis=0), 4)[w]
+
+        longest = check_exact(run.data, outcomes, expect)
+        print(f"{kind}, rack0 SIGKILLed, no spare: the interrupted call {longest:.1f} s")
+        assert longest <= BOUND
+        assert the_job(run)["mode"] == "ps"
+        assert [o[0]["number"] for o in outcomes] == [0, 2, 1, 3]  # the tree's numbers before the move
+    finally:
+        finish(services, 0)
