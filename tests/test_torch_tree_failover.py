@@ -1,10 +1,10 @@
-"""DDP across two racks survives a leaf and then the root being killed (docs/reliability.md): four servers of
-one rank each, two per rack (each server its own 127.x address; tests/test_controller_tree.Services: a PS leaf
-per rack, a PS root, two spare PSs, the real controller), backend "passing" placed as a tree. Rack 0's leaf is
-SIGKILLed past rank 0's fifth step; once the controller has moved the training's group off it, the root is SIGKILLed
-too. Each time the groups move to a tree with a spare in the lost node's place, and the training ends as
-the same training on gloo does: the ranks' parameters identical at every check, loss and accuracy as gloo's.
-DDP's construction checks the parameters with an all_gather: across racks since issue 47's hosts part."""
+"""DDP and FSDP2 across two racks survive a leaf and the root being struck (docs/reliability.md): four
+servers of one rank each, two per rack (each server its own 127.x address; tests/test_controller_tree.Services:
+a PS leaf per rack, a PS root, spare PSs, the real controller), backend "passing" placed as a tree. DDP: rack
+0's leaf is SIGKILLed past rank 0's fifth step; once the controller has moved the training's group off it,
+the root is SIGKILLed too; each time the group moves to a tree with a spare in the lost node's place, and
+the training ends as the same training on gloo does: the ranks' parameters identical at every check, loss
+and accuracy as gloo's. FSDP2: a leaf killed, or the root hung, mid-step; every step's loss is gloo's."""
 
 from __future__ import annotations
 
@@ -95,4 +95,52 @@ def test_ddp_across_two_racks_survives_a_leaf_and_the_root_killed(tmp_path):
         assert any([n["data"] for n in j["tree"]] == [spares[0]["data"], services.ready[1]["data"], spares[1]["data"]]
                    for j in trees), trees
     finally:
+        services.stop()
+
+
+@pytest.mark.slow  # an FSDP2 training on passing and on gloo in four ranks, five services
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("node, index, how, phase", [("rack0", 0, "SIGKILL", "backward"),
+                                                     ("spine", 2, "SIGSTOP", "forward")])
+def test_fsdp2_across_two_racks_with_a_node_struck_trains_as_on_gloo(tmp_path, node, index, how, phase):
+    """FSDP2 (`fully_shard`: reduce_scatter and all_gather across the racks, by the servers' numbers) on
+    four servers of one rank, the racks interleaved; rack 0's leaf SIGKILLed before step 3's backward, or the
+    root SIGSTOPped (hung) before step 3's forward: the group in flight moves to a tree with the spare in that
+    node's place, and every step's loss is gloo's."""
+    from tests.test_torch_sharded import WORKER as SHARDED_WORKER
+    from tests.test_torch_sharded import check_fsdp_reports, wait_for
+
+    services = Services(tmp_path, spares=1)
+    marker = tmp_path / "strike"
+    victim = services.procs[index]
+    try:
+        procs = launch_ranks([*SHARDED_WORKER, "fsdp_fault", "15", "0.3", phase, "3"], SERVERS, 1,
+                             {"PASSING_CONTROLLER": services.endpoint, "PASSING_TIMEOUT": "60",
+                              "PASSING_FAILOVER_AFTER": "1", "PASSING_TEST_MARKER": str(marker)},
+                             env_for_server=lambda s: {"PASSING_HOST": host_ip(s % 2, s // 2)},
+                             popen_for_server=torch_ranks)
+        try:
+            wait_for(marker, procs, 300)
+            os.kill(victim.pid, getattr(signal, how))
+            marker.with_suffix(".done").touch()
+            while not on_node(services.ready[3]["control"], services.endpoint):  # the spare took the node
+                assert running(procs)
+                time.sleep(0.05)
+            outcomes = collect(procs, 400)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        failed = [f"rank {rank} ({rc}):\n{stderr[-2500:]}" for rank, (rc, report, stderr) in enumerate(outcomes)
+                  if rc != 0 or report is None]
+        assert not failed, "\n".join(failed)
+        reports = [report for _, report, _ in outcomes]
+        seconds = max(r["passing"]["seconds"] for r in reports)
+        print(f"FSDP2 across racks, {node} {how} before step 3's {phase}: {seconds:.1f} s for 15 steps; "
+              f"moves {[r['moves'] for r in reports]}")
+        check_fsdp_reports(reports, mode="tree")
+        assert all(r["moves"] >= 1 and not r["on_gloo"] for r in reports), reports
+    finally:
+        if victim.poll() is None:
+            os.kill(victim.pid, signal.SIGKILL)
         services.stop()
