@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import wire
+from .errors import PassingError
 from .gather_stream import GatherStream
 from .recovery import LossRecovery, SilenceWatch
 from .reduce_path import ReducePath
@@ -41,6 +42,22 @@ def check_numbering(worker: int, workers: int, servers: int | None, number: int 
     if order.size != total or not np.array_equal(np.sort(order), np.arange(total)):
         raise ValueError(f"numbers must order the job's {total} servers (each of 0..{total - 1} once)")
     return order
+
+
+def check_move(state: StreamState, answer: dict) -> np.ndarray | None:
+    """The rules of a move answer (docs/control.md, Failover): the same servers as before, this server's
+    index within its new aggregator's workers (a tree's group may move to one PS, or a flat one to a tree),
+    and its numbers (``check_numbering``); their order. PassingError if it does not fit."""
+    workers, worker = int(answer["workers"]), int(answer["worker"])
+    servers = int(answer.get("servers", workers))
+    try:
+        if servers != state.servers or not 0 <= worker < workers:
+            raise ValueError(f"worker {worker} of {workers}, the job's {servers} servers (this group has "
+                             f"{state.servers})")
+        return check_numbering(worker, workers, servers, answer.get("number"), answer.get("numbers"),
+                               bool(answer.get("owner_only", True)))
+    except ValueError as e:
+        raise PassingError(f"job {state.job} worker {state.worker}: a move answer that does not fit: {e}") from None
 
 
 def rank_of(state: StreamState) -> int:

@@ -494,7 +494,6 @@ class Group:
         return True
 
     def _move_to(self, answer: dict[str, Any]) -> None:
-        """The group's new allocation (the controller's move answer): same address, same workers
-        (passing.stream_state.StreamState.move_to)."""
-        self.state.move_to(answer)
+        """The group's new allocation (a move answer, checked by passing.numbering.check_move)."""
+        self.state.move_to(answer, numbering.check_move(self.state, answer))
         self.moves += 1

@@ -122,9 +122,12 @@ class StreamState:
         self.socket = socket
         self.stripes: list[Any] = []  # passing.stripes.Stripe: the group's streams beyond this one (Group(streams=))
 
-    def move_to(self, answer: dict[str, Any]) -> None:
-        """The new allocation of a move answer: same address, same workers; a socket sized for the new
-        aggregator's packets when their lane count differs (a PS of another MTU)."""
+    def move_to(self, answer: dict[str, Any], order: np.ndarray | None) -> None:
+        """The new allocation of a move answer (checked by passing.stream.Group: the same servers; ``order``
+        its numbers' order, passing.numbering): same address; a socket sized for the new aggregator's packets
+        when their lane count differs (a PS of another MTU). A tree's group may move to one PS, so this
+        server's index, the workers at its aggregator and its number are the answer's (docs/control.md,
+        Failover)."""
         lanes = int(answer["lanes"])
         if lanes != self.lanes:
             address, stats, offload = self.socket.address, self.socket.stats, self.socket.gso
@@ -133,10 +136,10 @@ class StreamState:
             self.socket.stats = stats
             self.lanes = lanes
         self.job, self.generation = int(answer["job_id"]), int(answer["generation"])
-        if "number" in answer:  # a tree's answer numbers the servers again (a flat one keeps the worker's)
-            self.servers, self.number = int(answer["servers"]), int(answer["number"])
-            self.owner_only = bool(answer.get("owner_only", True))
-            self.order = np.array(answer["numbers"], np.int64) if answer.get("numbers") is not None else None
+        self.worker, self.workers = int(answer["worker"]), int(answer["workers"])
+        # a tree's answer numbers the servers (this one's number, every one's); in a flat one each is its worker
+        self.number, self.order = int(answer.get("number", self.worker)), order
+        self.owner_only = bool(answer.get("owner_only", True))
         self.aggregators = aggregators_of(answer)
         self.aggregator_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
         self.next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
