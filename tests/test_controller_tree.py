@@ -37,14 +37,21 @@ def host_ip(rack: int, i: int) -> str:
 
 class Services:
     """Three software aggregators (leaf0, leaf1, root: ``ready`` lines, ``procs``) and the controller
-    (``endpoint``, procs[3]) on a fabric of two racks of 20 hosts; a PS that does not answer in 2 s is down."""
+    (``endpoint``, procs[3]) on a fabric of two racks of 20 hosts; a PS that does not answer in 2 s is down.
+    ``spares``: more PSs in the topology that no node of the fabric names (``spare_procs``, their ready lines
+    ``ready[3:]``), which may take a node's place (docs/control.md, Failover)."""
 
-    def __init__(self, workdir: Path) -> None:
-        self.workdir, self.procs, self.ready = workdir, [], []
+    def __init__(self, workdir: Path, spares: int = 0) -> None:
+        self.workdir, self.procs, self.ready, self.spare_procs = workdir, [], [], []
+        for _ in range(spares):
+            proc, line = start_aggregator()
+            self.spare_procs.append(proc)
+            self.ready.append(line)
         for _ in range(3):
             proc, line = start_aggregator()
             self.procs.append(proc)
             self.ready.append(line)
+        self.ready = self.ready[spares:] + self.ready[:spares]  # leaf0, leaf1, root, then the spares
         self.topology = {"ps": [{"data": r["data"], "control": r["control"]} for r in self.ready], "fabric": [
             *({"name": f"rack{k}", "ps": self.ready[k]["data"], "hosts": [host_ip(k, i) for i in range(20)],
                "uplink": "spine"} for k in range(2)),
@@ -62,7 +69,7 @@ class Services:
         self.procs[3] = self._controller()
 
     def stop(self) -> None:
-        for proc in self.procs:
+        for proc in self.procs + self.spare_procs:
             proc.terminate()
             try:
                 proc.wait(10)
@@ -168,6 +175,7 @@ def test_more_than_32_workers_across_two_racks(fabric):
     for w, a in answers.items():
         assert a["mode"] == "tree" and a["servers"] == workers and a["workers"] == 20 and a["owner_only"]
         assert a["leaf"] == f"rack{w % 2}" and a["worker"] == w // 2 and a["number"] == (w % 2) * 20 + w // 2
+        assert a["numbers"] == [(v % 2) * 20 + v // 2 for v in range(workers)]  # every worker's, in group order
         assert f"{a['aggregators'][0]['host']}:{a['aggregators'][0]['port']}" == leaf_data[a["leaf"]]
     assert_freed(ready)
     assert ask(endpoint, "status")["jobs"] == []

@@ -155,3 +155,28 @@ def test_status_shows_the_fabric(tmp_path):
         finally:
             ctl.stop()
             thread.join(10)
+
+
+def test_a_tree_nodes_spares_come_in_order(tmp_path):
+    """The PSs that may take a tree node's place (tree_placement.TreePlacement.spares): those no fabric node
+    names first, then the other nodes'; never one the tree uses or that is down; one that failed lately last."""
+    import time
+
+    from passing_controller.state import State
+    from passing_controller.tree_placement import TreePlacement
+
+    ps = [{"data": d, "control": f"tcp://127.0.0.1:{9 + i}"} for i, d in enumerate(PS)]
+    topo = Topology.from_dict({"ps": ps, "fabric": [
+        {"name": "rack1", "ps": PS[0], "hosts": ["10.0.1.1"], "uplink": "spine"},
+        {"name": "rack2", "ps": PS[1], "hosts": ["10.0.2.1"], "uplink": "spine"},
+        {"name": "spine", "ps": PS[3]}]})  # PS[2]: a spare, named by no node
+    state = State(tmp_path / "store.sqlite", 0, [p.control for p in topo.ps])
+    trees = TreePlacement(topo, state, None, 8)  # type: ignore[arg-type]  (spares asks no PS)
+    control = {p.data: p.control for p in topo.ps}
+    # rack1's PS is down and the tree uses rack2's and the spine's: the spare alone
+    assert [p.data for p in trees.spares({control[PS[0]], control[PS[1]], control[PS[3]]})] == [PS[2]]
+    # a tree of rack1 and the spine: the spare first, then rack2's
+    assert [p.data for p in trees.spares({control[PS[0]], control[PS[3]]})] == [PS[2], PS[1]]
+    state.store.mark_down(control[PS[2]], "no answer", time.time(), 30.0)  # the spare failed lately: last
+    assert [p.data for p in trees.spares({control[PS[0]], control[PS[3]]})] == [PS[1], PS[2]]
+    state.close()

@@ -555,6 +555,7 @@ def main() -> None:
     import signal
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # cluster.local.collect asks before it kills
+    faulthandler.enable(all_threads=True)  # a crash says where (a forked rank never read PYTHONFAULTHANDLER)
     scenario, args = sys.argv[1], sys.argv[2:]
     if "--explicit" in args:
         args.remove("--explicit")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import counters, schema
@@ -27,6 +28,7 @@ from .serve import InPool, Reply
 from .state import PendingGroup, State, allocation_key
 from .store import Record, StoreError
 from .switch import SWITCH_RETRY_SECONDS, SwitchLink
+from .tree_placement import nodes_of, worker_answer
 
 log = logging.getLogger("passing_controller")
 
@@ -166,55 +168,63 @@ class Failover:
 
     @staticmethod
     def _decision_for(decision: dict, worker: int) -> dict:
-        return {**{k: v for k, v in decision.items() if k != "members"}, "worker": worker}
+        """What one worker is told: a tree's move answer names its leaf and its index there."""
+        own = decision["per_worker"][worker] if "per_worker" in decision else {}
+        return {**{k: v for k, v in decision.items() if k not in ("members", "per_worker")}, "worker": worker, **own}
 
     # ---- the move ----------------------------------------------------------------------------
 
-    def _check(self, r: Record) -> str | None:
-        """Why the group's aggregator is down, or None when it answers (pool thread)."""
+    def _check(self, r: Record) -> dict[str, str]:
+        """The group's aggregators that are down, each with why: {} when every one answers (pool thread).
+        A tree's nodes are asked at once, so a check takes one ``check_timeout`` however many are down."""
         if r.mode == "switch":
             with self.switch.lock:
                 if self.switch.session is None:
-                    return f"switch unreachable: {self.switch.error}"
+                    return {"switch": f"switch unreachable: {self.switch.error}"}
                 try:
                     counters.totals(self.switch.session)
                 except SwitchError as e:
                     self.switch.lost(str(e))
-                    return f"switch unreachable: {e}"
-            return None
+                    return {"switch": f"switch unreachable: {e}"}
+            return {}
+        nodes = nodes_of(r) if r.mode == "tree" else [{"control": r.aggregator["control"]}]
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            answers = list(pool.map(self._ping, [n["control"] for n in nodes]))
+        return {n["control"]: why for n, why in zip(nodes, answers, strict=True) if why is not None}
+
+    def _ping(self, control: str) -> str | None:
         try:
-            self.ps.request(r.aggregator["control"], "ping", timeout=self.ps.check_timeout)
+            self.ps.request(control, "ping", timeout=self.ps.check_timeout)
         except (OSError, RequestError) as e:
-            return f"PS {r.aggregator['control']}: {e}"
+            return f"PS {control}: {e}"
         return None
 
     def _move(self, r: Record, wanted: str, redo: int) -> dict:
         """Every worker is stuck: a new allocation for the whole group, on the next aggregator
-        that can serve (the same one when it still answers and comes first). Pool thread."""
+        that can serve (the same one when it still answers and comes first). A tree is placed again
+        with a spare PS for each node found down, or flat when none is left and the group fits one
+        aggregator (tree_placement.py). Pool thread."""
         s = self.state
-        if r.mode == "tree":  # failover at either level of a tree is not built yet: the group ends
-            self.placement.teardown(r)
-            return {"state": "failed", "redo": redo, "dead": [],
-                    "error": f"job {r.job_name!r} group {r.group}: no RESULT reached any worker through its tree "
-                             "across racks, and moving a tree is not supported yet"}
-        name = "switch" if r.mode == "switch" else r.aggregator["control"]
+        names = ["switch"] if r.mode == "switch" else [n["control"] for n in nodes_of(r)] if r.mode == "tree" \
+            else [r.aggregator["control"]]
         with s.lock:
-            s.suspect.add(name)
+            s.suspect.update(names)
         try:
             down = self._check(r)
         finally:
             with s.lock:
-                s.suspect.discard(name)
-        if down is not None:
-            with s.lock:
-                s.store.mark_down(name, down, time.time(),
-                                  SWITCH_RETRY_SECONDS if r.mode == "switch" else AGGREGATOR_RETRY_SECONDS)
-        self.placement.teardown(r, reachable=down is None)
+                s.suspect.difference_update(names)
+        with s.lock:
+            for name, reason in down.items():
+                s.store.mark_down(name, reason, time.time(),
+                                  SWITCH_RETRY_SECONDS if name == "switch" else AGGREGATOR_RETRY_SECONDS)
+        self.placement.teardown(r, reachable=r.mode == "tree" or not down, down=frozenset(down))
         pending = PendingGroup(len(r.workers), r.pool, 0.0, wanted)
-        why = down or f"{name} answers, but no RESULT reached any worker"
+        label = "its tree's nodes" if r.mode == "tree" else names[0]
+        why = "; ".join(down.values()) or f"{label} answer, but no RESULT reached any worker"
         try:
             new, reason = self.placement.allocate(r.job_name, r.group, pending, workers=r.workers,
-                                                  exclude=frozenset([name]) if down is not None else frozenset())
+                                                  exclude=frozenset(down))
         except (RequestError, SwitchError, StoreError, OSError) as e:
             with s.lock:
                 s.joins_failed += 1
@@ -224,6 +234,9 @@ class Failover:
                     "error": f"job {r.job_name!r} group {r.group}: {why}; no aggregator left: {e}"}
         with s.lock:
             s.admitted[new.mode] += 1
-        log.info("job %s group %d moved from %s (%s) to %s, redoing call %d", r.job_name, r.group, name, why,
-                 new.aggregator["data"], redo)
-        return {"state": "move", "redo": redo, **self.placement.answer(new, reason=f"moved: {why}; now {reason}")}
+        log.info("job %s group %d moved from %s (%s) to %s (%s), redoing call %d", r.job_name, r.group,
+                 "/".join(names), why, new.aggregator["data"], new.mode, redo)
+        decision = {"state": "move", "redo": redo, **self.placement.answer(new, reason=f"moved: {why}; now {reason}")}
+        if new.mode == "tree":  # each worker's leaf, its index there, its number (the join answer's)
+            decision["per_worker"] = [worker_answer(new, w) for w in range(len(new.workers))]
+        return decision

@@ -238,17 +238,23 @@ class Placement:
                 s.last_seen.pop((r.job_name, r.group, w), None)
         s.stuck.pop((r.job_name, r.group, allocation_key(r.job_id, r.generation)), None)
 
-    def teardown(self, r: Record, reachable: bool = True) -> None:
+    def teardown(self, r: Record, reachable: bool = True, down: frozenset[str] = frozenset()) -> None:
         """Free a group's allocation (pool thread): its entries or its PS job where the aggregator
-        still answers (``reachable=False``: it is known dead, so nobody waits for it), its slots in
-        any case. Its slots and job id are free only once the aggregator has let go of them."""
+        still answers (``reachable=False``: it is known dead, so nobody waits for it; ``down``: the nodes
+        of a tree known dead), its slots in any case. Its slots and job id are free only once the
+        aggregator has let go of them."""
         s = self.state
         with s.lock:
             self.begin_teardown(r)
-        final = self.readout.final_counters(r) if reachable else {}
-        final_nodes = self.readout.final_nodes(r) if reachable else None  # a tree's, node by node
+        if r.mode == "tree" and not reachable:
+            down = frozenset(node["control"] for node in r.aggregator["tree"])
+        final_nodes = self.readout.final_nodes(r, down)  # a tree's, node by node (None: one aggregator)
+        if final_nodes is not None:  # the group's own are its root's
+            final = final_nodes[-1].get("counters", {})
+        else:
+            final = self.readout.final_counters(r) if reachable and r.aggregator.get("control") not in down else {}
         if r.mode == "tree":
-            self.trees.teardown(r, reachable)
+            self.trees.teardown(r, down)
         elif r.mode == "switch":
             with self.switch.lock:
                 if self.switch.session is not None and reachable:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import counters
@@ -202,18 +203,25 @@ class Readout:
             log.info("final counters of job id %d: %s", r.job_id, e)
             return {}
 
-    def final_nodes(self, r: Record) -> list[dict[str, Any]] | None:
-        """A tree's node counters as it ends (for `metrics`; None for a group of one aggregator): a node
-        that does not answer within a second shows its error, the others their counters."""
+    def final_nodes(self, r: Record, down: frozenset[str] = frozenset()) -> list[dict[str, Any]] | None:
+        """A tree's node counters as it ends (for `metrics`; None for a group of one aggregator): the nodes
+        are asked at once, a node known dead (``down``) not at all, and one that does not answer within a
+        second shows its error, the others their counters."""
         if r.mode != "tree":
             return None
         answers: dict[str, dict] = {}
-        errors: dict[str, str] = {}
-        for node in nodes_of(r):
+        errors = {control: "known down" for control in down}
+
+        def read(control: str) -> None:
             try:
-                answers[node["control"]] = self.ps.request(node["control"], "stats", timeout=1.0, job=r.job_id)["jobs"]
+                answers[control] = self.ps.request(control, "stats", timeout=1.0, job=r.job_id)["jobs"]
             except (OSError, RequestError) as e:
-                errors[node["control"]] = str(e)
+                errors[control] = str(e)
+
+        asked = [node["control"] for node in nodes_of(r) if node["control"] not in down]
+        if asked:
+            with ThreadPoolExecutor(len(asked)) as pool:
+                list(pool.map(read, asked))
         return node_counters(r, answers, errors)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,14 +70,21 @@ def nodes_of(record: Record) -> list[dict[str, Any]]:
 def worker_answer(record: Record, worker: int) -> dict[str, Any]:
     """What a join answer says to group worker ``worker`` of a tree (docs/control.md, "Trees across
     racks"): its leaf's address, its index at the leaf (``worker``, its bit there) among the leaf's
-    ``workers``, the job's ``servers`` and its ``number`` in the whole group, and whether OWNER_ONLY rounds,
-    GATHER and NACK cross the tree (``owner_only``: owners are 7 bits, so a tree of at most 128 servers)."""
+    ``workers``, the job's ``servers`` and its ``number`` in the whole group, every group worker's number
+    (``numbers``, in group worker order: how a reduce_scatter's blocks and an all_gather's pieces, in that
+    order, map to owners), and whether OWNER_ONLY rounds, GATHER and NACK cross the tree (``owner_only``:
+    owners are 7 bits, so a tree of at most 128 servers)."""
+    numbers = [0] * len(record.workers)
+    for node in nodes_of(record):
+        if node["role"] == "leaf":
+            for local, w in enumerate(node["workers"]):
+                numbers[w] = node["first"] + local
     for node in nodes_of(record):
         if node["role"] == "leaf" and worker in node["workers"]:
             host, port = node["data"].rsplit(":", 1)
             local = node["workers"].index(worker)
             return {"worker": local, "workers": len(node["workers"]), "servers": len(record.workers),
-                    "number": node["first"] + local, "leaf": node["name"],
+                    "number": node["first"] + local, "numbers": numbers, "leaf": node["name"],
                     "owner_only": bool(record.aggregator.get("owner_only")),
                     "aggregators": [{"host": host, "port": int(port), "pool": record.pool}]}
     raise KeyError(f"worker {worker} is under no leaf of job id {record.job_id}")
@@ -92,13 +100,10 @@ class TreePlacement:
         assert p.root is not None
         nodes = [_Node(r.node.name, "leaf", self._endpoint(r.node.name, r.node.aggregator)) for r in p.racks]
         nodes.append(_Node(p.root.name, "root", self._endpoint(p.root.name, p.root.aggregator)))
-        for n in nodes:
-            if n.ps.control in exclude:
-                raise TreeRefused(f"{n.role} {n.name!r} (PS {n.ps.control}) is down")
         added: list[_Node] = []
         try:
-            for n in nodes:
-                n.lanes = self._check(n)
+            for n in nodes:  # a node down (``exclude``) or failing its check is taken by a spare PS, if any
+                n.lanes = self._check_or_substitute(n, nodes, exclude)
             lanes = min(n.lanes for n in nodes)
             # the most workers any node of the tree has: a leaf's rack, or the root's leaves
             pool = pool or ps_pool(lanes, max([len(r.hosts) for r in p.racks] + [len(p.racks)]), self.default_pool)
@@ -142,6 +147,42 @@ class TreePlacement:
             raise TreeRefused(f"fabric node {node!r} is the switch, whose program takes no tree roles yet")
         return next(ps for ps in self.topo.ps if ps.data == data)  # the fabric names PSs of the topology
 
+    def _check_or_substitute(self, n: _Node, nodes: list[_Node], exclude: frozenset[str]) -> int:
+        """The node's lanes (``_check``), on its own PS or a spare (``spares``): a PS that is down (in
+        ``exclude``: a move leaves it) is not tried, one that failed lately is tried after the spares, any
+        other first. None answers: TreeRefused, saying why for each."""
+        own, resting = n.ps, self._resting()
+        spares = self.spares({m.ps.control for m in nodes} | exclude)
+        tried = [f"{n.role} {n.name!r} (PS {own.control}) is down"] if own.control in exclude else []
+        order = spares if tried else [*spares, own] if own.control in resting else [own, *spares]
+        for ps in order:
+            n.ps = ps
+            try:
+                lanes = self._check(n)
+            except TreeRefused as e:
+                tried.append(str(e) if ps is own else f"spare {e}")
+                continue
+            if ps is not own:
+                log.info("tree node %s (%s): PS %s instead of %s", n.name, n.role, ps.control, own.control)
+            return lanes
+        n.ps = own
+        raise TreeRefused("; ".join(tried) + ("" if spares else ", and no spare PS is left"))
+
+    def spares(self, used: set[str]) -> list[PsEndpoint]:
+        """The PSs that may take a node of a tree in place of its own, in the order tried: the topology's PSs
+        that no node of the fabric names first (spares), then those of other nodes; never one in ``used``
+        (the tree's other nodes, those down), and those that failed lately last."""
+        named = {node.aggregator for node in self.topo.fabric.nodes.values()} if self.topo.fabric else set()
+        resting = self._resting()
+        free = [ps for ps in self.topo.ps if ps.control not in used]
+        return sorted(free, key=lambda ps: (ps.control in resting, ps.data in named))
+
+    def _resting(self) -> set[str]:
+        """The PSs that failed lately (marked down, not yet due for a retry)."""
+        with self.state.lock:
+            down, now = self.state.store.down(), time.time()
+        return {a for a, (_, retry_at, _) in down.items() if retry_at > now}
+
     def _check(self, n: _Node) -> int:
         """The node's lanes, once its `ping` states the role it is to take."""
         ping = self._request(n, "ping")
@@ -173,18 +214,23 @@ class TreePlacement:
                     self.state.ps_allocators[n.ps.control].release(n.base)
                     n.base = None
 
-    def teardown(self, r: Record, reachable: bool) -> None:
-        """(pool thread) Every node lets go of the group's job where it still answers; its slots go free."""
-        for node in nodes_of(r):
-            if not reachable:
-                break
-            try:
-                self.ps.request(node["control"], "remove_job", job=r.job_id)
-            except (OSError, RequestError) as e:  # a dead PS holds nothing: the group ends anyway
-                with self.state.lock:
-                    self.state.store.mark_down(node["control"], str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
-                log.warning("PS %s (%s %s) did not remove job id %d: %s", node["control"], node["role"],
-                            node["name"], r.job_id, e)
+    def teardown(self, r: Record, down: frozenset[str] = frozenset()) -> None:
+        """(pool thread) Every node lets go of the group's job where it still answers (``down``: the PSs known
+        dead, not asked); its slots go free. The nodes are asked at once: a dead one that no check has found
+        yet (a group idle while it died) costs one request's timeout, however many there are."""
+        nodes = [node for node in nodes_of(r) if node["control"] not in down]
+        if nodes:
+            with ThreadPoolExecutor(len(nodes)) as pool:
+                list(pool.map(lambda node: self._remove(node, r.job_id), nodes))
+
+    def _remove(self, node: dict[str, Any], job_id: int) -> None:
+        try:
+            self.ps.request(node["control"], "remove_job", job=job_id)
+        except (OSError, RequestError) as e:  # a dead PS holds nothing: the group ends anyway
+            with self.state.lock:
+                self.state.store.mark_down(node["control"], str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
+            log.warning("PS %s (%s %s) did not remove job id %d: %s", node["control"], node["role"], node["name"],
+                        job_id, e)
 
     def release(self, r: Record) -> None:
         """(lock held) The slots of every node of a tree record."""
