@@ -347,6 +347,7 @@ def test_stats_metrics_and_top_show_every_node_of_a_tree(fabric):
             leave(endpoint, "counted", 0, w, answer["token"], timeout=20)
 
     failed: list[BaseException] = []
+    seen: dict[str, int] = {}
 
     def check() -> None:
         try:
@@ -360,7 +361,7 @@ def test_stats_metrics_and_top_show_every_node_of_a_tree(fabric):
                 ("rack0", "leaf", ready[0]["control"]), ("rack1", "leaf", ready[1]["control"]),
                 ("spine", "root", ready[2]["control"])]
             leaf0, leaf1, root = c
-            rounds = root["completed"]
+            rounds = seen["rounds"] = root["completed"]
             assert rounds == 2 * -(-5000 // lanes[0]) > 2  # 2 allreduces of 5000 values, several packets each
             for leaf in (leaf0, leaf1):  # two servers per rack: two contributions a round, one partial up
                 assert leaf["completed"] == rounds and leaf["aggregated"] == 2 * rounds
@@ -404,3 +405,7 @@ def test_stats_metrics_and_top_show_every_node_of_a_tree(fabric):
     flat = np.sum(data, axis=0)
     for got in results:
         assert isinstance(got, np.ndarray) and np.array_equal(got, flat), got
+    (ended,) = ask(endpoint, "metrics")["groups"]  # its final counters, node by node, the dead leaf's error
+    assert not ended["running"] and "error" in ended["nodes"][0], ended["nodes"]
+    assert [n["counters"]["completed"] for n in ended["nodes"][1:]] == [seen["rounds"]] * 2
+    assert ended["counters"] == ended["nodes"][2]["counters"]  # the group's own: its root's
