@@ -283,6 +283,7 @@ def main() -> int:
     p.add_argument("--no-latency", action="store_true")
     p.add_argument("--no-bandwidth", action="store_true")
     p.add_argument("--nice", type=int, default=-10)
+    p.add_argument("--stem", help="results file names (default emulated-racks, quick: emulated-racks-quick)")
     args = p.parse_args()
     why = netns.available()
     if why:
@@ -291,7 +292,7 @@ def main() -> int:
     lanes = CHIP_LANES["tofino"]
     rate, elements = 10_000 / args.factor, round(MODELS["resnet50"][0] / args.factor)
     iterations = args.iterations or (3 if args.quick else 5)
-    stem = "emulated-racks" + ("-quick" if args.quick else "")
+    stem = args.stem or "emulated-racks" + ("-quick" if args.quick else "")
     report: dict[str, Any] = {"meta": {
         "racks": args.racks, "per_rack": args.per_rack, "rate_mbit": rate, "factor": args.factor,
         "elements": elements, "lanes": lanes, "iterations": iterations, "machine": f"{os.cpu_count()} cores, "
