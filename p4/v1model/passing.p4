@@ -1,6 +1,8 @@
 /* PASSING data plane for BMv2 (v1model): the aggregation state machine of
  * docs/protocol.md in registers, the stateless relay of GATHER and NACK, plus plain L2
- * forwarding for all other traffic.
+ * forwarding for all other traffic. A job takes a tree role (docs/protocol.md, "Trees across
+ * racks") by the entries of tree_role and uplink: a leaf sends a completed round's partial up
+ * and multicasts what comes down from its root; a root is a flat job whose workers are leaves.
  *
  * Control-plane names (tables, actions, registers, counters) are shared with the TNA
  * program wherever the behaviour is the same; the controller programs both alike. */
@@ -30,6 +32,18 @@ struct metadata_t {
     bit<1> owner_only;        /* of an OWNER_ONLY round: egress makes the non-owners' replicas ACKs */
     bit<1> relay;             /* a GATHER or NACK: egress keeps the replicas it goes to, addressed */
     bit<1> flood;
+    /* a leaf job (tree_role): where its partials go */
+    bit<1> leaf;
+    bit<1> root;
+    bit<16> up_job;
+    bit<16> up_generation;
+    bit<8> up_worker;
+    bit<9> up_port;
+    bit<48> up_mac;
+    bit<32> up_ip;
+    /* what comes down (uplink): the leaf job it answers, what the root's packet must say */
+    bit<16> leaf_job;
+    bit<16> leaf_generation;
 }
 
 parser V1Parser(packet_in pkt, out headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
@@ -51,6 +65,8 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
     register<bit<32>>(PASSING_SLOT_SETS) slot_tag;
     register<bit<32>>(PASSING_SLOT_SETS) slot_bitmap;
     register<bit<8>>(PASSING_SLOT_SETS) slot_overflow;
+    /* a leaf job's round: 1 once the root's answer came down (a flat job's rounds never read it) */
+    register<bit<8>>(PASSING_SLOT_SETS) slot_phase;
     register<bit<32>>(PASSING_SLOT_SETS * PASSING_LANES) lane_acc;
 
     /* ---- outcomes, per job (index = job id mod PASSING_MAX_JOBS) ---- */
@@ -64,6 +80,9 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
     counter(PASSING_MAX_JOBS, CounterType.packets) stale;
     counter(PASSING_MAX_JOBS, CounterType.packets) overflow;
     counter(PASSING_MAX_JOBS, CounterType.packets) relayed;
+    counter(PASSING_MAX_JOBS, CounterType.packets) sent_up;      /* a leaf's partials, first and re-sent */
+    counter(PASSING_MAX_JOBS, CounterType.packets) answered;     /* the root's RESULTs that answered a round */
+    counter(PASSING_MAX_JOBS, CounterType.packets) late_answer;  /* the root's RESULTs nothing waited for */
 
     action drop() {
         mark_to_drop(sm);
@@ -93,6 +112,50 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
         actions = { admit; @defaultonly reject; }
         const default_action = reject();
         size = 4096;
+    }
+
+    /* ---- the job's tree role: none (flat), a leaf with its uplink, or a root ---- */
+    action leaf(bit<16> up_job, bit<16> up_generation, bit<8> up_worker, bit<9> port, bit<48> mac, bit<32> ip) {
+        meta.leaf = 1;
+        meta.up_job = up_job;
+        meta.up_generation = up_generation;
+        meta.up_worker = up_worker;
+        meta.up_port = port;
+        meta.up_mac = mac;
+        meta.up_ip = ip;
+    }
+    action root() {
+        meta.root = 1;
+    }
+    table tree_role {
+        key = { hdr.passing.job: exact @name("job"); }
+        actions = { leaf; root; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = 1024;
+    }
+
+    /* ---- what comes down: a RESULT of the root's job (up_job) -> the leaf job it answers. Keyed by the
+     * job alone (one leaf job of a root job per switch): a RESULT of a known up_job from another port, of
+     * another generation or for another leaf is rejected, counted on the leaf job; of no up_job, malformed */
+    action from_uplink(bit<9> port, bit<16> generation, bit<8> worker, bit<16> leaf_job, bit<16> leaf_generation,
+                       bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
+        meta.admitted = 1;
+        meta.up_port = port;
+        meta.up_generation = generation;
+        meta.up_worker = worker;
+        meta.leaf_job = leaf_job;
+        meta.leaf_generation = leaf_generation;
+        meta.base = base;
+        meta.pool = pool;
+        meta.full = full;
+        meta.epoch = epoch;
+        meta.group = group;
+    }
+    table uplink {
+        key = { hdr.passing.job: exact @name("job"); }
+        actions = { from_uplink; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = 1024;
     }
 
     /* ---- which IPv4 address is the switch's aggregator: PASSING traffic to any other
@@ -174,13 +237,72 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
 
     /* A lane of a completed round, read back for a retransmitting worker. */
     #define LANE_READ(i) { lane_acc.read(hdr.lanes.value_##i, meta.lane_base + (i)); }
+    /* A lane of the root's RESULT, written over a leaf's partial (no add). */
+    #define LANE_WRITE(i) { lane_acc.write(meta.lane_base + (i), hdr.lanes.value_##i); }
+
+    /* A leaf's partial (or a GATHER/NACK copy) to its root: the level's fields from tree_role, out of the
+     * uplink port, from this switch's aggregation address (the one the packet came to) to the root's. */
+    action go_up(bit<8> flags) {
+        hdr.passing.job = meta.up_job;
+        hdr.passing.generation = meta.up_generation;
+        hdr.passing.worker = meta.up_worker;
+        hdr.passing.flags = flags;
+        sm.egress_spec = meta.up_port;
+        hdr.ethernet.src_addr = hdr.ethernet.dst_addr;
+        hdr.ethernet.dst_addr = meta.up_mac;
+        hdr.ipv4.src_addr = hdr.ipv4.dst_addr;
+        hdr.ipv4.dst_addr = meta.up_ip;
+        hdr.udp.src_port = PASSING_UDP_PORT;
+        hdr.udp.dst_port = PASSING_UDP_PORT;
+        hdr.udp.checksum = 0;
+    }
 
     apply {
         if (sm.parser_error != error.NoError) {
             malformed.count(0);
             drop();
         } else if (hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT && aggregator_address.apply().hit) {
-            if (!hdr.passing.isValid() || hdr.passing.version != PASSING_VERSION
+            if (hdr.passing.isValid() && hdr.passing.version == PASSING_VERSION
+                    && hdr.passing.type == PASSING_TYPE_RESULT && uplink.apply().hit) {
+                /* the root's answer to a leaf job's round */
+                meta.job_index = (bit<32>)meta.leaf_job & (PASSING_MAX_JOBS - 1);
+                received.count(meta.job_index);
+                if (sm.ingress_port != meta.up_port || hdr.passing.generation != meta.up_generation
+                        || hdr.passing.worker != meta.up_worker || hdr.passing.slot >= meta.pool
+                        || meta.base + (bit<32>)hdr.passing.slot >= PASSING_SLOTS
+                        /* OWNER_ONLY needs an owner map, which the switch does not take yet */
+                        || (hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0) {
+                    rejected.count(meta.job_index);
+                    drop();
+                } else {
+                    meta.slot_set = ((meta.base + (bit<32>)hdr.passing.slot) << 1) | (bit<32>)hdr.passing.set[0:0];
+                    meta.lane_base = meta.slot_set * PASSING_LANES;
+                    bit<32> epoch;
+                    bit<32> tag;
+                    bit<32> bitmap;
+                    bit<8> phase;
+                    slot_epoch.read(epoch, meta.slot_set);
+                    slot_tag.read(tag, meta.slot_set);
+                    slot_bitmap.read(bitmap, meta.slot_set);
+                    slot_phase.read(phase, meta.slot_set);
+                    if (epoch == meta.epoch && tag == hdr.passing.psn && bitmap == meta.full && phase == 0) {
+                        answered.count(meta.job_index);
+                        FOR_EACH_LANE(LANE_WRITE)
+                        bit<8> flags = hdr.passing.flags & PASSING_FLAG_OVERFLOW;
+                        slot_overflow.write(meta.slot_set, flags);
+                        slot_phase.write(meta.slot_set, 1);
+                        /* to the leaf's servers as a flat completion's RESULT: the egress addresses each */
+                        hdr.passing.job = meta.leaf_job;
+                        hdr.passing.generation = meta.leaf_generation;
+                        hdr.passing.flags = flags;
+                        sm.mcast_grp = meta.group;
+                        meta.result_multicast = 1;
+                    } else {
+                        late_answer.count(meta.job_index);
+                        drop();
+                    }
+                }
+            } else if (!hdr.passing.isValid() || hdr.passing.version != PASSING_VERSION
                     || (hdr.passing.type != PASSING_TYPE_DATA && hdr.passing.type != PASSING_TYPE_GATHER
                         && hdr.passing.type != PASSING_TYPE_NACK)) {
                 malformed.count(0);
@@ -189,9 +311,12 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                 meta.job_index = (bit<32>)hdr.passing.job & (PASSING_MAX_JOBS - 1);
                 received.count(meta.job_index);
                 admission.apply();
-                /* the owner is a worker of the job: its bit is in the full bitmap (>= 32: no bit) */
+                tree_role.apply();
+                /* the owner is a worker of the job: its bit is in the full bitmap (>= 32: no bit). A tree
+                 * job's owners are numbers in the whole job, which need an owner map the switch does not
+                 * take yet: no owner is one of its workers (its tree carries SUM and MAX rounds only) */
                 owner_bit.apply();
-                bool owner_is_worker = (meta.full & meta.owner_bit) != 0;
+                bool owner_is_worker = (meta.full & meta.owner_bit) != 0 && meta.leaf == 0 && meta.root == 0;
                 bool relay = hdr.passing.type != PASSING_TYPE_DATA;
                 bool owner_only = (hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0;
                 if (meta.admitted == 0
@@ -200,6 +325,7 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                          * writes one): BMv2 built without debug checks crashes on an index out of range */
                         || (!relay && meta.base + (bit<32>)hdr.passing.slot >= PASSING_SLOTS)
                         || (!relay && owner_only && !owner_is_worker)
+                        || (relay && (meta.leaf == 1 || meta.root == 1))  /* no owner map: no relay in a tree */
                         || (hdr.passing.type == PASSING_TYPE_GATHER && hdr.passing.owner != hdr.passing.worker[6:0])
                         || (hdr.passing.type == PASSING_TYPE_NACK
                             && (!owner_is_worker || hdr.passing.owner == hdr.passing.worker[6:0]))) {
@@ -223,6 +349,8 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                     slot_tag.read(tag, meta.slot_set);
                     slot_bitmap.read(bitmap, meta.slot_set);
                     slot_overflow.read(round_overflow, meta.slot_set);
+                    bit<8> phase;
+                    slot_phase.read(phase, meta.slot_set);
                     bit<32> ahead = hdr.passing.psn - tag;  /* serial-number distance */
                     bool same_epoch = epoch == meta.epoch;
                     bool fresh = !same_epoch || (ahead != 0 && ahead[31:31] == 0);
@@ -237,6 +365,7 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                             /* a new round: the first write resets the slot/set */
                             slot_epoch.write(meta.slot_set, meta.epoch);
                             slot_tag.write(meta.slot_set, hdr.passing.psn);
+                            slot_phase.write(meta.slot_set, 0);
                             bitmap = meta.worker_bit;
                             round_overflow = flagged;
                         } else {
@@ -252,7 +381,12 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                         slot_bitmap.write(meta.slot_set, bitmap);
                         slot_overflow.write(meta.slot_set, round_overflow);
                         aggregated.count(meta.job_index);
-                        if (bitmap == meta.full) {
+                        if (bitmap == meta.full && meta.leaf == 1) {
+                            /* complete at a leaf: the partial goes up as one DATA of the root's job */
+                            completed.count(meta.job_index);
+                            sent_up.count(meta.job_index);
+                            go_up(round_overflow);
+                        } else if (bitmap == meta.full) {
                             completed.count(meta.job_index);
                             hdr.passing.type = PASSING_TYPE_RESULT;
                             hdr.passing.flags = round_overflow;
@@ -264,6 +398,13 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                         } else {
                             drop();
                         }
+                    } else if (same_round && bitmap == meta.full && meta.leaf == 1 && phase == 0) {
+                        /* a retransmission to a round complete at a leaf and not answered yet: the
+                         * partial goes up again, flagged RETRANSMIT (the hosts' timers clock both levels) */
+                        duplicate.count(meta.job_index);
+                        sent_up.count(meta.job_index);
+                        FOR_EACH_LANE(LANE_READ)
+                        go_up(round_overflow | PASSING_FLAG_RETRANSMIT);
                     } else if (same_round && bitmap == meta.full) {
                         /* a retransmission to a completed round: answer this worker alone */
                         duplicate_answered.count(meta.job_index);
