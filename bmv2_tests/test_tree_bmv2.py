@@ -1,0 +1,286 @@
+"""A two-level tree on three BMv2 switches (bmv2_tests/tree_network.py): two leaves of two servers each
+under a spine, the roles written over P4Runtime by passing_controller.tree_roles; packets and whole
+allreduces through it (docs/protocol.md, "Trees across racks")."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from passing import wire
+from passing.cli import worker_inputs
+
+from .network import REPO
+
+LEAF_JOB, ROOT_JOB = 1, 40
+LEAVES = ("s1", "s2")
+AGENT_PORT = 21000  # the test agents' sockets (passing-allreduce binds 20000 + w)
+_generations = itertools.count(1)  # every tree a new allocation, as the controller's would be
+
+
+@pytest.fixture(scope="module")
+def tree():
+    from .tree_network import TreeNetwork
+
+    net = TreeNetwork(per_rack=2)
+    yield net
+    net.stop()
+
+
+@pytest.fixture(scope="module")
+def sessions(tree, pipeline):
+    from passing_controller.session import Switch
+
+    out = {}
+    try:
+        for name, info in tree.switches.items():
+            s = out[name] = Switch(f"127.0.0.1:{info.grpc_port}")
+            s.set_pipeline(pipeline)
+            tree.program_plain(name, s)
+        yield out
+    finally:
+        for s in out.values():
+            s.close()
+
+
+@dataclass
+class Tree:
+    """One tree job: leaf job LEAF_JOB at each leaf, root job ROOT_JOB at the spine, all of ``generation``."""
+
+    generation: int
+    pool: int
+    entries: dict  # switch -> [(module, allocation or entries)] to remove
+    before: dict  # (switch, job) -> its counters when the tree was installed (job ids are reused)
+
+    def close(self, sessions) -> None:
+        from passing_controller import admission, result_rewrite, tree_roles
+
+        for name, items in self.entries.items():
+            for kind, item in items:
+                if kind == "roles":
+                    tree_roles.remove(sessions[name], item)
+                else:
+                    admission.remove(sessions[name], item)
+                    result_rewrite.remove(sessions[name], item)
+
+
+def install_tree(tree, sessions, pool: int, udp_port: int = 20000) -> Tree:
+    """What the controller writes for a tree job: each leaf a flat job of its rack with its uplink, the spine
+    a root job whose workers are the leaves (their aggregation addresses, at the spine's ports to them)."""
+    from passing_controller import admission, result_rewrite, tree_roles
+    from passing_controller.allocation import Allocation, Worker
+    from passing_controller.topology import Host
+
+    from .tree_network import SPINE
+
+    generation = next(_generations)
+    spine = tree.switches[SPINE]
+    t = Tree(generation, pool, {}, {})
+    for r, leaf in enumerate(LEAVES):
+        s = tree.switches[leaf]
+        workers = tuple(Worker(w, Host(h.name, h.mac, h.ip, h.port), udp_port + w)
+                        for w, h in enumerate(tree.racks[r]))
+        a = Allocation(LEAF_JOB, generation, 0, pool, workers)
+        roles = tree_roles.leaf_entries(sessions[leaf], a, tree_roles.Uplink(
+            ROOT_JOB, generation, r, s.uplink, spine.mac, spine.ip))
+        admission.install(sessions[leaf], a)
+        result_rewrite.install(sessions[leaf], a)
+        tree_roles.install(sessions[leaf], roles)
+        t.entries[leaf] = [("roles", roles), ("allocation", a)]
+    leaves = tuple(Worker(r, Host(leaf, tree.switches[leaf].mac, tree.switches[leaf].ip, r + 1), wire.UDP_PORT)
+                   for r, leaf in enumerate(LEAVES))
+    a = Allocation(ROOT_JOB, generation, 0, pool, leaves)
+    roles = tree_roles.root_entries(sessions[SPINE], a)
+    admission.install(sessions[SPINE], a)
+    result_rewrite.install(sessions[SPINE], a)
+    tree_roles.install(sessions[SPINE], roles)
+    t.entries[SPINE] = [("roles", roles), ("allocation", a)]
+    from passing_controller import counters
+
+    for name, job in ((*LEAVES[:1], LEAF_JOB), (LEAVES[1], LEAF_JOB), (SPINE, ROOT_JOB)):
+        t.before[name, job] = counters.for_job(sessions[name], job)
+    return t
+
+
+@pytest.fixture(scope="module")
+def servers(tree):
+    return Servers(tree)
+
+
+@pytest.fixture
+def tree_job(tree, sessions):
+    t = install_tree(tree, sessions, pool=4, udp_port=AGENT_PORT)
+    yield t
+    t.close(sessions)
+
+
+def job_counters(sessions, t: Tree, name: str, job: int) -> dict[str, int]:
+    """What ``job`` counted at switch ``name`` since tree ``t`` was installed."""
+    from passing_controller import counters
+
+    now = counters.for_job(sessions[name], job)
+    return {k: v - t.before[name, job][k] for k, v in now.items()}
+
+
+class Servers:
+    """The four servers' UDP sockets (bmv2_tests/agent.py), each sending to its leaf."""
+
+    def __init__(self, tree, port: int = AGENT_PORT) -> None:
+        self.tree = tree
+        self.hosts = [h for rack in tree.racks for h in rack]
+        for w, h in enumerate(self.hosts):
+            tree.agent(h.name).call(op="bind", key="w", port=port + w % 2)
+
+    def leaf_of(self, g: int) -> str:
+        return LEAVES[g // 2]
+
+    def send(self, g: int, t: Tree, psn: int, values: list[int], flags: int = 0, generation: int | None = None,
+             job: int = LEAF_JOB, to: str | None = None) -> None:
+        packet = wire.encode(type=wire.DATA, job=job, worker=g % 2, psn=psn,
+                             payload=np.resize(values, wire.DEFAULT_LANES), pool=t.pool, flags=flags,
+                             generation=t.generation if generation is None else generation)
+        ip = to or self.tree.switches[self.leaf_of(g)].ip
+        self.tree.agent(self.hosts[g].name).call(op="send", key="w", to=f"{ip}:{wire.UDP_PORT}",
+                                                 payload=packet.tobytes().hex())
+
+    def received(self, wanted: int, timeout: float = 10) -> dict[int, list[np.ndarray]]:
+        """Every server's packets until ``wanted`` in all arrived (or the timeout: what came)."""
+        got: dict[int, list[np.ndarray]] = {g: [] for g in range(len(self.hosts))}
+        deadline = time.monotonic() + timeout
+        while True:  # at least one drain: received(0, timeout=0) empties the sockets
+            for g, h in enumerate(self.hosts):
+                for _key, payload, _src in self.tree.agent(h.name).call(op="drain")["received"]:
+                    got[g].append(wire.decode(bytes.fromhex(payload))[0])
+            if sum(map(len, got.values())) >= wanted or time.monotonic() > deadline:
+                return got
+            time.sleep(0.02)
+
+
+def settle(sessions, t: Tree, name: str, job: int, counter: str, value: int, timeout: float = 10) -> dict[str, int]:
+    """A switch's job counters once ``counter`` reached ``value`` (they count what crossed it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        c = job_counters(sessions, t, name, job)
+        if c[counter] >= value or time.monotonic() > deadline:
+            return c
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(180)
+def test_a_round_through_the_tree_with_a_partial_resent_and_answers_from_the_leaf(tree, sessions, servers, tree_job):
+    from .tree_network import SPINE
+
+    servers.received(0, timeout=0)  # nothing left over
+    inputs = [[1, 2], [10, 20], [100, 200], [1000, 2000]]
+    servers.send(0, tree_job, 0, inputs[0])
+    servers.send(1, tree_job, 0, inputs[1])  # rack 1 complete: its partial goes up, the root waits
+    settle(sessions, tree_job, SPINE, ROOT_JOB, "aggregated", 1)
+    servers.send(1, tree_job, 0, inputs[1], flags=wire.FLAG_RETRANSMIT)  # unanswered: the partial again
+    spine = settle(sessions, tree_job, SPINE, ROOT_JOB, "duplicate", 1)
+    assert spine["duplicate"] == 1 and spine["completed"] == 0, spine  # a duplicate at the root: dropped
+    assert servers.received(1, timeout=0.5) == {g: [] for g in range(4)}
+    servers.send(2, tree_job, 0, inputs[2])
+    servers.send(3, tree_job, 0, inputs[3])
+    got = servers.received(4)
+    total = np.resize(np.sum(inputs, axis=0), wire.DEFAULT_LANES)
+    for g in range(4):
+        assert len(got[g]) == 1, (g, got[g])
+        p = got[g][0]
+        assert p["hdr"]["type"] == wire.RESULT and p["hdr"]["job"] == LEAF_JOB and p["hdr"]["worker"] == g % 2
+        assert p["hdr"]["generation"] == tree_job.generation and p["hdr"]["flags"] == 0
+        assert np.array_equal(p["payload"], total), (g, p["payload"][:4])
+    # a retransmission after the answer: the leaf answers from its registers, the root sees nothing
+    servers.send(0, tree_job, 0, inputs[0], flags=wire.FLAG_RETRANSMIT)
+    again = servers.received(1)
+    assert len(again[0]) == 1 and np.array_equal(again[0][0]["payload"], total)
+    s1 = job_counters(sessions, tree_job, "s1", LEAF_JOB)
+    assert (s1["completed"], s1["sent_up"], s1["duplicate"], s1["answered"], s1["duplicate_answered"]) \
+        == (1, 2, 1, 1, 1), s1
+    s2 = job_counters(sessions, tree_job, "s2", LEAF_JOB)
+    assert (s2["completed"], s2["sent_up"], s2["answered"], s2["results_sent"]) == (1, 1, 1, 2), s2
+    spine = job_counters(sessions, tree_job, SPINE, ROOT_JOB)
+    assert (spine["aggregated"], spine["completed"], spine["results_sent"], spine["rejected"]) == (2, 1, 2, 0), spine
+
+
+@pytest.mark.timeout(180)
+def test_hostile_and_stale_datagrams_change_nothing(tree, sessions, servers, tree_job):
+    """A server's datagram to the root never reaches it (no switch forwards to a switch's aggregation MAC);
+    a server on the spine is no admitted leaf (rejected there); a late packet of an earlier generation is
+    rejected at the leaf; the round that follows is the exact sum."""
+    from .tree_network import SPINE, STRANGER
+
+    servers.received(0, timeout=0)  # nothing left over
+    spine_ip, spine_mac = tree.switches[SPINE].ip, tree.switches[SPINE].mac
+    tree.net.get("h1").setARP(spine_ip, spine_mac)
+    before = job_counters(sessions, tree_job, SPINE, ROOT_JOB)  # the spine's, after the previous test
+    # h1 as rack 1's leaf, straight to the root: job 40, worker 0, its generation
+    servers.send(0, tree_job, 0, [7777], job=ROOT_JOB, to=spine_ip)
+    stranger = tree.agent(STRANGER)
+    stranger.call(op="bind", key="x", port=wire.UDP_PORT)
+    forged = wire.encode(type=wire.DATA, job=ROOT_JOB, worker=0, psn=0, payload=np.full(wire.DEFAULT_LANES, 5555),
+                         pool=tree_job.pool, generation=tree_job.generation)
+    stranger.call(op="send", key="x", to=f"{spine_ip}:{wire.UDP_PORT}", payload=forged.tobytes().hex())
+    after = settle(sessions, tree_job, SPINE, ROOT_JOB, "rejected", before["rejected"] + 1)
+    assert after["rejected"] - before["rejected"] == 1 and after["received"] - before["received"] == 1, after
+    assert after["aggregated"] == before["aggregated"]
+    # a late packet of the previous allocation at a leaf
+    servers.send(0, tree_job, 0, [9999], generation=tree_job.generation - 1)
+    s1 = settle(sessions, tree_job, "s1", LEAF_JOB, "rejected", 1)
+    assert s1["rejected"] == 1 and s1["aggregated"] == 0, s1
+    for g in range(4):
+        servers.send(g, tree_job, 0, [g + 1])
+    got = servers.received(4)
+    for g in range(4):
+        assert [int(p["payload"][0]) for p in got[g]] == [10], (g, got[g])
+
+
+def run_allreduce(tree, t: Tree, size: int, tmp, extra: list[str] = ()) -> list[np.ndarray]:
+    """passing-allreduce in every server against its leaf (int32: the sum is exact), rack r's inputs of
+    seed r."""
+    procs = []
+    for r, rack in enumerate(tree.racks):
+        for w, h in enumerate(rack):
+            procs.append(tree.net.get(h.name).popen(
+                [sys.executable, "-m", "passing.cli", "allreduce", "--aggregator",
+                 f"{tree.switches[LEAVES[r]].ip}:{wire.UDP_PORT}", "--job", str(LEAF_JOB), "--generation",
+                 str(t.generation), "--worker", str(w), "--workers", str(len(rack)), "--servers", "4", "--bind",
+                 f"{h.ip}:{20000 + w}", "--pool", str(t.pool), "--size", str(size), "--dtype", "int32",
+                 "--seed", str(r), "--out", str(tmp / f"out-{r}-{w}.npy"), "--no-check", "--timeout", "60",
+                 "--no-offload", *extra],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO)))
+    out = []
+    for i, p in enumerate(procs):
+        _, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, f"server {i}: {stderr[-2000:]}"
+        out.append(np.load(tmp / f"out-{i // 2}-{i % 2}.npy"))
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("drop", [0.0, 0.05], ids=["clean", "lossy-servers"])
+def test_allreduce_through_the_tree_is_the_exact_sum(tree, sessions, tmp_path, drop):
+    from .tree_network import SPINE
+
+    size = 20_000
+    t = install_tree(tree, sessions, pool=32)
+    try:
+        out = run_allreduce(tree, t, size, tmp_path, ["--drop", str(drop)] if drop else [])
+        want = np.sum([worker_inputs(r, w, size, "int32") for r in range(2) for w in range(2)], axis=0)
+        for i, got in enumerate(out):
+            assert np.array_equal(got, want), f"server {i}: {np.flatnonzero(got != want)[:10]}"
+        packets = -(-size // wire.DEFAULT_LANES)
+        spine = job_counters(sessions, t, SPINE, ROOT_JOB)
+        assert spine["completed"] >= packets and spine["rejected"] == 0, spine
+        for leaf in LEAVES:
+            c = job_counters(sessions, t, leaf, LEAF_JOB)
+            assert c["answered"] == c["completed"] >= packets and c["sent_up"] >= c["completed"], (leaf, c)
+            if drop:  # lost answers and lost contributions: partials re-sent, or answered from the leaf
+                assert c["duplicate"] + c["duplicate_answered"] > 0, (leaf, c)
+    finally:
+        t.close(sessions)
