@@ -2,7 +2,8 @@
 root, every node programmed over its control channel with the fabric plan's job objects (fabric.py, the
 one place that says what each node's job is), the per-worker part of the join answer, and freeing it all.
 
-Software aggregators only (PS leaves and a PS root): the switch programs take the roles in a later issue.
+Software aggregators only (PS leaves and a PS root): the BMv2 program takes the roles, and tree_roles.py
+writes a switch's entries, but the topology names one switch and this placement does not use them yet.
 Every node gets the same job id and generation (the plan needs the root on an aggregator of its own), and
 the same ``pool`` and ``lanes``, so a packet keeps its slot and set on every hop. Runs on a pool thread:
 the lock is taken for the state only, never while an aggregator is asked.
@@ -139,7 +140,8 @@ class TreePlacement:
 
     def _endpoint(self, node: str, data: str) -> PsEndpoint:
         if data == "switch":
-            raise TreeRefused(f"fabric node {node!r} is the switch, whose program takes no tree roles yet")
+            raise TreeRefused(f"fabric node {node!r} is the switch: tree placement does not program a switch's "
+                              f"roles yet (passing_controller.tree_roles writes them; docs/control.md, Fabric)")
         return next(ps for ps in self.topo.ps if ps.data == data)  # the fabric names PSs of the topology
 
     def _check(self, n: _Node) -> int:
