@@ -86,12 +86,10 @@ class Bmv2Target:
             assert job.up is not None
             _, root, _ = self._origin("root")
             up = tree_roles.Uplink(job.up.job, job.up.generation, job.up.worker, root.port, root.mac, root.ip)
-            self.roles[job.job] = tree_roles.leaf_entries(self.switch, a, up)
+            self.roles[job.job] = tree_roles.install_leaf(self.switch, a, up, job.owners)
             self.indices.add(job.job % counters.MAX_JOBS)  # what comes down counts on the leaf job
         elif job.role == "root":
-            self.roles[job.job] = tree_roles.root_entries(self.switch, a)
-        if job.job in self.roles:
-            tree_roles.install(self.switch, self.roles[job.job])
+            self.roles[job.job] = tree_roles.install_root(self.switch, a, job.owners)
 
     def remove(self, job: int) -> None:
         a = self.allocations.pop(job)

@@ -87,19 +87,18 @@ def install_tree(tree, sessions, pool: int, udp_port: int = 20000) -> Tree:
         workers = tuple(Worker(w, Host(h.name, h.mac, h.ip, h.port), udp_port + w)
                         for w, h in enumerate(tree.racks[r]))
         a = Allocation(LEAF_JOB, generation, 0, pool, workers)
-        roles = tree_roles.leaf_entries(sessions[leaf], a, tree_roles.Uplink(
-            ROOT_JOB, generation, r, s.uplink, spine.mac, spine.ip))
         admission.install(sessions[leaf], a)
         result_rewrite.install(sessions[leaf], a)
-        tree_roles.install(sessions[leaf], roles)
+        owners = [g - 2 * r if g // 2 == r else tree_roles.UP for g in range(4)]  # servers 2r, 2r + 1 here
+        roles = tree_roles.install_leaf(sessions[leaf], a, tree_roles.Uplink(
+            ROOT_JOB, generation, r, s.uplink, spine.mac, spine.ip), owners)
         t.entries[leaf] = [("roles", roles), ("allocation", a)]
     leaves = tuple(Worker(r, Host(leaf, tree.switches[leaf].mac, tree.switches[leaf].ip, r + 1), wire.UDP_PORT)
                    for r, leaf in enumerate(LEAVES))
     a = Allocation(ROOT_JOB, generation, 0, pool, leaves)
-    roles = tree_roles.root_entries(sessions[SPINE], a)
     admission.install(sessions[SPINE], a)
     result_rewrite.install(sessions[SPINE], a)
-    tree_roles.install(sessions[SPINE], roles)
+    roles = tree_roles.install_root(sessions[SPINE], a, [0, 0, 1, 1])
     t.entries[SPINE] = [("roles", roles), ("allocation", a)]
     from passing_controller import counters
 
@@ -283,4 +282,58 @@ def test_allreduce_through_the_tree_is_the_exact_sum(tree, sessions, tmp_path, d
             if drop:  # lost answers and lost contributions: partials re-sent, or answered from the leaf
                 assert c["duplicate"] + c["duplicate_answered"] > 0, (leaf, c)
     finally:
+        t.close(sessions)
+
+
+@pytest.mark.timeout(400)
+def test_bmv2_leaves_under_a_ps_root_with_loss_at_the_root(tree, sessions, tmp_path):
+    """A mixed tree: both leaves BMv2, the root a software aggregator on the spine's host (the spine only
+    forwards), which drops 5 % of what it receives and of what it sends: partials and answers lost between
+    the levels, recovered by the leaves' re-sent partials; the exact sum at every server."""
+    import json
+
+    from passing_controller import l2_forward, tree_roles
+    from passing_controller.topology import mac_to_int
+
+    from .tree_network import SPINE, STRANGER
+
+    size, pool = 20_000, 32
+    ps = tree.stranger
+    t = install_tree(tree, sessions, pool=pool)
+    # the leaves' uplinks point at the PS instead of the spine's program: their tree_role entries again
+    for r, leaf in enumerate(LEAVES):
+        _, old = t.entries[leaf][0]
+        tree_roles.remove(sessions[leaf], old)
+        a = t.entries[leaf][1][1]
+        new = tree_roles.install_leaf(sessions[leaf], a, tree_roles.Uplink(
+            ROOT_JOB, t.generation, r, tree.switches[leaf].uplink, ps.mac, ps.ip))
+        t.entries[leaf][0] = ("roles", new)
+    # the spine forwards the PS's answers to the leaves' aggregation MACs
+    to_leaves = [sessions[SPINE].table_entry(l2_forward.TABLE, {"dst_addr": mac_to_int(tree.switches[leaf].mac)},
+                                             l2_forward.FORWARD, {"port": r + 1}) for r, leaf in enumerate(LEAVES)]
+    sessions[SPINE].write([sessions[SPINE].update("insert", e) for e in to_leaves])
+    host = tree.net.get(STRANGER)
+    for leaf in LEAVES:
+        host.setARP(tree.switches[leaf].ip, tree.switches[leaf].mac)
+    config = tmp_path / "root.json"
+    config.write_text(json.dumps({"jobs": [{
+        "job": ROOT_JOB, "generation": t.generation, "pool": pool, "role": "root",
+        "workers": [f"{tree.switches[leaf].ip}:{wire.UDP_PORT}" for leaf in LEAVES]}]}))
+    proc = host.popen([sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen",
+                       f"{ps.ip}:{wire.UDP_PORT}", "--control", "none", "--config", str(config), "--drop-ingress",
+                       "0.05", "--drop-egress", "0.05", "--seed", "7"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stdout.readline())["event"] == "ready"
+        out = run_allreduce(tree, t, size, tmp_path)
+        want = np.sum([worker_inputs(r, w, size, "int32") for r in range(2) for w in range(2)], axis=0)
+        for i, got in enumerate(out):
+            assert np.array_equal(got, want), f"server {i}: {np.flatnonzero(got != want)[:10]}"
+        for leaf in LEAVES:
+            c = job_counters(sessions, t, leaf, LEAF_JOB)
+            # lost partials and lost answers: partials re-sent (sent_up over completed)
+            assert c["answered"] == c["completed"] > 0 and c["sent_up"] > c["completed"], (leaf, c)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        sessions[SPINE].write([sessions[SPINE].update("delete", e) for e in to_leaves])
         t.close(sessions)

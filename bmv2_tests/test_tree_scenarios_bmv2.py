@@ -11,10 +11,6 @@ from tests.conformance.tree_scenarios import TREE_SCENARIOS
 
 HOSTS = 6  # four hosts carry the workers' origins, the fifth is the root, the sixth the stranger
 
-# The rows that need an owner map (OWNER_ONLY rounds, GATHER and NACK across racks, the root's map): the
-# switch program takes none yet, and rejects those packets in a tree job (docs/protocol.md, On a switch).
-NEEDS_OWNER_MAP = {"tree_leaf_overflow_and_owner_elsewhere", "tree_leaf_gather_and_nack_across_racks",
-                   "tree_root_owner_map"}
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +20,8 @@ def target(network, switch):
     return Bmv2Target(network, switch, root=True)
 
 
-def test_the_rows_left_out_are_rows_of_the_table():
-    assert NEEDS_OWNER_MAP <= {s.name for s in TREE_SCENARIOS}
-
-
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("scenario", [s for s in TREE_SCENARIOS if s.name not in NEEDS_OWNER_MAP],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize("scenario", TREE_SCENARIOS, ids=lambda s: s.name)
 def test_tree_scenario_on_a_bmv2_leaf(target, scenario):
     try:
         run_scenario(target, scenario, scapy_builder)

@@ -9,12 +9,17 @@
 #include <core.p4>
 #include <v1model.p4>
 
+#define PASSING_PARSE_ACK  /* a root's ACK (the header alone) comes down to a leaf: parser.p4 takes it */
 #include "../include/headers.p4"
 #include "../include/lanes.p4"
 #include "../include/parser.p4"
 #include "../include/testgen.p4"
 
 #define PASSING_SLOT_SETS (2 * PASSING_SLOTS)
+/* A leaf's multicast group holds, besides its servers, one replica out of its uplink port with this
+ * replication id: a server's GATHER's copy up (tree_roles.py); every other packet drops it in egress. */
+#define PASSING_UP_RID 255
+#define PASSING_NO_RID 0xFFFF  /* an owner that is no replica of the job's group */
 
 struct metadata_t {
     bit<32> base;        /* first slot of the job's range */
@@ -44,6 +49,13 @@ struct metadata_t {
     /* what comes down (uplink): the leaf job it answers, what the root's packet must say */
     bit<16> leaf_job;
     bit<16> leaf_generation;
+    /* the owner map of a tree job (owner_map): the owner's worker here, or up */
+    bit<16> map_job;      /* the job whose map is read: the packet's, or the leaf job of what comes down */
+    bit<1> owner_mapped;  /* owner_map hit with a worker */
+    bit<8> owner_worker;
+    bit<1> owner_up;      /* owner_map hit with up: a server of another rack */
+    bit<16> owner_rid;    /* the owner's replication id (its worker here), PASSING_NO_RID for none */
+    bit<1> relay_up;      /* a GATHER from a leaf's server: its group's uplink replica goes up */
 }
 
 parser V1Parser(packet_in pkt, out headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
@@ -158,6 +170,26 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
         size = 1024;
     }
 
+    /* ---- a tree job's owner map: an owner (a server's number in the whole job) -> its worker here (a
+     * leaf: its rack's server; a root: the leaf of its rack), or up (a leaf: another rack's server); no
+     * entry: no owner of the job. A flat job's map is the identity, with no entries (owner_bit) ---- */
+    action owner_worker(bit<8> worker) {
+        meta.owner_mapped = 1;
+        meta.owner_worker = worker;
+    }
+    action owner_up() {
+        meta.owner_up = 1;
+    }
+    table owner_map {
+        key = {
+            meta.map_job: exact @name("job");
+            hdr.passing.owner: exact @name("owner");
+        }
+        actions = { owner_worker; owner_up; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = 4096;
+    }
+
     /* ---- which IPv4 address is the switch's aggregator: PASSING traffic to any other
      * address (a PS host, say) is ordinary traffic ---- */
     table aggregator_address {
@@ -262,18 +294,44 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
             malformed.count(0);
             drop();
         } else if (hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT && aggregator_address.apply().hit) {
-            if (hdr.passing.isValid() && hdr.passing.version == PASSING_VERSION
-                    && hdr.passing.type == PASSING_TYPE_RESULT && uplink.apply().hit) {
-                /* the root's answer to a leaf job's round */
+            bool ok = hdr.passing.isValid() && hdr.passing.version == PASSING_VERSION;
+            bool down = false;  /* from a leaf job's uplink: what its root sends down */
+            if (ok && hdr.passing.type != PASSING_TYPE_DATA) {
+                if (uplink.apply().hit) {
+                    down = true;
+                }
+            }
+            meta.map_job = down ? meta.leaf_job : hdr.passing.job;
+            if (ok) {
+                owner_map.apply();
+            }
+            if (down) {
+                /* the root's answer to a leaf job's round, or a GATHER or NACK relayed down */
                 meta.job_index = (bit<32>)meta.leaf_job & (PASSING_MAX_JOBS - 1);
                 received.count(meta.job_index);
+                bool answer = hdr.passing.type == PASSING_TYPE_RESULT || hdr.passing.type == PASSING_TYPE_ACK;
+                bool is_ack = hdr.passing.type == PASSING_TYPE_ACK;
+                bool owner_only = (hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0;
                 if (sm.ingress_port != meta.up_port || hdr.passing.generation != meta.up_generation
-                        || hdr.passing.worker != meta.up_worker || hdr.passing.slot >= meta.pool
-                        || meta.base + (bit<32>)hdr.passing.slot >= PASSING_SLOTS
-                        /* OWNER_ONLY needs an owner map, which the switch does not take yet */
-                        || (hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0) {
+                        || hdr.passing.worker != meta.up_worker
+                        || hdr.lanes.isValid() == is_ack  /* the job's lanes; an ACK: the header alone */
+                        || (!answer && hdr.passing.type != PASSING_TYPE_GATHER && hdr.passing.type != PASSING_TYPE_NACK)
+                        || (answer && hdr.passing.slot >= meta.pool)
+                        || (answer && meta.base + (bit<32>)hdr.passing.slot >= PASSING_SLOTS)
+                        /* an OWNER_ONLY round's sums come down only for a server of this rack */
+                        || (hdr.passing.type == PASSING_TYPE_RESULT && owner_only && meta.owner_mapped == 0)
+                        /* a piece of another rack's server, a NACK to one of this rack */
+                        || (hdr.passing.type == PASSING_TYPE_GATHER && meta.owner_up == 0)
+                        || (hdr.passing.type == PASSING_TYPE_NACK && meta.owner_mapped == 0)) {
                     rejected.count(meta.job_index);
                     drop();
+                } else if (!answer) {
+                    relayed.count(meta.job_index);
+                    hdr.passing.job = meta.leaf_job;
+                    hdr.passing.generation = meta.leaf_generation;
+                    meta.owner_rid = meta.owner_mapped == 1 ? (bit<16>)meta.owner_worker : PASSING_NO_RID;
+                    sm.mcast_grp = meta.group;
+                    meta.relay = 1;
                 } else {
                     meta.slot_set = ((meta.base + (bit<32>)hdr.passing.slot) << 1) | (bit<32>)hdr.passing.set[0:0];
                     meta.lane_base = meta.slot_set * PASSING_LANES;
@@ -287,11 +345,21 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                     slot_phase.read(phase, meta.slot_set);
                     if (epoch == meta.epoch && tag == hdr.passing.psn && bitmap == meta.full && phase == 0) {
                         answered.count(meta.job_index);
-                        FOR_EACH_LANE(LANE_WRITE)
                         bit<8> flags = hdr.passing.flags & PASSING_FLAG_OVERFLOW;
                         slot_overflow.write(meta.slot_set, flags);
-                        slot_phase.write(meta.slot_set, 1);
-                        /* to the leaf's servers as a flat completion's RESULT: the egress addresses each */
+                        if (is_ack) {
+                            /* the sums went to another rack: ACKs to every server, and to whatever
+                             * retransmits from now on (phase 2: the slot holds a partial) */
+                            slot_phase.write(meta.slot_set, 2);
+                        } else {
+                            FOR_EACH_LANE(LANE_WRITE)
+                            slot_phase.write(meta.slot_set, 1);
+                            if (owner_only) {  /* the RESULT to the rack's owner, ACKs to the others */
+                                meta.owner_only = 1;
+                                meta.owner_rid = (bit<16>)meta.owner_worker;
+                            }
+                        }
+                        /* to the leaf's servers as a flat completion's answers: the egress addresses each */
                         hdr.passing.job = meta.leaf_job;
                         hdr.passing.generation = meta.leaf_generation;
                         hdr.passing.flags = flags;
@@ -302,7 +370,7 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                         drop();
                     }
                 }
-            } else if (!hdr.passing.isValid() || hdr.passing.version != PASSING_VERSION
+            } else if (!ok || !hdr.lanes.isValid()
                     || (hdr.passing.type != PASSING_TYPE_DATA && hdr.passing.type != PASSING_TYPE_GATHER
                         && hdr.passing.type != PASSING_TYPE_NACK)) {
                 malformed.count(0);
@@ -312,31 +380,50 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                 received.count(meta.job_index);
                 admission.apply();
                 tree_role.apply();
-                /* the owner is a worker of the job: its bit is in the full bitmap (>= 32: no bit). A tree
-                 * job's owners are numbers in the whole job, which need an owner map the switch does not
-                 * take yet: no owner is one of its workers (its tree carries SUM and MAX rounds only) */
+                /* whose the owner is: a flat job's, a worker (its bit in the full bitmap, >= 32: none); a
+                 * tree job's, what its owner map says (a number in the whole job) */
                 owner_bit.apply();
-                bool owner_is_worker = (meta.full & meta.owner_bit) != 0 && meta.leaf == 0 && meta.root == 0;
+                bool tree = meta.leaf == 1 || meta.root == 1;
+                bool owner_is_worker = tree ? meta.owner_mapped == 1 : (meta.full & meta.owner_bit) != 0;
+                bool owner_up = meta.leaf == 1 && meta.owner_up == 1;
+                if (owner_is_worker) {
+                    meta.owner_rid = tree ? (bit<16>)meta.owner_worker : (bit<16>)hdr.passing.owner;
+                } else {
+                    meta.owner_rid = PASSING_NO_RID;
+                }
                 bool relay = hdr.passing.type != PASSING_TYPE_DATA;
                 bool owner_only = (hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0;
+                bit<8> keep_owner_only = owner_only ? PASSING_FLAG_OWNER_ONLY : 8w0;  /* up, and a root's answers */
+                bit<8> root_owner_only = meta.root == 1 ? keep_owner_only : 8w0;
                 if (meta.admitted == 0
                         || (!relay && hdr.passing.slot >= meta.pool)  /* a relayed kind's slot is no slot */
                         /* an admission entry whose range runs past the registers (the controller never
                          * writes one): BMv2 built without debug checks crashes on an index out of range */
                         || (!relay && meta.base + (bit<32>)hdr.passing.slot >= PASSING_SLOTS)
-                        || (!relay && owner_only && !owner_is_worker)
-                        || (relay && (meta.leaf == 1 || meta.root == 1))  /* no owner map: no relay in a tree */
-                        || (hdr.passing.type == PASSING_TYPE_GATHER && hdr.passing.owner != hdr.passing.worker[6:0])
-                        || (hdr.passing.type == PASSING_TYPE_NACK
-                            && (!owner_is_worker || hdr.passing.owner == hdr.passing.worker[6:0]))) {
+                        || (!relay && owner_only && !owner_is_worker && !owner_up)
+                        /* a GATHER's owner is its sender; a NACK's another worker here, or up */
+                        || (hdr.passing.type == PASSING_TYPE_GATHER
+                            && (!owner_is_worker || meta.owner_rid != (bit<16>)hdr.passing.worker))
+                        || (hdr.passing.type == PASSING_TYPE_NACK && !owner_up
+                            && (!owner_is_worker || meta.owner_rid == (bit<16>)hdr.passing.worker))) {
                     rejected.count(meta.job_index);
                     drop();
+                } else if (relay && owner_up) {
+                    /* a leaf's NACK to another rack's server: up, as sent but for the level's fields */
+                    relayed.count(meta.job_index);
+                    sent_up.count(meta.job_index);
+                    go_up(hdr.passing.flags);
                 } else if (relay) {
                     /* GATHER to every other worker, NACK to its owner: the job's multicast group, the
-                     * egress keeps the replicas the packet goes to; no register touched */
+                     * egress keeps the replicas the packet goes to; no register touched. A leaf's GATHER
+                     * also goes up, by its group's uplink replica */
                     relayed.count(meta.job_index);
                     sm.mcast_grp = meta.group;
                     meta.relay = 1;
+                    if (meta.leaf == 1 && hdr.passing.type == PASSING_TYPE_GATHER) {
+                        sent_up.count(meta.job_index);
+                        meta.relay_up = 1;
+                    }
                 } else {
                     worker_bit.apply();
                     meta.slot_set = ((meta.base + (bit<32>)hdr.passing.slot) << 1) | (bit<32>)hdr.passing.set[0:0];
@@ -385,11 +472,11 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                             /* complete at a leaf: the partial goes up as one DATA of the root's job */
                             completed.count(meta.job_index);
                             sent_up.count(meta.job_index);
-                            go_up(round_overflow);
+                            go_up(round_overflow | keep_owner_only);
                         } else if (bitmap == meta.full) {
                             completed.count(meta.job_index);
                             hdr.passing.type = PASSING_TYPE_RESULT;
-                            hdr.passing.flags = round_overflow;
+                            hdr.passing.flags = round_overflow | root_owner_only;
                             sm.mcast_grp = meta.group;
                             meta.result_multicast = 1;
                             if (owner_only) {
@@ -404,13 +491,13 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                         duplicate.count(meta.job_index);
                         sent_up.count(meta.job_index);
                         FOR_EACH_LANE(LANE_READ)
-                        go_up(round_overflow | PASSING_FLAG_RETRANSMIT);
+                        go_up(round_overflow | PASSING_FLAG_RETRANSMIT | keep_owner_only);
                     } else if (same_round && bitmap == meta.full) {
                         /* a retransmission to a completed round: answer this worker alone */
                         duplicate_answered.count(meta.job_index);
                         FOR_EACH_LANE(LANE_READ)
                         hdr.passing.type = PASSING_TYPE_RESULT;
-                        hdr.passing.flags = round_overflow;
+                        hdr.passing.flags = round_overflow | root_owner_only;
                         sm.egress_spec = sm.ingress_port;
                         bit<48> mac = hdr.ethernet.dst_addr;
                         hdr.ethernet.dst_addr = hdr.ethernet.src_addr;
@@ -421,7 +508,8 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                         hdr.udp.dst_port = hdr.udp.src_port;
                         hdr.udp.src_port = PASSING_UDP_PORT;
                         hdr.udp.checksum = 0;
-                        if (owner_only && hdr.passing.owner != hdr.passing.worker[6:0]) {
+                        /* a non-owner of an OWNER_ONLY round, or any worker once a leaf's root answered with an ACK */
+                        if ((owner_only && meta.owner_rid != (bit<16>)hdr.passing.worker) || (meta.leaf == 1 && phase == 2)) {
                             make_ack();
                         }
                     } else if (same_round) {
@@ -456,6 +544,19 @@ control PassingEgress(inout headers_t hdr, inout metadata_t meta, inout standard
     action drop() {
         mark_to_drop(sm);
     }
+    /* A leaf's GATHER, its uplink replica: to the root as the level's packet (ingress go_up's rewrite). */
+    action to_root() {
+        hdr.passing.job = meta.up_job;
+        hdr.passing.generation = meta.up_generation;
+        hdr.passing.worker = meta.up_worker;
+        hdr.ethernet.src_addr = hdr.ethernet.dst_addr;
+        hdr.ethernet.dst_addr = meta.up_mac;
+        hdr.ipv4.src_addr = hdr.ipv4.dst_addr;
+        hdr.ipv4.dst_addr = meta.up_ip;
+        hdr.udp.src_port = PASSING_UDP_PORT;
+        hdr.udp.dst_port = PASSING_UDP_PORT;
+        hdr.udp.checksum = 0;
+    }
     /* An OWNER_ONLY round's replica for a worker that is not its owner: the header alone. */
     action make_ack() {
         hdr.lanes.setInvalid();
@@ -480,10 +581,17 @@ control PassingEgress(inout headers_t hdr, inout metadata_t meta, inout standard
         bool sent = false;
         if (meta.flood == 1 && sm.egress_port == sm.ingress_port) {
             drop();  /* a flood never goes back where it came from */
+        } else if (meta.flood == 0 && sm.egress_rid == PASSING_UP_RID) {
+            /* a leaf group's uplink replica: a server's GATHER goes up, anything else not */
+            if (meta.relay_up == 1) {
+                to_root();
+            } else {
+                drop();
+            }
         } else if (meta.relay == 1) {
             /* a GATHER goes to every worker but its sender (= its owner), a NACK to its owner alone:
-             * the replication id is the worker */
-            bool to_owner = sm.egress_rid == (bit<16>)hdr.passing.owner;
+             * the replication id is the worker (the owner's, as its map says) */
+            bool to_owner = sm.egress_rid == meta.owner_rid;
             if ((hdr.passing.type == PASSING_TYPE_GATHER) == to_owner) {
                 drop();
             } else {
@@ -505,7 +613,7 @@ control PassingEgress(inout headers_t hdr, inout metadata_t meta, inout standard
         }
         if (sent) {
             results_sent.count(job_index);
-            if (meta.owner_only == 1 && sm.egress_rid != (bit<16>)hdr.passing.owner) {
+            if (meta.owner_only == 1 && sm.egress_rid != meta.owner_rid) {
                 make_ack();
             }
         }
