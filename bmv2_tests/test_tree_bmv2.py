@@ -221,7 +221,7 @@ def test_hostile_and_stale_datagrams_change_nothing(tree, sessions, servers, tre
     # h1 as rack 1's leaf, straight to the root: job 40, worker 0, its generation
     servers.send(0, tree_job, 0, [7777], job=ROOT_JOB, to=spine_ip)
     stranger = tree.agent(STRANGER)
-    stranger.call(op="bind", key="x", port=wire.UDP_PORT)
+    stranger.call(op="bind", key="x", port=AGENT_PORT + 99)  # (the PS of the mixed tree takes 9877 there)
     forged = wire.encode(type=wire.DATA, job=ROOT_JOB, worker=0, psn=0, payload=np.full(wire.DEFAULT_LANES, 5555),
                          pool=tree_job.pool, generation=tree_job.generation)
     stranger.call(op="send", key="x", to=f"{spine_ip}:{wire.UDP_PORT}", payload=forged.tobytes().hex())
@@ -321,9 +321,12 @@ def test_bmv2_leaves_under_a_ps_root_with_loss_at_the_root(tree, sessions, tmp_p
         "workers": [f"{tree.switches[leaf].ip}:{wire.UDP_PORT}" for leaf in LEAVES]}]}))
     proc = host.popen([sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen",
                        f"{ps.ip}:{wire.UDP_PORT}", "--control", "none", "--config", str(config), "--drop-ingress",
-                       "0.05", "--drop-egress", "0.05", "--seed", "7"], stdout=subprocess.PIPE, text=True)
+                       "0.05", "--drop-egress", "0.05", "--seed", "7"], stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True)
     try:
-        assert json.loads(proc.stdout.readline())["event"] == "ready"
+        line = proc.stdout.readline()
+        assert line, f"the PS root exited: {proc.stderr.read()[-2000:]}"
+        assert json.loads(line)["event"] == "ready"
         out = run_allreduce(tree, t, size, tmp_path)
         want = np.sum([worker_inputs(r, w, size, "int32") for r in range(2) for w in range(2)], axis=0)
         for i, got in enumerate(out):
