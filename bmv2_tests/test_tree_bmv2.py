@@ -140,10 +140,11 @@ class Servers:
         return LEAVES[g // 2]
 
     def send(self, g: int, t: Tree, psn: int, values: list[int], flags: int = 0, generation: int | None = None,
-             job: int = LEAF_JOB, to: str | None = None) -> None:
-        packet = wire.encode(type=wire.DATA, job=job, worker=g % 2, psn=psn,
-                             payload=np.resize(values, wire.DEFAULT_LANES), pool=t.pool, flags=flags,
-                             generation=t.generation if generation is None else generation)
+             job: int = LEAF_JOB, to: str | None = None, kind: int = wire.DATA, owner: int = 0) -> None:
+        where = {"pool": t.pool} if kind == wire.DATA else {"slot": 0, "set": 0}  # a relayed kind's: no slot
+        packet = wire.encode(type=kind, job=job, worker=g % 2, psn=psn, payload=np.resize(values, wire.DEFAULT_LANES),
+                             flags=flags, generation=t.generation if generation is None else generation,
+                             owner=owner, **where)
         ip = to or self.tree.switches[self.leaf_of(g)].ip
         self.tree.agent(self.hosts[g].name).call(op="send", key="w", to=f"{ip}:{wire.UDP_PORT}",
                                                  payload=packet.tobytes().hex())
@@ -155,7 +156,9 @@ class Servers:
         while True:  # at least one drain: received(0, timeout=0) empties the sockets
             for g, h in enumerate(self.hosts):
                 for _key, payload, _src in self.tree.agent(h.name).call(op="drain")["received"]:
-                    got[g].append(wire.decode(bytes.fromhex(payload))[0])
+                    raw = bytes.fromhex(payload)
+                    got[g].append({"hdr": np.frombuffer(raw[:wire.HEADER_SIZE], wire.HEADER_DTYPE)[0],  # ACK: none
+                                   "payload": np.frombuffer(raw[wire.HEADER_SIZE:], ">i4")})
             if sum(map(len, got.values())) >= wanted or time.monotonic() > deadline:
                 return got
             time.sleep(0.02)
@@ -237,6 +240,36 @@ def test_hostile_and_stale_datagrams_change_nothing(tree, sessions, servers, tre
     got = servers.received(4)
     for g in range(4):
         assert [int(p["payload"][0]) for p in got[g]] == [10], (g, got[g])
+
+
+@pytest.mark.timeout(180)
+def test_an_owner_only_round_and_a_gather_cross_the_tree(tree, sessions, servers, tree_job):
+    """An OWNER_ONLY round whose owner is server 3: its RESULT reaches server 3 alone (the root answers its
+    leaf with the sums, the other leaf with an ACK), ACKs reach the others; server 0's GATHER reaches the
+    other three (its rack's server by its leaf, the other rack's by the root and their leaf)."""
+    from .tree_network import SPINE
+
+    servers.received(0, timeout=0)
+    for g in range(4):
+        servers.send(g, tree_job, 0, [g + 1], flags=wire.FLAG_OWNER_ONLY, owner=3)
+    got = servers.received(4)
+    kinds = {g: [(int(p["hdr"]["type"]), int(p["hdr"]["flags"]), int(p["hdr"]["worker"])) for p in got[g]]
+             for g in range(4)}
+    assert kinds == {0: [(wire.ACK, 0, 0)], 1: [(wire.ACK, 0, 1)], 2: [(wire.ACK, 0, 0)], 3: [(wire.RESULT, 0, 1)]}
+    assert int(got[3][0]["payload"][0]) == 10
+    servers.send(0, tree_job, 5, [7, 8], kind=wire.GATHER, owner=0)
+    got = servers.received(3)
+    for g in (1, 2, 3):
+        assert len(got[g]) == 1, (g, got[g])
+        h = got[g][0]["hdr"]
+        assert (int(h["type"]), int(h["job"]), int(h["worker"]), int(h["psn"]), wire.owner_of(h["set"])) \
+            == (wire.GATHER, LEAF_JOB, g % 2, 5, 0), (g, h)
+        assert got[g][0]["payload"][:2].tolist() == [7, 8]
+    assert got[0] == []
+    spine = job_counters(sessions, tree_job, SPINE, ROOT_JOB)
+    assert (spine["completed"], spine["relayed"], spine["results_sent"]) == (1, 1, 3), spine
+    s1 = job_counters(sessions, tree_job, "s1", LEAF_JOB)
+    assert (s1["answered"], s1["relayed"], s1["sent_up"], s1["results_sent"]) == (1, 1, 2, 3), s1
 
 
 def run_allreduce(tree, t: Tree, size: int, tmp, extra: list[str] = ()) -> list[np.ndarray]:

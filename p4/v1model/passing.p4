@@ -386,11 +386,16 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                 bool tree = meta.leaf == 1 || meta.root == 1;
                 bool owner_is_worker = tree ? meta.owner_mapped == 1 : (meta.full & meta.owner_bit) != 0;
                 bool owner_up = meta.leaf == 1 && meta.owner_up == 1;
-                if (owner_is_worker) {
-                    meta.owner_rid = tree ? (bit<16>)meta.owner_worker : (bit<16>)hdr.passing.owner;
+                /* the owner's replication id: a flat job's is the owner itself, worker or not (as before
+                 * the roles: what a flat job does is unchanged); a tree job's, its mapped worker */
+                if (!tree) {
+                    meta.owner_rid = (bit<16>)hdr.passing.owner;
+                } else if (owner_is_worker) {
+                    meta.owner_rid = (bit<16>)meta.owner_worker;
                 } else {
                     meta.owner_rid = PASSING_NO_RID;
                 }
+                bit<16> sender = (bit<16>)hdr.passing.worker[6:0];
                 bool relay = hdr.passing.type != PASSING_TYPE_DATA;
                 bool owner_only = (hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0;
                 bit<8> keep_owner_only = owner_only ? PASSING_FLAG_OWNER_ONLY : 8w0;  /* up, and a root's answers */
@@ -403,9 +408,9 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                         || (!relay && owner_only && !owner_is_worker && !owner_up)
                         /* a GATHER's owner is its sender; a NACK's another worker here, or up */
                         || (hdr.passing.type == PASSING_TYPE_GATHER
-                            && (!owner_is_worker || meta.owner_rid != (bit<16>)hdr.passing.worker))
+                            && ((tree && !owner_is_worker) || meta.owner_rid != sender))
                         || (hdr.passing.type == PASSING_TYPE_NACK && !owner_up
-                            && (!owner_is_worker || meta.owner_rid == (bit<16>)hdr.passing.worker))) {
+                            && (!owner_is_worker || meta.owner_rid == sender))) {
                     rejected.count(meta.job_index);
                     drop();
                 } else if (relay && owner_up) {
@@ -509,7 +514,7 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                         hdr.udp.src_port = PASSING_UDP_PORT;
                         hdr.udp.checksum = 0;
                         /* a non-owner of an OWNER_ONLY round, or any worker once a leaf's root answered with an ACK */
-                        if ((owner_only && meta.owner_rid != (bit<16>)hdr.passing.worker) || (meta.leaf == 1 && phase == 2)) {
+                        if ((owner_only && meta.owner_rid != sender) || (meta.leaf == 1 && phase == 2)) {
                             make_ack();
                         }
                     } else if (same_round) {
