@@ -164,12 +164,14 @@ class Servers:
             time.sleep(0.02)
 
 
-def settle(sessions, t: Tree, name: str, job: int, counter: str, value: int, timeout: float = 10) -> dict[str, int]:
-    """A switch's job counters once ``counter`` reached ``value`` (they count what crossed it)."""
+def settle(sessions, t: Tree, name: str, job: int, timeout: float = 10, **least: int) -> dict[str, int]:
+    """A switch's job counters once each counter named reached its value (they count what crossed it). The
+    counters are read one after the other, not at once: a packet may be counted in one read and not yet in
+    an earlier one, so a test waits for every counter it then compares."""
     deadline = time.monotonic() + timeout
     while True:
         c = job_counters(sessions, t, name, job)
-        if c[counter] >= value or time.monotonic() > deadline:
+        if all(c[k] >= v for k, v in least.items()) or time.monotonic() > deadline:
             return c
         time.sleep(0.05)
 
@@ -182,9 +184,9 @@ def test_a_round_through_the_tree_with_a_partial_resent_and_answers_from_the_lea
     inputs = [[1, 2], [10, 20], [100, 200], [1000, 2000]]
     servers.send(0, tree_job, 0, inputs[0])
     servers.send(1, tree_job, 0, inputs[1])  # rack 1 complete: its partial goes up, the root waits
-    settle(sessions, tree_job, SPINE, ROOT_JOB, "aggregated", 1)
+    settle(sessions, tree_job, SPINE, ROOT_JOB, aggregated=1)
     servers.send(1, tree_job, 0, inputs[1], flags=wire.FLAG_RETRANSMIT)  # unanswered: the partial again
-    spine = settle(sessions, tree_job, SPINE, ROOT_JOB, "duplicate", 1)
+    spine = settle(sessions, tree_job, SPINE, ROOT_JOB, duplicate=1, received=2)
     assert spine["duplicate"] == 1 and spine["completed"] == 0, spine  # a duplicate at the root: dropped
     assert servers.received(1, timeout=0.5) == {g: [] for g in range(4)}
     servers.send(2, tree_job, 0, inputs[2])
@@ -228,12 +230,13 @@ def test_hostile_and_stale_datagrams_change_nothing(tree, sessions, servers, tre
     forged = wire.encode(type=wire.DATA, job=ROOT_JOB, worker=0, psn=0, payload=np.full(wire.DEFAULT_LANES, 5555),
                          pool=tree_job.pool, generation=tree_job.generation)
     stranger.call(op="send", key="x", to=f"{spine_ip}:{wire.UDP_PORT}", payload=forged.tobytes().hex())
-    after = settle(sessions, tree_job, SPINE, ROOT_JOB, "rejected", before["rejected"] + 1)
+    after = settle(sessions, tree_job, SPINE, ROOT_JOB, rejected=before["rejected"] + 1,
+                   received=before["received"] + 1)
     assert after["rejected"] - before["rejected"] == 1 and after["received"] - before["received"] == 1, after
     assert after["aggregated"] == before["aggregated"]
     # a late packet of the previous allocation at a leaf
     servers.send(0, tree_job, 0, [9999], generation=tree_job.generation - 1)
-    s1 = settle(sessions, tree_job, "s1", LEAF_JOB, "rejected", 1)
+    s1 = settle(sessions, tree_job, "s1", LEAF_JOB, rejected=1, received=1)
     assert s1["rejected"] == 1 and s1["aggregated"] == 0, s1
     for g in range(4):
         servers.send(g, tree_job, 0, [g + 1])

@@ -43,7 +43,7 @@ class Placement:
                  default_pool: int) -> None:
         self.topo, self.state, self.switch, self.ps, self.readout = topo, state, switch, ps, readout
         self.default_pool = default_pool
-        self.trees = TreePlacement(topo, state, ps, default_pool)
+        self.trees = TreePlacement(topo, state, ps, default_pool, switch)
 
     def largest_pool(self) -> int:
         """The largest pool any aggregator of the topology could give one group."""
