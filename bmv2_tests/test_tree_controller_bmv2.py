@@ -75,6 +75,8 @@ def test_a_tree_with_the_switch_as_a_leaf_and_a_controller_restart(network, cont
     deadline = time.monotonic() + 60
     while True:
         jobs = [j for j in controller.ctl("jobs")["jobs"] if j["job"] == "tree"]
+        # the root's rounds (`stats` reads the root's PS) complete only with the switch leaf's partials: its
+        # worker 0 is the switch's aggregation address, which nothing but the switch's program sends from
         if jobs and controller.ctl("stats", "--job-id", str(jobs[0]["job_id"])).get(str(jobs[0]["job_id"]),
                                                                                      {}).get("completed", 0):
             break

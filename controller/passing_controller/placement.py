@@ -111,7 +111,8 @@ class Placement:
             p = tree_plan(self.topo, workers)
             if p is None:
                 return None
-            record = self.trees.allocate(p, job_id, name, group, generation, pending.pool, workers, exclude)
+            record = self.trees.allocate(p, job_id, name, group, generation, pending.pool, workers, exclude,
+                                         switch_allowed=pending.aggregator != "ps")
         except (FabricError, TreeRefused) as e:
             tried.append(f"no tree across racks: {e}")
             return None

@@ -106,11 +106,12 @@ class TreePlacement:
         self.topo, self.state, self.ps, self.default_pool, self.switch = topo, state, ps, default_pool, switch
 
     def allocate(self, p: TreePlan, job_id: int, name: str, group: int, generation: int, pool: int | None,
-                 workers: list[dict], exclude: frozenset[str]) -> Record:
-        """Admit the group as ``p``'s tree: every node takes its job, or none keeps one (TreeRefused)."""
+                 workers: list[dict], exclude: frozenset[str], switch_allowed: bool = True) -> Record:
+        """Admit the group as ``p``'s tree: every node takes its job, or none keeps one (TreeRefused).
+        ``switch_allowed`` False: the job asked for software aggregators, so no node may be the switch."""
         assert p.root is not None
-        nodes = [self._node(r.node.name, "leaf", r.node.aggregator) for r in p.racks]
-        nodes.append(self._node(p.root.name, "root", p.root.aggregator))
+        nodes = [self._node(r.node.name, "leaf", r.node.aggregator, switch_allowed) for r in p.racks]
+        nodes.append(self._node(p.root.name, "root", p.root.aggregator, switch_allowed))
         for n in nodes:
             if n.control in exclude:
                 raise TreeRefused(f"{n.role} {n.name!r} ({_what(n)}) is down")
@@ -168,7 +169,9 @@ class TreePlacement:
                  len(p.racks), root.name, job_id, generation)
         return r
 
-    def _node(self, name: str, role: str, aggregator: str) -> _Node:
+    def _node(self, name: str, role: str, aggregator: str, switch_allowed: bool) -> _Node:
+        if aggregator == "switch" and not switch_allowed:
+            raise TreeRefused(f"fabric {role} {name!r} is the switch, and the job asked for a software aggregator")
         if aggregator == "switch":
             if role == "root":  # the group's record names its root's control: a PS's, read by readout.py
                 raise TreeRefused(f"fabric root {name!r} is the switch: a switch takes a tree's leaf role only "
