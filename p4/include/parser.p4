@@ -1,8 +1,7 @@
 /* The parser every target shares: Ethernet / IPv4 / UDP / PASSING / lanes.
  * A PASSING packet is a UDP datagram to (or from) PASSING_UDP_PORT; only a datagram of
  * exactly header + PASSING_LANES values gets its lanes parsed (anything else is left for
- * the ingress to count as malformed). A program that defines PASSING_PARSE_ACK (v1model: a leaf
- * takes its root's ACKs) also parses a header alone, lanes invalid. */
+ * the ingress to count as malformed). */
 #ifndef PASSING_PARSER_P4
 #define PASSING_PARSER_P4
 
@@ -39,9 +38,6 @@ parser PassingParser(packet_in pkt, inout headers_t hdr, in bool with_lanes) {
     state parse_passing {
         transition select(hdr.udp.length) {
             PASSING_UDP_LENGTH: parse_passing_header;
-#ifdef PASSING_PARSE_ACK
-            8 + 16: parse_header_only;  /* an ACK: the header alone (the ingress drops any other kind so) */
-#endif
             default: accept;  /* wrong size: passing header stays invalid, ingress counts it */
         }
     }
@@ -52,12 +48,6 @@ parser PassingParser(packet_in pkt, inout headers_t hdr, in bool with_lanes) {
             false: accept;
         }
     }
-#ifdef PASSING_PARSE_ACK
-    state parse_header_only {
-        pkt.extract(hdr.passing);
-        transition accept;
-    }
-#endif
     state parse_lanes {
         pkt.extract(hdr.lanes);
         transition accept;

@@ -9,7 +9,6 @@
 #include <core.p4>
 #include <v1model.p4>
 
-#define PASSING_PARSE_ACK  /* a root's ACK (the header alone) comes down to a leaf: parser.p4 takes it */
 #include "../include/headers.p4"
 #include "../include/lanes.p4"
 #include "../include/parser.p4"
@@ -63,6 +62,14 @@ parser V1Parser(packet_in pkt, out headers_t hdr, inout metadata_t meta, inout s
     state start {
         hdr.bridged.setInvalid();  /* TNA only */
         passing_parser.apply(pkt, hdr, true);
+        /* a root's ACK comes down to a leaf as the header alone, which the shared parser leaves as payload */
+        transition select(hdr.udp.isValid(), hdr.udp.dst_port, hdr.udp.length) {
+            (true, PASSING_UDP_PORT, 8 + 16): parse_header_only;
+            default: accept;
+        }
+    }
+    state parse_header_only {
+        pkt.extract(hdr.passing);  /* lanes invalid: the ingress drops any other kind of this length */
         transition accept;
     }
 }
