@@ -84,7 +84,8 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
     register<bit<32>>(PASSING_SLOT_SETS) slot_tag;
     register<bit<32>>(PASSING_SLOT_SETS) slot_bitmap;
     register<bit<8>>(PASSING_SLOT_SETS) slot_overflow;
-    /* a leaf job's round: 1 once the root's answer came down (a flat job's rounds never read it) */
+    /* a leaf job's round: 0 until the root's answer comes down, then 1 (a RESULT) or 2 (an ACK: the slot
+     * holds a partial); a flat job's rounds never read it */
     register<bit<8>>(PASSING_SLOT_SETS) slot_phase;
     register<bit<32>>(PASSING_SLOT_SETS * PASSING_LANES) lane_acc;
 
@@ -99,9 +100,9 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
     counter(PASSING_MAX_JOBS, CounterType.packets) stale;
     counter(PASSING_MAX_JOBS, CounterType.packets) overflow;
     counter(PASSING_MAX_JOBS, CounterType.packets) relayed;
-    counter(PASSING_MAX_JOBS, CounterType.packets) sent_up;      /* a leaf's partials, first and re-sent */
-    counter(PASSING_MAX_JOBS, CounterType.packets) answered;     /* the root's RESULTs that answered a round */
-    counter(PASSING_MAX_JOBS, CounterType.packets) late_answer;  /* the root's RESULTs nothing waited for */
+    counter(PASSING_MAX_JOBS, CounterType.packets) sent_up;      /* partials (first, re-sent), GATHER and NACK copies */
+    counter(PASSING_MAX_JOBS, CounterType.packets) answered;     /* the root's RESULTs and ACKs that answered a round */
+    counter(PASSING_MAX_JOBS, CounterType.packets) late_answer;  /* the root's RESULTs and ACKs nothing waited for */
 
     action drop() {
         mark_to_drop(sm);
@@ -153,9 +154,10 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
         size = 1024;
     }
 
-    /* ---- what comes down: a RESULT of the root's job (up_job) -> the leaf job it answers. Keyed by the
-     * job alone (one leaf job of a root job per switch): a RESULT of a known up_job from another port, of
-     * another generation or for another leaf is rejected, counted on the leaf job; of no up_job, malformed */
+    /* ---- what comes down: a RESULT, ACK, GATHER or NACK of the root's job (up_job) -> the leaf job it is
+     * for. Keyed by the job alone (one leaf job of a root job per switch; no flat job's id is an up_job
+     * here): one of a known up_job from another port, of another generation or for another leaf is
+     * rejected, counted on the leaf job; a RESULT or ACK of no up_job, malformed */
     action from_uplink(bit<9> port, bit<16> generation, bit<8> worker, bit<16> leaf_job, bit<16> leaf_generation,
                        bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
         meta.admitted = 1;
@@ -279,7 +281,7 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
     /* A lane of the root's RESULT, written over a leaf's partial (no add). */
     #define LANE_WRITE(i) { lane_acc.write(meta.lane_base + (i), hdr.lanes.value_##i); }
 
-    /* A leaf's partial (or a GATHER/NACK copy) to its root: the level's fields from tree_role, out of the
+    /* A leaf's partial (or a NACK for another rack) to its root: the level's fields from tree_role, out of the
      * uplink port, from this switch's aggregation address (the one the packet came to) to the root's. */
     action go_up(bit<8> flags) {
         hdr.passing.job = meta.up_job;
@@ -303,7 +305,8 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
         } else if (hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT && aggregator_address.apply().hit) {
             bool ok = hdr.passing.isValid() && hdr.passing.version == PASSING_VERSION;
             bool down = false;  /* from a leaf job's uplink: what its root sends down */
-            if (ok && hdr.passing.type != PASSING_TYPE_DATA) {
+            if (ok && (hdr.passing.type == PASSING_TYPE_RESULT || hdr.passing.type == PASSING_TYPE_ACK
+                       || hdr.passing.type == PASSING_TYPE_GATHER || hdr.passing.type == PASSING_TYPE_NACK)) {
                 if (uplink.apply().hit) {
                     down = true;
                 }
@@ -322,7 +325,6 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
                 if (sm.ingress_port != meta.up_port || hdr.passing.generation != meta.up_generation
                         || hdr.passing.worker != meta.up_worker
                         || hdr.lanes.isValid() == is_ack  /* the job's lanes; an ACK: the header alone */
-                        || (!answer && hdr.passing.type != PASSING_TYPE_GATHER && hdr.passing.type != PASSING_TYPE_NACK)
                         || (answer && hdr.passing.slot >= meta.pool)
                         || (answer && meta.base + (bit<32>)hdr.passing.slot >= PASSING_SLOTS)
                         /* an OWNER_ONLY round's sums come down only for a server of this rack */
