@@ -168,6 +168,7 @@ def test_more_than_32_workers_across_two_racks(fabric):
     for w, a in answers.items():
         assert a["mode"] == "tree" and a["servers"] == workers and a["workers"] == 20 and a["owner_only"]
         assert a["leaf"] == f"rack{w % 2}" and a["worker"] == w // 2 and a["number"] == (w % 2) * 20 + w // 2
+        assert a["numbers"] == [(v % 2) * 20 + v // 2 for v in range(workers)]  # every worker's, in group order
         assert f"{a['aggregators'][0]['host']}:{a['aggregators'][0]['port']}" == leaf_data[a["leaf"]]
     assert_freed(ready)
     assert ask(endpoint, "status")["jobs"] == []

@@ -136,3 +136,16 @@ def test_faults_end_as_on_gloo():
     if REPORT and found:
         oracle.record_json(found, REPORT, plain=True)
     assert not found, oracle.report(found, plain=True)
+
+
+# Fault launches the fuzzer found diverging, kept as regressions: (fault, seed) as `make fuzz-torch FAULT=... SEED=...`
+FOUND_FAULTS = [("skip:1:3", 3100369)]  # a subgroup's gather skipped by rank 1: hung past the bound (embedded:
+#                                         the others' destroy waited for rank 0; and the fuzzer's subgroups had
+#                                         torch's 30-minute default timeout, on gloo too)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fault,seed", FOUND_FAULTS, ids=lambda v: str(v))
+def test_faults_the_fuzzer_found_end_as_on_gloo(fault, seed):
+    assert oracle.replay_fault(oracle.parse_fault(fault, seed), (2, 2), oracle.MODES) == 0

@@ -143,7 +143,7 @@ def test_a_tree_of_software_aggregators_gives_the_flat_sum_under_loss(tree, tmp_
         stranger.close()
 
 
-def test_a_leafs_group_takes_the_jobs_servers_and_refuses_what_it_cannot_do_yet():
+def test_a_leafs_group_takes_the_jobs_servers_and_numbers_and_refuses_what_it_cannot_do():
     from passing import Group
     from passing.errors import PassingError
     from passing.reduce_path import apply_nonfinite, nonfinite_shift
@@ -151,16 +151,57 @@ def test_a_leafs_group_takes_the_jobs_servers_and_refuses_what_it_cannot_do_yet(
     for bad in (1, 1025):
         with pytest.raises(ValueError, match="servers must be 2..1024"):
             Group(1, 0, 2, ["127.0.0.1:9"], bind="127.0.0.1:0", servers=bad)
-    with Group(1, 0, 2, ["127.0.0.1:9"], bind="127.0.0.1:0", servers=40) as g:
-        for call in (lambda: g.reduce_scatter(np.zeros(4, np.float32)), lambda: g.allgather(np.zeros(2))):
-            with pytest.raises(PassingError, match="across racks is not supported yet"):
+    for numbering, error in [({"number": 40}, "number 40 outside 0..39"), ({"number": -1}, "outside"),
+                             ({"numbers": list(range(40))}, "numbers without this server's number"),
+                             ({"number": 3, "numbers": [0, 1, 2]}, "must order the job's 40 servers"),
+                             ({"number": 3, "numbers": [0] * 40}, "each of 0..39 once"),
+                             ({"servers": 129, "number": 0}, "owner_only with 129 servers: owners are 7 bits")]:
+        with pytest.raises(ValueError, match=error):
+            Group(1, 0, 2, ["127.0.0.1:9"], bind="127.0.0.1:0", **{"servers": 40, **numbering})
+    with pytest.raises(ValueError, match="a flat group's server is numbered by its worker index 0"):
+        Group(1, 0, 2, ["127.0.0.1:9"], bind="127.0.0.1:0", number=1)
+    with Group(1, 0, 2, ["127.0.0.1:9"], bind="127.0.0.1:0", servers=40) as g:  # no number: allreduce only
+        assert g.servers == 40
+        for call in (lambda: g.reduce_scatter(np.zeros(40, np.float32)), lambda: g.allgather(np.zeros(2))):
+            with pytest.raises(PassingError, match="needs this server's number in the job"):
                 call()
+    with Group(1, 1, 2, ["127.0.0.1:9"], bind="127.0.0.1:0", servers=4, number=2, numbers=[3, 2, 0, 1]) as g:
+        assert (g.servers, g.rank, g.worker) == (4, 1, 1)  # the caller's index 1 is the server numbered 2
+        with pytest.raises(ValueError, match="not a multiple of the 4 servers"):
+            g.reduce_scatter(np.zeros(6, np.float32))
+        with pytest.raises(ValueError, match="sizes must give 4 byte counts"):
+            g.allgather_bytes(np.zeros(1, np.uint8), [1, 1], np.zeros(2, np.uint8))
     # the class round's counts: 6 bits up to 63 servers, 10 beyond (three counts of up to 1 023 in 30 bits)
-    assert nonfinite_shift(63) == 6 and nonfinite_shift(64) == 10 and nonfinite_shift(1024) == 10
+    assert nonfinite_shift(63) == 6 and nonfinite_shift(64) == 10 and nonfinite_shift(1023) == 10
     out = np.zeros(4, np.float32)
     classes = np.array([0, 900, 900 << 10, 1000 << 20], np.int32)  # none, NaN, +inf, -inf from many servers
     apply_nonfinite(out, classes, 10)
     assert out[0] == 0 and np.isnan(out[1]) and out[2] == np.inf and out[3] == -np.inf
+
+
+@pytest.mark.parametrize("servers", [63, 64, 1023, 1024])
+def test_the_class_round_counts_every_server_of_the_largest_tree(servers):
+    """Every server holding the same non-finite value at an element (a loss scale too high does that) must
+    give IEEE's answer: the class round's sums, taken here as an aggregator sums them (int32, each in range),
+    decode to the counts. 1 024 servers need 11-bit counts: two rounds (10 bits would read 1 024 NaN as +inf)."""
+    from passing.reduce_path import apply_nonfinite, nonfinite_classes, nonfinite_codes, nonfinite_shift
+
+    shift = nonfinite_shift(servers)
+    assert shift == (6 if servers < 64 else 10 if servers < 1024 else 11)
+    inputs = np.zeros((servers, 6), np.float32)
+    inputs[:, 1], inputs[:, 2], inputs[:, 3] = np.nan, np.inf, -np.inf  # on every server
+    inputs[0, 4], inputs[1:, 4] = np.inf, -np.inf  # +inf meets -inf: NaN
+    inputs[-1, 5] = np.nan  # on one server alone
+    rounds = [nonfinite_codes(x, shift) for x in inputs]
+    sums = []
+    for k in range(len(rounds[0])):
+        total = np.sum([r[k].astype(np.int64) for r in rounds], axis=0)
+        assert total.max() <= np.iinfo(np.int32).max  # an aggregator's int32 sum: no saturation
+        sums.append(total.astype(np.int32))
+    out = np.ones(6, np.float32)
+    apply_nonfinite(out, nonfinite_classes(sums, shift), shift)
+    assert out[0] == 1  # finite: left as the data round made it
+    assert np.isnan(out[1]) and out[2] == np.inf and out[3] == -np.inf and np.isnan(out[4]) and np.isnan(out[5])
 
 
 LEAF_OBJECT = {"job": 1, "pool": 4, "workers": ["10.0.0.1:2000", "10.0.0.2:2000"], "role": "leaf",

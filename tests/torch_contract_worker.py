@@ -225,16 +225,41 @@ def works_kept(_: list[str]) -> dict:
     for k in kept:
         k.wait()
     dist.destroy_process_group()
-    left = settled_leftover(baseline, 3.0)
+    left = settled_leftover(baseline, 10.0)
     left["sockets"] = _socket_kinds([f.split()[1] for f in left["fds"] if f.startswith("socket")])
     del kept
     return {"left": left, "after_gc": leftover(baseline, snapshot())}
 
 
+def subgroup_ends_alone(_: list[str]) -> dict:
+    """A subgroup's destroy is each rank's own, as on gloo: every rank but 0 destroys the subgroup while rank 0
+    waits for them to say so (the fuzzer's seed 3100369: rank 0 was busy, and the others' destroy waited for
+    its end, embedded mode)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    t = torch.ones(10)
+    dist.all_reduce(t, group=group)
+    store = dist.distributed_c10d._get_default_store()
+    alone = None
+    if rank == 0:
+        try:
+            store.wait([f"contract/ended/{r}" for r in range(1, world)], timedelta(seconds=60))
+            alone = True
+        except (RuntimeError, dist.DistError):
+            alone = False
+        dist.destroy_process_group(group)
+    else:
+        dist.destroy_process_group(group)
+        store.set(f"contract/ended/{rank}", "1")
+    dist.barrier()
+    return {"alone": alone, "summed": t.tolist() == [float(world)] * 10}
+
+
 SCENARIOS = {"barrier_reads": barrier_reads, "overflow_in_reduce_scatter": overflow_in_reduce_scatter,
              "skip_a_call": skip_a_call, "rank0_dies": rank0_dies, "cycles": cycles, "strided": strided,
              "keep_all_gather_on_gloo": keep_all_gather_on_gloo, "coalesced_future": coalesced_future,
-             "works_kept": works_kept, "reinit_after_a_failure": reinit_after_a_failure}
+             "works_kept": works_kept, "reinit_after_a_failure": reinit_after_a_failure,
+             "subgroup_ends_alone": subgroup_ends_alone}
 
 
 def main() -> None:

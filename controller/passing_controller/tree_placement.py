@@ -87,14 +87,21 @@ def nodes_of(record: Record) -> list[dict[str, Any]]:
 def worker_answer(record: Record, worker: int) -> dict[str, Any]:
     """What a join answer says to group worker ``worker`` of a tree (docs/control.md, "Trees across
     racks"): its leaf's address, its index at the leaf (``worker``, its bit there) among the leaf's
-    ``workers``, the job's ``servers`` and its ``number`` in the whole group, and whether OWNER_ONLY rounds,
-    GATHER and NACK cross the tree (``owner_only``: owners are 7 bits, so a tree of at most 128 servers)."""
+    ``workers``, the job's ``servers`` and its ``number`` in the whole group, every group worker's number
+    (``numbers``, in group worker order: how a reduce_scatter's blocks and an all_gather's pieces, in that
+    order, map to owners), and whether OWNER_ONLY rounds, GATHER and NACK cross the tree (``owner_only``:
+    owners are 7 bits, so a tree of at most 128 servers)."""
+    numbers = [0] * len(record.workers)
+    for node in nodes_of(record):
+        if node["role"] == "leaf":
+            for local, w in enumerate(node["workers"]):
+                numbers[w] = node["first"] + local
     for node in nodes_of(record):
         if node["role"] == "leaf" and worker in node["workers"]:
             host, port = node["data"].rsplit(":", 1)
             local = node["workers"].index(worker)
             return {"worker": local, "workers": len(node["workers"]), "servers": len(record.workers),
-                    "number": node["first"] + local, "leaf": node["name"],
+                    "number": node["first"] + local, "numbers": numbers, "leaf": node["name"],
                     "owner_only": bool(record.aggregator.get("owner_only")),
                     "aggregators": [{"host": host, "port": int(port), "pool": record.pool}]}
     raise KeyError(f"worker {worker} is under no leaf of job id {record.job_id}")

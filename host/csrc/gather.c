@@ -46,7 +46,7 @@ static int gather_flush(gather_state *g) {
 static void gather_send_ahead(gather_state *g) {
     const pn_gather_call *c = g->c;
     uint64_t slowest = UINT64_MAX;
-    for (uint32_t o = 0; o < c->workers; o++) {
+    for (uint32_t o = 0; o < c->origins; o++) {
         while (g->prefix[o] < c->counts[o] && c->have[g->base[o] + g->prefix[o]]) g->prefix[o]++;
         if (g->prefix[o] < c->counts[o] && g->prefix[o] < slowest) slowest = g->prefix[o];
     }
@@ -58,7 +58,7 @@ static void gather_send_ahead(gather_state *g) {
 /* One NACK per origin this worker lacks packets of: its first missing run, up to a window. */
 static void gather_nack(gather_state *g) {
     const pn_gather_call *c = g->c;
-    for (uint32_t o = 0; o < c->workers; o++) {
+    for (uint32_t o = 0; o < c->origins; o++) {
         if (g->prefix[o] >= c->counts[o]) continue;
         uint64_t first = g->prefix[o], run = 0;
         while (first + run < c->counts[o] && run < c->window && run < 0xFFFF && !c->have[g->base[o] + first + run]) run++;
@@ -83,7 +83,7 @@ static int gather_datagram(gather_state *g, const pn_datagram *d, double now, do
         return 0;
     uint32_t offset = h.psn - (uint32_t)c->start;
     if (h.type == PN_GATHER) {
-        if (h.owner < c->workers && h.owner != c->worker && offset < c->counts[h.owner]) {
+        if (h.owner < c->origins && h.owner != c->number && offset < c->counts[h.owner]) {
             uint64_t row = g->base[h.owner] + offset;
             if (!c->have[row]) {
                 memcpy(c->staged + row * 4 * (size_t)c->lanes, d->data + PN_HEADER_SIZE, 4 * (size_t)c->lanes);
@@ -96,7 +96,7 @@ static int gather_datagram(gather_state *g, const pn_datagram *d, double now, do
             c->early_source[*c->early_count] = d->source;
             (*c->early_count)++;
         }
-    } else if (h.type == PN_NACK && h.owner == c->worker) {
+    } else if (h.type == PN_NACK && h.owner == c->number) {
         for (uint64_t i = offset; i < (uint64_t)offset + h.slot && i < g->sent; i++) {
             if (now - g->resent_at[i] <= pto / 2) continue;  /* several receivers may ask for one loss */
             uint8_t *p = c->packets + i * g->packet_size;
@@ -123,14 +123,15 @@ static void gather_free(gather_state *g) {
 
 static int gather_validate(const pn_gather_call *c, const pn_stream_report *r) {
     if (!c || !r || c->fd < 0 || c->lanes == 0 || c->lanes > 16000 || c->job > 0xFFFF ||
-        c->generation >= PN_GENERATIONS || c->workers == 0 || c->workers > PN_MAX_WORKERS || c->worker >= c->workers ||
+        c->generation >= PN_GENERATIONS || c->origins == 0 || c->origins > PN_OWNERS || c->number >= c->origins ||
+        c->worker >= PN_MAX_WORKERS ||
         c->window == 0 || !c->counts || !c->staged || !c->have || !c->completion || !c->srtt || !c->rttvar ||
         !c->last_loss || !c->rng || !(c->timeout > 0) || !(c->rto_min > 0) || !(c->max_rto >= c->rto_min) ||
         c->drop < 0 || c->drop >= 1 || !c->early_count || (c->early_cap && (!c->early || !c->early_source)) ||
-        *c->early_count > c->early_cap || (c->counts[c->worker] && !c->packets) || !(c->silence >= 0) ||
+        *c->early_count > c->early_cap || (c->counts[c->number] && !c->packets) || !(c->silence >= 0) ||
         (c->silence > 0 && (!c->on_silence || !(c->silence_every > 0))))
         return PN_EINVAL;
-    for (uint32_t o = 0; o < c->workers; o++)
+    for (uint32_t o = 0; o < c->origins; o++)
         if (c->counts[o] > 0x7FFFFFFF) return PN_EINVAL; /* positions of one call stay in serial-number range */
     return PN_OK;
 }
@@ -141,21 +142,21 @@ static int gather_init(gather_state *g, pn_gather_call *c, pn_stream_report *r) 
                         .rec = {.srtt = *c->srtt, .rttvar = *c->rttvar, .last_loss = *c->last_loss,
                                 .rto_min = c->rto_min, .max_rto = c->max_rto}};
     g->udp.fd = -1;
-    g->base = calloc(c->workers, sizeof *g->base);
-    g->prefix = calloc(c->workers, sizeof *g->prefix);
+    g->base = calloc(c->origins, sizeof *g->base);
+    g->prefix = calloc(c->origins, sizeof *g->prefix);
     uint64_t rows = 0;
-    for (uint32_t o = 0; g->base && o < c->workers; o++) {
+    for (uint32_t o = 0; g->base && o < c->origins; o++) {
         g->base[o] = rows;
         rows += c->counts[o];
         if (c->counts[o] > g->largest) g->largest = c->counts[o];
     }
-    g->mine = c->counts[c->worker];
+    g->mine = c->counts[c->number];
     for (uint64_t i = 0; i < rows; i++) g->lacking += !c->have[i];
     g->completion_psn = (uint32_t)c->completion[12] << 24 | (uint32_t)c->completion[13] << 16 |
                         (uint32_t)c->completion[14] << 8 | c->completion[15];
     g->resent_at = malloc((g->mine ? g->mine : 1) * sizeof *g->resent_at);
-    g->nacks = malloc((size_t)c->workers * g->packet_size);
-    int queued = pn_send_queue_init(&g->sends, (uint32_t)(2 * g->mine + c->workers + 2));
+    g->nacks = malloc((size_t)c->origins * g->packet_size);
+    int queued = pn_send_queue_init(&g->sends, (uint32_t)(2 * g->mine + c->origins + 2));
     int u = g->base && g->prefix && g->resent_at && g->nacks && queued
                 ? pn_udp_init(&g->udp, c->fd, (uint32_t)g->packet_size, RECV_BATCH, c->gso) : -ENOMEM;
     if (u == 0) u = pn_udp_use_xsk(&g->udp, c->xsk);

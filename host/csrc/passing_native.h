@@ -220,8 +220,9 @@ typedef struct {
     uint32_t job, generation, worker;
     uint32_t op;                 /* PN_OP_SUM or PN_OP_MAX */
     uint32_t owner_packets;      /* 0: an allreduce. Else OWNER_ONLY rounds (reduce_scatter): packet i of
-                                    the array belongs to worker i / owner_packets, whose RESULT it is
-                                    (the others get an ACK); only this worker's rows are written */
+                                    the array belongs to owner i / owner_packets (a worker, or in a tree
+                                    across racks a server's global number: < PN_OWNERS), whose RESULT it is
+                                    (the others get an ACK); only the RESULTs' rows, this worker's, are written */
     /* the shards: packets [start[s], start[s] + count[s]) of the array go to aggregator s */
     uint32_t shards;
     const int64_t *aggregator;   /* packed ip << 16 | port */
@@ -283,12 +284,15 @@ PN_API int pn_stream_run(pn_stream_call *c, pn_stream_report *r);
 
 typedef struct {
     int fd;                      /* the group's socket, as pn_stream_call's */
-    uint32_t lanes, job, generation, worker, workers;
+    uint32_t lanes, job, generation, worker;  /* worker: this worker's bit at its aggregator (the header's) */
+    uint32_t origins, number;    /* the pieces (the job's servers, at most PN_OWNERS) and this worker's, the
+                                    `owner` of its GATHERs and of the NACKs it answers: its global number in a
+                                    tree across racks, its worker index in a flat group */
     int64_t aggregator;          /* the first aggregator: GATHERs, NACKs and the completion round */
     uint32_t window;             /* this worker's packets sent ahead of what it holds from the slowest peer */
     uint64_t start;              /* the call's first gather position G (unwrapped) */
-    const uint64_t *counts;      /* packets of each worker's piece */
-    uint8_t *packets;            /* this worker's GATHER packets, counts[worker] of the packet size, built */
+    const uint64_t *counts;      /* packets of each origin's piece */
+    uint8_t *packets;            /* this worker's GATHER packets, counts[number] of the packet size, built */
     uint8_t *staged;             /* the pieces' lanes: origin o's packet i at row sum(counts[:o]) + i, 4 x lanes bytes */
     uint8_t *have;               /* per staged row: 1 when held (in: this worker's, and any kept from before) */
     uint8_t *completion;         /* the completion round's DATA packet, built; its psn is the round's */

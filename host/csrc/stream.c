@@ -267,9 +267,9 @@ static int validate(const pn_stream_call *c, const pn_stream_report *r) {
     if (c->elements && (!c->input || !c->output)) return PN_EINVAL;
     if (!c->early_count || (c->early_cap && (!c->early || !c->early_source)) || *c->early_count > c->early_cap)
         return PN_EINVAL;
-    /* an OWNER_ONLY round's owner is a worker: 7 bits on the wire, at most PN_MAX_WORKERS */
+    /* an OWNER_ONLY round's owner: 7 bits on the wire (a worker, or a server's number in a tree across racks) */
     if (c->owner_packets && c->elements &&
-        ((c->elements + c->lanes - 1) / c->lanes - 1) / c->owner_packets >= PN_MAX_WORKERS)
+        ((c->elements + c->lanes - 1) / c->lanes - 1) / c->owner_packets >= PN_OWNERS)
         return PN_EINVAL;
     if (c->kind == PN_IN_F32 && !c->scale) return PN_EINVAL;
     for (uint32_t k = 0; k < c->shards; k++) {

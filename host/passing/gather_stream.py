@@ -16,17 +16,19 @@ from .stream_state import StreamState
 
 
 class GatherStream:
-    """One all_gather. Worker w's piece is its GATHER positions G .. G + counts[w] - 1 (G: this call's
-    start, the same at every worker). A worker sends its own packets at most a window (its first
-    aggregator's pool) ahead of what it holds from the slowest peer (all send at one pace, so a full
-    receiver stops them all); sends its missing runs' NACKs after a silence (the probe rule of the reduce
-    stream); answers the NACKs it gets by sending again; and, holding every piece, contributes its
-    completion round (one DATA, lane 0 = 1), whose RESULT ends the call for every worker at once."""
+    """One all_gather. The pieces are the job's servers', by global number (a flat group's: its workers;
+    a tree's: docs/protocol.md, "Trees across racks"): server o's is its GATHER positions G .. G + counts[o]
+    - 1 (G: this call's start, the same at every worker), its packets' ``owner`` o; ``sizes`` in that order.
+    A worker sends its own packets at most a window (its first aggregator's pool) ahead of what it holds from
+    the slowest peer (all send at one pace, so a full receiver stops them all); sends its missing runs' NACKs
+    after a silence (the probe rule of the reduce stream); answers the NACKs it gets by sending again; and,
+    holding every piece, contributes its completion round (one DATA, lane 0 = 1), whose RESULT ends the call
+    for every worker at once."""
 
     def __init__(self, state: StreamState, recovery: LossRecovery, silence: SilenceWatch | None,
                  piece: np.ndarray, sizes: list[int]) -> None:
         self.state, self.recovery, self.silence = state, recovery, silence
-        lanes, me = state.lanes, state.worker
+        lanes, me = state.lanes, state.number  # my piece's origin: my global number (the header's worker: my bit)
         row_bytes = 4 * lanes
         self.sizes = sizes
         self.counts = counts = np.array([-(-v // row_bytes) for v in sizes], dtype=np.int64)  # packets per piece
@@ -37,7 +39,8 @@ class GatherStream:
         self.mine = mine = int(counts[me])
         self.packets = wire.empty(mine, lanes)
         hdr = self.packets["hdr"]
-        hdr["type"], hdr["job"], hdr["worker"], hdr["generation"] = wire.GATHER, state.job, me, state.generation
+        hdr["type"], hdr["job"], hdr["generation"] = wire.GATHER, state.job, state.generation
+        hdr["worker"] = state.worker  # my bit at my aggregator
         hdr["set"] = wire.owner_set(me, 0)
         hdr["psn"] = (self.start + np.arange(mine)) & 0xFFFFFFFF
         body = np.zeros(mine * row_bytes, np.uint8)
@@ -54,17 +57,17 @@ class GatherStream:
         # the completion round: one DATA on the first aggregator's reduce stream
         self.position = int(state.next_psn[0])
         slot, set_ = wire.slot_and_set(self.position, state.aggregators[0].pool)
-        self.completion = wire.encode(type=wire.DATA, job=state.job, worker=me, psn=self.position, slot=int(slot),
-                                      set=int(set_), generation=state.generation, lanes=lanes,
+        self.completion = wire.encode(type=wire.DATA, job=state.job, worker=state.worker, psn=self.position,
+                                      slot=int(slot), set=int(set_), generation=state.generation, lanes=lanes,
                                       payload=np.r_[1, np.zeros(lanes - 1, np.int64)])
         self.sent = 0  # my packets sent once: a prefix
         self.resent_at = np.full(mine, -np.inf)  # when each was last sent again for a NACK
-        self.prefixes = np.zeros(state.workers, dtype=np.int64)  # per origin: how many of its packets, from its
+        self.prefixes = np.zeros(len(sizes), dtype=np.int64)  # per origin: how many of its packets, from its
         self.prefixes[me] = mine  # first, this worker holds
 
-    def run(self, out: np.ndarray, offsets: np.ndarray, native: bool) -> None:
-        """The call, in the native engine or the numpy loop; every other worker's piece into ``out`` at
-        ``offsets`` (this worker's own is already there)."""
+    def run(self, out: np.ndarray, starts: np.ndarray, native: bool) -> None:
+        """The call, in the native engine or the numpy loop; every other server's piece into ``out``, piece
+        o's at ``starts[o]`` (this server's own is already there)."""
         state = self.state
         now = time.monotonic()
         early = state.early.take()
@@ -82,10 +85,10 @@ class GatherStream:
             self._loop(now)
         state.gather_position = self.start + int(self.counts.max())
         state.next_psn[0] += 1
-        for o in range(state.workers):
-            if o != state.worker:
+        for o in range(len(self.sizes)):
+            if o != state.number:
                 piece = self.staged[self.base[o] : self.base[o] + self.counts[o]].reshape(-1)
-                out[offsets[o] : offsets[o + 1]] = piece[: self.sizes[o]]
+                out[starts[o] : starts[o] + self.sizes[o]] = piece[: self.sizes[o]]
 
     def _loop(self, now: float) -> None:
         state, recovery, silence = self.state, self.recovery, self.silence
@@ -144,10 +147,10 @@ class GatherStream:
         state, h = self.state, view["hdr"]
         origin = wire.owner_of(h["set"])
         offset = (h["psn"].astype(np.int64) - self.start) & 0xFFFFFFFF
-        valid_origin = origin < state.workers
+        valid_origin = origin < len(self.counts)
         piece_count = self.counts[np.where(valid_origin, origin, 0)]
         current = (ours & wire.well_formed(view, lengths, state.lanes, wire.GATHER) & valid_origin
-                   & (origin != state.worker) & (offset < piece_count))
+                   & (origin != state.number) & (offset < piece_count))
         rows = self.base[origin[current]] + offset[current]
         fresh, first = np.unique(rows[~self.have[rows]], return_index=True)
         if fresh.size:
@@ -161,7 +164,7 @@ class GatherStream:
         h = view["hdr"]
         offset = (h["psn"].astype(np.int64) - self.start) & 0xFFFFFFFF
         nacks = (ours & wire.well_formed(view, lengths, self.state.lanes, wire.NACK)
-                 & (wire.owner_of(h["set"]) == self.state.worker))
+                 & (wire.owner_of(h["set"]) == self.state.number))
         for first_row, count in zip(offset[nacks].tolist(), h["slot"][nacks].tolist()):
             asked = np.arange(first_row, min(first_row + count, self.sent))  # a NACK of what the window
             asked = asked[now - self.resent_at[asked] > self.recovery.probe_timeout() / 2]  # will send is moot
@@ -174,7 +177,7 @@ class GatherStream:
     def _send_ahead(self) -> None:
         """Send my packets up to a window ahead of the slowest peer's prefix."""
         counts, prefixes, have, base = self.counts, self.prefixes, self.have, self.base
-        for o in range(self.state.workers):
+        for o in range(len(counts)):
             while prefixes[o] < counts[o]:  # advance past what arrived, a bounded look at a time
                 got = have[base[o] + prefixes[o] : base[o] + min(counts[o], prefixes[o] + 4 * self.window)]
                 prefixes[o] += got.size if got.all() else int(np.argmin(got))
@@ -190,7 +193,7 @@ class GatherStream:
         """One NACK per origin: its first missing run, up to ``window`` packets (a peer that is only
         late is asked for no more than that)."""
         state, nacks = self.state, []
-        for o in range(state.workers):
+        for o in range(len(self.counts)):
             got = self.have[self.base[o] : self.base[o] + self.counts[o]]
             if got.all():
                 continue

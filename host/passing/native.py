@@ -74,8 +74,9 @@ class StreamCall(ctypes.Structure):
 class GatherCall(ctypes.Structure):
     _fields_ = [
         ("fd", ctypes.c_int), ("lanes", ctypes.c_uint32), ("job", ctypes.c_uint32),
-        ("generation", ctypes.c_uint32), ("worker", ctypes.c_uint32), ("workers", ctypes.c_uint32),
-        ("aggregator", ctypes.c_int64), ("window", ctypes.c_uint32), ("start", ctypes.c_uint64),
+        ("generation", ctypes.c_uint32), ("worker", ctypes.c_uint32), ("origins", ctypes.c_uint32),
+        ("number", ctypes.c_uint32), ("aggregator", ctypes.c_int64), ("window", ctypes.c_uint32),
+        ("start", ctypes.c_uint64),
         ("counts", _u64p), ("packets", _p), ("staged", _p), ("have", _p), ("completion", _p),
         ("rto_min", ctypes.c_double), ("max_rto", ctypes.c_double), ("timeout", ctypes.c_double),
         ("srtt", _dp), ("rttvar", _dp), ("last_loss", _dp),

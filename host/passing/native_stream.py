@@ -57,7 +57,7 @@ def gather(state: StreamState, recovery: LossRecovery, silence: SilenceWatch | N
     and ``have``, and checks the completion round's sum."""
     keep: dict[str, Any] = dict(counts=counts.astype(np.uint64), have=have.view(np.uint8))
     call = native.GatherCall(
-        workers=state.workers, aggregator=int(state.aggregator_ids[0]), window=window, start=start,
+        origins=len(counts), number=state.number, aggregator=int(state.aggregator_ids[0]), window=window, start=start,
         counts=keep["counts"].ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
         packets=native.address(packets) if len(packets) else None, staged=native.address(staged),
         have=native.address(keep["have"]), completion=native.address(completion),

@@ -19,11 +19,32 @@ from .stream_state import StreamState
 
 NONFINITE_SHIFT = 6  # bits per count in the non-finite class round: up to 63 servers (a flat job's 32, + 1)
 TREE_NONFINITE_SHIFT = 10  # a job of more servers (a tree across racks: up to 1 023): three counts in 30 bits
+WIDE_NONFINITE_SHIFT = 11  # 1 024 servers (32 racks of 32): 11-bit counts, two rounds (nan and +inf; -inf)
 
 
 def nonfinite_shift(servers: int) -> int:
     """The bits of each count in the non-finite class round of a job of ``servers`` servers."""
-    return NONFINITE_SHIFT if servers < 1 << NONFINITE_SHIFT else TREE_NONFINITE_SHIFT
+    for shift in (NONFINITE_SHIFT, TREE_NONFINITE_SHIFT):
+        if servers < 1 << shift:
+            return shift
+    return WIDE_NONFINITE_SHIFT
+
+
+def nonfinite_codes(flat: np.ndarray, shift: int) -> list[np.ndarray]:
+    """What a server contributes to the class round(s), per element: nan + (+inf << shift) + (-inf << 2 shift)
+    in one int32 where three counts fit 31 bits, else nan + (+inf << shift) and -inf in two."""
+    nan, pos, neg = (np.isnan(flat).astype(np.int32), np.isposinf(flat).astype(np.int32),
+                     np.isneginf(flat).astype(np.int32))
+    if 3 * shift <= 31:
+        return [nan | (pos << shift) | (neg << 2 * shift)]
+    return [nan | (pos << shift), neg]
+
+
+def nonfinite_classes(sums: list[np.ndarray], shift: int) -> np.ndarray:
+    """The class round's sums (of ``nonfinite_codes``) as one array of the three counts (apply_nonfinite's)."""
+    if len(sums) == 1:
+        return sums[0]
+    return sums[0].astype(np.int64) | (sums[1].astype(np.int64) << 2 * shift)
 
 
 class ReducePath:
@@ -127,15 +148,15 @@ class ReducePath:
                            nonfinite: list[bool], owner_packets: int | None = None) -> np.ndarray:
         """Per element, how many servers hold NaN, +inf and -inf there: one int32 SUM round over
         the shards that hold any, each server contributing nan + (+inf << 6) + (-inf << 12) (at most
-        63 servers: each count fits its 6 bits; a tree's job of more: 10-bit counts). Shards without any
-        get zeros."""
+        63 servers: each count fits its 6 bits; a tree's job of more: 10-bit counts; of 1 024: 11-bit
+        counts, in two rounds). Shards without any get zeros."""
         shift = nonfinite_shift(self.state.servers)
-        codes = (np.isnan(flat).astype(np.int32) | (np.isposinf(flat).astype(np.int32) << shift)
-                 | (np.isneginf(flat).astype(np.int32) << 2 * shift))
         live = np.array([c if n else 0 for c, n in zip(counts, nonfinite)], dtype=np.int64)
-        summed = np.zeros_like(codes)
-        self._pass(wire.SUM, codes, summed, starts, live, owner_packets=owner_packets)
-        return summed
+        sums = []
+        for codes in nonfinite_codes(flat, shift):
+            sums.append(np.zeros_like(codes))
+            self._pass(wire.SUM, codes, sums[-1], starts, live, owner_packets=owner_packets)
+        return nonfinite_classes(sums, shift)
 
     def _pass(self, op: int, flat: np.ndarray, out: np.ndarray, starts: np.ndarray, counts: np.ndarray,
               scales: list[float] | None = None, owner_packets: int | None = None) -> list[bool]:
@@ -170,7 +191,7 @@ class ReducePath:
             if owners is None:
                 part[:] = quantize.dequantize(values, scales[i]) if scales is not None else values
                 continue
-            mine = np.repeat(owners[i] == self.state.worker, lanes)[: part.size]  # the rows whose sums came here
+            mine = np.repeat(owners[i] == self.state.number, lanes)[: part.size]  # the rows whose sums came here
             part[mine] = quantize.dequantize(values[mine], scales[i]) if scales is not None else values[mine]
         return overflow
 

@@ -12,7 +12,8 @@ stream (passing.stream_state holds them between calls). The parts, by object:
     receivers and a completion round;
   - passing.recovery: loss recovery (RTT estimate, RACK, probes) and failover's silence rule;
   - passing.native_stream: the same two loops in C (host/csrc/stream.c, gather.c, through passing.native);
-  - passing.errors, passing.replay: what a call raises, and its replay record.
+  - passing.errors, passing.replay: what a call raises, and its replay record;
+  - passing.numbering: a job's servers across racks, and reduce_scatter's and all_gather's wire work in them.
 
 ``reduce_scatter`` is the reduce stream with OWNER_ONLY rounds (a packet's sums come back to the
 worker whose block it is, the others get a header-only ACK); ``allgather`` sends each worker's bytes
@@ -28,9 +29,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import native, stripes, wire
+from . import native, numbering, stripes, wire
 from .errors import AggregatorUnreachable, GroupFailed, PassingError, Silenced
-from .gather_stream import GatherStream
 from .recovery import LossRecovery, SilenceWatch
 from .reduce_path import ReducePath
 from .replay import Replay
@@ -84,7 +84,8 @@ class Group:
     be a BatchSocket bound earlier (to learn the port before a join), which the group then owns.
     ``servers``: the servers of the whole job where this group is a leaf's, its rack's part of a tree across
     racks (docs/protocol.md, "Trees across racks"): an auto scale and an average are for them (default:
-    ``workers``; allreduce only, for now).
+    ``workers``); ``number``, ``numbers``, ``owner_only``: this server's global number there, every server's
+    in the caller's order, whether the tree carries owners (passing.numbering). ``from_answer`` takes them all.
     ``rto``, ``max_rto`` and ``timeout``: loss recovery (passing.recovery); ``drop``: a test
     impairment, this fraction of packets lost each way, here at the host. ``io``: the I/O path, AF_XDP beside
     the socket where it can run ("auto"), or forced ("udp", "xdp"): passing.xdp. ``streams``: the reduce passes
@@ -113,6 +114,9 @@ class Group:
         engine: str = "auto",
         failover: FailoverLine | None = None,
         servers: int | None = None,
+        number: int | None = None,
+        numbers: Sequence[int] | None = None,
+        owner_only: bool = True,
         io: str = "auto",
         streams: int = 1,
         stream_jobs: Sequence[int] | None = None,
@@ -128,6 +132,7 @@ class Group:
         if servers is not None and not workers <= servers <= MAX_SERVERS:
             raise ValueError(f"servers must be {workers}..{MAX_SERVERS} (the job's, at least this leaf's workers), "
                              f"got {servers}")
+        order = numbering.check_numbering(worker, workers, servers, number, numbers, owner_only)
         if scale != "auto" and not (isinstance(scale, (int, float)) and scale > 0):
             raise ValueError(f"scale must be 'auto' or a positive number, got {scale!r}")
         if on_overflow not in ("raise", "auto"):
@@ -173,6 +178,9 @@ class Group:
             raise
         self.state = StreamState(job, worker, workers, generation, lanes, shards, socket, drop, drop_rng, rng)
         self.state.servers = workers if servers is None else servers
+        self.state.number = worker if number is None else number  # checked above: known where servers differ
+        self.state.order, self.state.owner_only = order, bool(owner_only)
+        self._numbered = servers in (None, workers) or number is not None
         if streams != 1:  # streams 1.. on threads of their own (passing.stripes)
             if not 1 <= streams <= 64 or not self.native or failover is not None:
                 socket.close()
@@ -190,7 +198,8 @@ class Group:
         return cls(
             job=int(answer["job_id"]), generation=int(answer["generation"]), worker=int(answer["worker"]),
             workers=int(answer["workers"]), aggregators=aggregators_of(answer), lanes=int(answer["lanes"]),
-            servers=answer.get("servers"), bind=bind, **options,
+            servers=answer.get("servers"), number=answer.get("number"), numbers=answer.get("numbers"),
+            owner_only=bool(answer.get("owner_only", True)), bind=bind, **options,
         )
 
     # the stream's identity and settings, held by its parts (a move changes the identity)
@@ -210,6 +219,17 @@ class Group:
     @property
     def workers(self) -> int:
         return self.state.workers
+
+    @property
+    def servers(self) -> int:
+        """The servers of the whole job: ``workers`` but for a leaf's group of a tree across racks."""
+        return self.state.servers
+
+    @property
+    def rank(self) -> int:
+        """This server's index in the caller's order of the job's servers (reduce_scatter's block, all_gather's
+        piece): ``worker`` in a flat group."""
+        return numbering.rank_of(self.state)
 
     @property
     def lanes(self) -> int:
@@ -304,19 +324,21 @@ class Group:
     # ---- sharded data parallelism (docs/protocol.md, Kinds) ------------------------------------
 
     def reduce_scatter(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
-        """Worker w's block of the sum (or average) of ``array`` over all workers: ``array`` is the
-        workers' blocks one after the other (its size a multiple of the workers), the answer block
-        ``worker`` (size / workers elements, into ``out`` when given). float32 or int32, as allreduce.
+        """Server r's block of the sum (or average) of ``array`` over all servers of the job: ``array`` is
+        the servers' blocks one after the other (its size a multiple of the servers; ``servers`` is
+        ``workers`` in a flat group), the answer block ``rank`` (size / servers elements, into ``out`` when
+        given). float32 or int32, as allreduce.
 
-        The reduce path with OWNER_ONLY rounds: each worker's block is padded to whole packets, and a
-        packet's sums come back to the block's worker alone; the others get a header-only ACK. Per
-        worker: up ``size``, down ``size / workers`` of sums and one ACK per packet of the others."""
+        The reduce path with OWNER_ONLY rounds: each server's block is padded to whole packets, and a
+        packet's sums come back to the block's server alone (its ``owner``: its global number); the others
+        get a header-only ACK. Per server: up ``size``, down ``size / servers`` of sums and one ACK per
+        packet of the others. A tree without owners (more than 128 servers): SUM rounds (down ``size``)."""
         x = np.asarray(array)
         _check_reduce(x, op, "reduce_scatter")
-        self._check_flat("reduce_scatter")
-        if x.size % self.workers:
-            raise ValueError(f"reduce_scatter of {x.size} elements: not a multiple of the {self.workers} workers")
-        chunk = x.size // self.workers
+        self._check_numbered("reduce_scatter")
+        if x.size % self.servers:
+            raise ValueError(f"reduce_scatter of {x.size} elements: not a multiple of the {self.servers} servers")
+        chunk = x.size // self.servers
         if out is not None:
             _check_out(out, x.dtype, chunk)
         self._check_usable()
@@ -327,43 +349,45 @@ class Group:
         return result
 
     def allgather(self, array: np.ndarray) -> np.ndarray:
-        """Every worker's ``array`` (the same shape and dtype at every worker), stacked: shape
-        ``(workers, *array.shape)``. Any dtype, bit for bit."""
+        """Every server's ``array`` (the same shape and dtype at every server), stacked in ``rank`` order:
+        shape ``(servers, *array.shape)``. Any dtype, bit for bit."""
         x = np.ascontiguousarray(array)
-        out = np.empty((self.workers, *x.shape), x.dtype)
-        self.allgather_bytes(x.reshape(-1).view(np.uint8), [x.nbytes] * self.workers, out.reshape(-1).view(np.uint8))
+        out = np.empty((self.servers, *x.shape), x.dtype)
+        self.allgather_bytes(x.reshape(-1).view(np.uint8), [x.nbytes] * self.servers, out.reshape(-1).view(np.uint8))
         return out
 
     def allgather_bytes(self, piece: np.ndarray, sizes: Sequence[int], out: np.ndarray) -> np.ndarray:
-        """Every worker's ``piece`` of bytes, worker w's ``sizes[w]`` bytes at ``sum(sizes[:w])`` of
-        ``out`` (uint8, C-contiguous, ``sum(sizes)`` bytes). Every worker gives the same ``sizes``.
+        """Every server's ``piece`` of bytes, ``rank`` r's ``sizes[r]`` bytes at ``sum(sizes[:r])`` of ``out``
+        (uint8, C-contiguous, ``sum(sizes)`` bytes). Every server gives the same ``sizes``.
 
-        Each worker sends its piece once as GATHER packets, which the aggregator relays to the others;
-        a receiver asks for what it lacks with NACKs, and the call ends with a one-packet completion
-        round through the reduce path once every worker holds every piece."""
+        Each server sends its piece once as GATHER packets (its ``owner``: its global number), which the
+        aggregator (a tree: each level) relays to the others; a receiver asks for what it lacks with NACKs,
+        and the call ends with a one-packet completion round through the reduce path once every server
+        holds every piece. A tree without owners (more than 128 servers): a SUM round (passing.numbering)."""
         sizes = [int(v) for v in sizes]
-        self._check_flat("all_gather")
-        if len(sizes) != self.workers or min(sizes) < 0:
-            raise ValueError(f"sizes must give {self.workers} byte counts >= 0, got {sizes}")
-        if piece.dtype != np.uint8 or piece.ndim != 1 or piece.size != sizes[self.worker]:
-            raise ValueError(f"piece must be {sizes[self.worker]} bytes (a 1-d uint8 array)")
+        self._check_numbered("all_gather")
+        me = self.rank
+        if len(sizes) != self.servers or min(sizes) < 0:
+            raise ValueError(f"sizes must give {self.servers} byte counts >= 0, got {sizes}")
+        if piece.dtype != np.uint8 or piece.ndim != 1 or piece.size != sizes[me]:
+            raise ValueError(f"piece must be {sizes[me]} bytes (a 1-d uint8 array)")
         _check_out(out, np.dtype(np.uint8), sum(sizes), "bytes")
         self._check_usable()
         offsets = np.r_[0, np.cumsum(sizes)]
-        out.reshape(-1)[offsets[self.worker] : offsets[self.worker + 1]] = piece
-        if self.workers == 1 or max(sizes) == 0:
+        out.reshape(-1)[offsets[me] : offsets[me + 1]] = piece
+        if self.servers == 1 or max(sizes) == 0:
             return out  # nobody sends anything
         self._call(Replay("gather", piece, sizes=sizes), out.reshape(-1))
         return out
 
     # ---- one call on the wire -------------------------------------------------------------
 
-    def _check_flat(self, call: str) -> None:
-        """reduce_scatter and all_gather name servers by their number in the whole job: not yet for a leaf's
-        group of a tree (docs/protocol.md, "Trees across racks": allreduce only, for now)."""
-        if self.state.servers != self.workers:
-            raise PassingError(f"{call} across racks is not supported yet: this group is a leaf's {self.workers} "
-                               f"of the job's {self.state.servers} servers (allreduce only)")
+    def _check_numbered(self, call: str) -> None:
+        """reduce_scatter and all_gather name servers by their number in the whole job: a leaf's group of a
+        tree needs its own (docs/protocol.md, "Trees across racks"; a join answer gives it)."""
+        if not self._numbered:
+            raise PassingError(f"{call} needs this server's number in the job: this group is a leaf's {self.workers} "
+                               f"of the job's {self.state.servers} servers, and was given no number (allreduce only)")
 
     def _check_usable(self) -> None:
         """After a call failed, the psn streams are out of step: every later call raises."""
@@ -389,16 +413,10 @@ class Group:
         source = call.input if source is None else source
         if call.kind == "gather":
             assert call.sizes is not None
-            GatherStream(self.state, self.recovery, self._silence_watch(), source, call.sizes).run(
-                out, np.r_[0, np.cumsum(call.sizes)], self.native)
-        elif call.kind == "scatter":  # each worker's block padded to whole packets, OWNER_ONLY rounds
-            chunk = source.size // self.workers
-            per = -(-chunk // self.lanes)  # packets of each worker's block
-            padded = np.zeros((self.workers, per * self.lanes), source.dtype)
-            padded[:, :chunk] = source.reshape(self.workers, chunk)
-            flat = padded.reshape(-1)
-            self._reduce_path().run(flat, flat, call.op, owner_packets=per)
-            out[:] = padded[self.worker, :chunk]
+            numbering.gather(self.state, self.recovery, self._silence_watch(), self.native, self._reduce_path(), source,
+                             call.sizes, out)
+        elif call.kind == "scatter":
+            numbering.scatter(self.state, self._reduce_path(), source, out, call.op)
         else:
             self._reduce_path().run(source, out, call.op)
 
@@ -429,7 +447,7 @@ class Group:
                     meet = False
                 for k in redo:  # calls this worker completed but a peer did not: its share again
                     self._attempt = k
-                    self._run(self._kept[k], self._kept[k].scratch(self.workers))
+                    self._run(self._kept[k], self._kept[k].scratch(self.servers))
                 redo = []
                 self._attempt = index
                 self._run(kept, out, source)

@@ -101,8 +101,14 @@ class StreamState:
         self.drop, self.drop_rng, self.native_rng = drop, drop_rng, native_rng
         self.job, self.worker, self.workers, self.lanes = job, worker, workers, lanes
         # the servers of the whole job, whom a sum is over (an auto scale and an average divide by them): the
-        # workers, but for a leaf's group of a tree across racks (docs/protocol.md, "Trees across racks")
-        self.servers = workers
+        # workers, but for a leaf's group of a tree across racks (docs/protocol.md, "Trees across racks"); this
+        # server's global number there (an OWNER_ONLY round's and a GATHER's owner: the worker in a flat group);
+        # whether OWNER_ONLY rounds, GATHER and NACK cross the tree (a tree of more than 128 servers: no, and
+        # reduce_scatter and all_gather go through SUM rounds: passing.stream.Group)
+        self.servers, self.number, self.owner_only = workers, worker, True
+        # the global number of each server of the job in the caller's order (the group index it joined as:
+        # reduce_scatter's blocks, all_gather's pieces), None: that order is the global one
+        self.order: np.ndarray | None = None
         self.generation = generation  # the allocation this group belongs to (stamped on DATA, checked on RESULT)
         self.aggregators = list(aggregators)
         self.aggregator_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
@@ -127,6 +133,10 @@ class StreamState:
             self.socket.stats = stats
             self.lanes = lanes
         self.job, self.generation = int(answer["job_id"]), int(answer["generation"])
+        if "number" in answer:  # a tree's answer numbers the servers again (a flat one keeps the worker's)
+            self.servers, self.number = int(answer["servers"]), int(answer["number"])
+            self.owner_only = bool(answer.get("owner_only", True))
+            self.order = np.array(answer["numbers"], np.int64) if answer.get("numbers") is not None else None
         self.aggregators = aggregators_of(answer)
         self.aggregator_ids = np.array([a.packed for a in self.aggregators], dtype=np.int64)
         self.next_psn = np.zeros(len(self.aggregators), dtype=np.int64)
@@ -197,7 +207,7 @@ class StreamState:
             f"{timeout:g} s{missing}: the aggregator is unreachable or a peer stopped")
 
     def check_completion(self, total: int) -> None:
-        """An all_gather's completion round sums one per worker, or the workers are out of step."""
-        if total != self.workers:
+        """An all_gather's completion round sums one per server of the job, or the servers are out of step."""
+        if total != self.servers:
             raise PassingError(f"job {self.job}: the all_gather's completion round summed {total}, "
-                               f"not {self.workers}: the workers are out of step")
+                               f"not {self.servers}: the workers are out of step")

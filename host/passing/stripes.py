@@ -76,7 +76,9 @@ def open_stripes(state: StreamState, recovery: LossRecovery, streams: int, jobs:
             sub = StreamState(job, state.worker, state.workers, state.generation, state.lanes, state.aggregators,
                               sock, state.drop, np.random.default_rng(state.drop_rng.integers(1 << 62)),
                               state.native_rng.copy() + np.uint64(s))
-            sub.servers = state.servers  # a leaf's group: the whole job's servers, as its first stream's
+            # a leaf's group: the whole job's servers and this one's number there, as its first stream's
+            sub.servers, sub.number, sub.order = state.servers, state.number, state.order
+            sub.owner_only = state.owner_only
             out.append(Stripe(sub, LossRecovery(recovery.rto_min, recovery.max_rto, recovery.timeout)))
     except BaseException:
         close_stripes(out)

@@ -105,8 +105,10 @@ class ProcessGroupPassing(ProcessGroup):
         # at shutdown (destroy_process_group), or at interpreter exit for a group never destroyed: what was
         # issued runs, then the groups are left. Once only: the finalizer then lets go of what it holds (the
         # store among them, whose server in rank 0 must close with the group for a new init to find its own)
+        # (_ending["store"]: where a rank but 0 waits for rank 0's end; shutdown() drops it for a subgroup)
+        self._ending: dict[str, dist.Store | None] = {"store": stages.store}
         self._close = weakref.finalize(self, _close, stages.runner, stages.gather_lane, stages.membership,
-                                       stages.embedded, stages.store)
+                                       stages.embedded, self._ending)
 
     # ---- collectives -------------------------------------------------------------------
 
@@ -205,6 +207,10 @@ class ProcessGroupPassing(ProcessGroup):
         return total
 
     def shutdown(self) -> None:
+        if dist.distributed_c10d.GroupMember.WORLD is not self:
+            # a subgroup's end is this rank's alone, as gloo's is: waiting for its rank 0 (which may be busy for
+            # as long as the group's timeout) protects nothing, since the default group's store stays up
+            self._ending["store"] = None
         self._close()
         if self.rank() != 0 and dist.distributed_c10d.GroupMember.WORLD is self and \
                 os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # torchrun's store is its agent's
@@ -353,15 +359,15 @@ class ProcessGroupPassing(ProcessGroup):
 
 
 def _close(runner: InOrder | None, gather_lane: GatherLane | None, membership: Membership | None,
-           embedded: Embedded | None, store: dist.Store | None) -> None:
+           embedded: Embedded | None, ending: dict[str, dist.Store | None]) -> None:
     """A process group's end: its collectives run, then it leaves its groups (and rank 0 stops its embedded
-    controller once the others have left)."""
+    controller once the others have left; ``ending["store"]``: where the others wait for that)."""
     if runner is not None:
         runner.shutdown()
     if gather_lane is not None:
         gather_lane.runner.shutdown()
     if membership is not None:
-        leave(membership, embedded, gather_lane, store)
+        leave(membership, embedded, gather_lane, ending["store"])
 
 
 def _first_tensor(args: Any) -> torch.Tensor | None:

@@ -27,7 +27,7 @@ from torch.distributed import PrefixStore
 
 from .. import control, wire
 from ..keys import ClientKeys
-from ..stream import Group
+from ..stream import MAX_SERVERS, Group
 from ..transport import BatchSocket
 from . import embedded
 from .embedded import Embedded
@@ -231,8 +231,9 @@ def _connect(store: dist.Store, rank: int, size: int, timeout: timedelta, name: 
         group, worker, workers = layout.local_rank, layout.server, layout.servers
     else:
         group, worker, workers = 0, rank, size
-    if workers > wire.MAX_WORKERS:
-        raise OptionError(f"{workers} workers in one aggregation group; PASSING takes at most {wire.MAX_WORKERS}"
+    if workers > MAX_SERVERS:  # more than one aggregator's 32: the controller places them as a tree across racks
+        raise OptionError(f"{workers} workers in one aggregation group; PASSING takes at most {MAX_SERVERS} (a tree "
+                          f"of 32 racks of {wire.MAX_WORKERS}, {wire.MAX_WORKERS} under one aggregator)"
                           + ("" if has_in_host else " (the in-host schemes need one per server)"))
     job = _Job(*_job_name(store, rank, name, options), options, keys, embedded_mode)
     stream, answer = job.join(group, worker, workers)

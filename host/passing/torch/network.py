@@ -149,11 +149,11 @@ class FailoverStage:
         """Every worker's ``piece`` (bytes, the same size at every worker) into ``out``, in worker order."""
         if self.gloo is None:
             try:
-                self.stream.allgather_bytes(piece, [piece.size] * self.stream.workers, out)
+                self.stream.allgather_bytes(piece, [piece.size] * self.stream.servers, out)
                 return
             except GroupFailed as e:
                 piece = self._to_gloo(e, piece)
-        out[...] = self._on_gloo(Replay("gather", piece, sizes=[piece.size] * self.stream.workers))
+        out[...] = self._on_gloo(Replay("gather", piece, sizes=[piece.size] * self.stream.servers))
 
     def _to_gloo(self, failed: GroupFailed, current: np.ndarray) -> np.ndarray:
         """No aggregator left: make the gloo group, redo over it the calls a peer did not complete (this
@@ -161,8 +161,8 @@ class FailoverStage:
         if failed.dead:  # a peer is gone: no transport can finish the call
             raise failed
         log.warning("passing: %s; this process group carries on over gloo", failed)
-        self.gloo = gloo_group(PrefixStore(self.prefix, self.store), self.stream.worker,
-                               self.stream.workers, self.timeout, self.stream.socket.address[0])
+        self.gloo = gloo_group(PrefixStore(self.prefix, self.store), self.stream.rank,
+                               self.stream.servers, self.timeout, self.stream.socket.address[0])
         for call in failed.redo:
             self._on_gloo(call.copy())
         return failed.current.input if failed.current is not None else current
@@ -176,13 +176,13 @@ class FailoverStage:
             self.gloo._allgather_base(out, tensor, AllgatherOptions()).wait()
             return out.numpy()
         if call.kind == "scatter":
-            out = torch.empty(tensor.numel() // self.stream.workers, dtype=tensor.dtype)
+            out = torch.empty(tensor.numel() // self.stream.servers, dtype=tensor.dtype)
             self.gloo._reduce_scatter_base(out, tensor, dist.ReduceScatterOptions()).wait()
         else:
             self.gloo.allreduce([tensor], dist.AllreduceOptions()).wait()
             out = tensor
         if call.op == "avg":
-            out /= self.stream.workers
+            out /= self.stream.servers
         return out.numpy()
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:  # the two-stage allreduce's network stage
