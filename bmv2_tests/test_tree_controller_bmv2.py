@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from .network import REPO
 from .test_e2e_bmv2 import CONTROLLER, ControllerProcess, expected, finish, run_workers
 
 HOSTS = 4
@@ -94,3 +95,38 @@ def test_a_tree_with_the_switch_as_a_leaf_and_a_controller_restart(network, cont
         assert report["mode"] == "tree", report
         assert np.max(np.abs(r - total)) <= bound
     controller.ctl("leave", "tree")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("drop", [0.0, 0.05], ids=["clean", "lossy"])
+def test_reduce_scatter_and_all_gather_through_the_switch_leaf(network, controller, tmp_path, drop):
+    """Sharded collectives across the racks (bmv2_tests/sharded_worker.py): the reduce_scatter's OWNER_ONLY
+    rounds (the owner map at the switch leaf and at the PS root: the sums to each block's server, ACKs to
+    the others) and the all_gather's GATHERs and NACKs relayed through both levels; exact, with and without
+    packets dropped at the servers."""
+    from . import sharded_worker
+
+    workers = 4
+    job = f"tree-sharded-{int(drop * 100)}"
+    procs = []
+    for w in range(workers):
+        host = network.net.get(f"h{w + 1}")
+        procs.append(host.popen(
+            [sys.executable, "-m", "bmv2_tests.sharded_worker", "--controller", CONTROLLER, "--job-name", job,
+             "--worker", str(w), "--workers", str(workers), "--bind", f"{host.IP()}:{20000 + w}",
+             "--drop", str(drop), "--rto", "0.2" if drop else "5", "--out", str(tmp_path / f"{w}.npz")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO)))
+    reports = []
+    for w, p in enumerate(procs):
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, f"worker {w}: {stderr[-3000:]}"
+        reports.append(json.loads(stdout.splitlines()[-1]))
+    assert {r["mode"] for r in reports} == {"tree"}, reports
+    ins = [sharded_worker.inputs(0, w, workers) for w in range(workers)]
+    total = np.sum([x for x, _ in ins], axis=0, dtype=np.int64)
+    gathered = np.concatenate([piece for _, piece in ins])
+    block = sharded_worker.BLOCK
+    for w in range(workers):  # the servers' numbers are their group indices: rack1 h1 h2, rack2 h3 h4
+        got = np.load(tmp_path / f"{w}.npz")
+        assert np.array_equal(got["block"], total[w * block:(w + 1) * block]), w
+        assert np.array_equal(got["gathered"], gathered), w

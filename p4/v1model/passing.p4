@@ -154,10 +154,10 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
         size = 1024;
     }
 
-    /* ---- what comes down: a RESULT, ACK, GATHER or NACK of the root's job (up_job) -> the leaf job it is
-     * for. Keyed by the job alone (one leaf job of a root job per switch; no flat job's id is an up_job
-     * here): one of a known up_job from another port, of another generation or for another leaf is
-     * rejected, counted on the leaf job; a RESULT or ACK of no up_job, malformed */
+    /* ---- what comes down: a RESULT or ACK of the root's job (up_job), or a GATHER or NACK of it on the
+     * uplink port -> the leaf job it is for. Keyed by the job alone (one leaf job of a root job per switch):
+     * a RESULT or ACK of a known up_job from another port, of another generation or for another leaf is
+     * rejected, counted on the leaf job; of no up_job, malformed */
     action from_uplink(bit<9> port, bit<16> generation, bit<8> worker, bit<16> leaf_job, bit<16> leaf_generation,
                        bit<32> base, bit<16> pool, bit<32> full, bit<32> epoch, bit<16> group) {
         meta.admitted = 1;
@@ -308,7 +308,11 @@ control PassingIngress(inout headers_t hdr, inout metadata_t meta, inout standar
             if (ok && (hdr.passing.type == PASSING_TYPE_RESULT || hdr.passing.type == PASSING_TYPE_ACK
                        || hdr.passing.type == PASSING_TYPE_GATHER || hdr.passing.type == PASSING_TYPE_NACK)) {
                 if (uplink.apply().hit) {
-                    down = true;
+                    /* hosts send no RESULT or ACK; a GATHER or NACK of the uplink's job comes down only on the
+                     * uplink port (the controller gives a leaf job and its root job one id: a server's own
+                     * GATHER carries it too, and takes the flat path) */
+                    down = hdr.passing.type == PASSING_TYPE_RESULT || hdr.passing.type == PASSING_TYPE_ACK
+                           || sm.ingress_port == meta.up_port;
                 }
             }
             meta.map_job = down ? meta.leaf_job : hdr.passing.job;
