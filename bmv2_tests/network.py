@@ -147,6 +147,41 @@ def _no_offload(intf: str) -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def wait_for_grpc(switch, grpc_port: int, log_dir: str, timeout: float = 60) -> None:
+    """Until the switch listens (a loaded machine, the rest of CI's suite beside it, has taken over
+    20 s to start it); a switch that exited, or never listens, is an error that says what it wrote
+    (the log directory goes with the network)."""
+    deadline = time.monotonic() + timeout
+    process = switch.process
+    while time.monotonic() < deadline and (process is None or process.poll() is None):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", grpc_port)) == 0:
+                return
+        time.sleep(0.1)
+    state = "running" if process is None or process.poll() is None else f"exited with {process.returncode}"
+    try:
+        said = Path(log_dir, f"{switch.name}.out").read_text()[-2000:]
+    except OSError as e:
+        said = f"(no output: {e})"
+    raise RuntimeError(f"simple_switch_grpc {switch.name} did not listen on {grpc_port} within {timeout:g} s "
+                       f"({state}); it wrote: {said}")
+
+
+def prepare_hosts(net, hosts: list[HostInfo], arp: dict[str, dict[str, str]]) -> None:
+    """Offloads and IPv6 off on every host's interface, and static ARP: every other host, and the
+    addresses ``arp[host name]`` gives it (its aggregator's)."""
+    for info in hosts:
+        h = net.get(info.name)
+        intf = h.defaultIntf().name
+        h.cmd(f"ethtool -K {intf} tx off rx off tso off gso off gro off")
+        h.cmd(f"sysctl -qw net.ipv6.conf.{intf}.disable_ipv6=1")  # no IPv6 chatter through the switch
+        for ip, mac in arp.get(info.name, {}).items():
+            h.setARP(ip, mac)
+        for other in hosts:
+            if other is not info:
+                h.setARP(other.ip, other.mac)
+
+
 class Bmv2Network:
     """n hosts h1..hn on switch ports 1..n, all in 10.0.0.0/24, and the switch.
 
@@ -181,35 +216,11 @@ class Bmv2Network:
             self.hosts.append(info)
         self.net.build()
         self.net.start()
-        for info in self.hosts:
-            h = self.net.get(info.name)
-            intf = h.defaultIntf().name
-            h.cmd(f"ethtool -K {intf} tx off rx off tso off gso off gro off")
-            h.cmd(f"sysctl -qw net.ipv6.conf.{intf}.disable_ipv6=1")  # no IPv6 chatter through the switch
-            h.setARP(AGGREGATION_IP, AGGREGATION_MAC)
-            for other in self.hosts:
-                if other is not info:
-                    h.setARP(other.ip, other.mac)
+        prepare_hosts(self.net, self.hosts, {h.name: {AGGREGATION_IP: AGGREGATION_MAC} for h in self.hosts})
         self._wait_for_grpc()
 
-    def _wait_for_grpc(self, timeout: float = 60) -> None:
-        """Until the switch listens (a loaded machine, the rest of CI's suite beside it, has taken over
-        20 s to start it); a switch that exited, or never listens, is an error that says what it wrote
-        (the log directory goes with the network)."""
-        deadline = time.monotonic() + timeout
-        process = self.switch.process
-        while time.monotonic() < deadline and (process is None or process.poll() is None):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.grpc_port)) == 0:
-                    return
-            time.sleep(0.1)
-        state = "running" if process is None or process.poll() is None else f"exited with {process.returncode}"
-        try:
-            said = Path(self.log_dir, f"{self.switch.name}.out").read_text()[-2000:]
-        except OSError as e:
-            said = f"(no output: {e})"
-        raise RuntimeError(f"simple_switch_grpc did not listen on {self.grpc_port} within {timeout:g} s "
-                           f"({state}); it wrote: {said}")
+    def _wait_for_grpc(self) -> None:
+        wait_for_grpc(self.switch, self.grpc_port, self.log_dir)
 
     @property
     def p4runtime_address(self) -> str:

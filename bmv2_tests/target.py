@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from passing import wire
-from passing_controller import admission, counters, result_rewrite
+from passing_controller import admission, counters, result_rewrite, tree_roles
 from passing_controller.allocation import Allocation, Worker
 from passing_controller.session import Switch
 from passing_controller.topology import Host
@@ -40,12 +40,15 @@ class Bmv2Target:
 
     lanes = wire.DEFAULT_LANES
 
-    def __init__(self, network: Bmv2Network, switch: Switch) -> None:
+    def __init__(self, network: Bmv2Network, switch: Switch, root: bool = False) -> None:
+        """``root``: the tree scenarios' origin "root" is the host before the stranger, on its switch port as
+        a leaf's uplink, receiving partials on the PASSING port (tests/conformance/tree_scenarios.py)."""
         self.network, self.switch = network, switch
-        self.workers_hosts = network.hosts[:-1]
-        self.stranger = network.hosts[-1]
+        self.named = {"stranger": network.hosts[-1]} | ({"root": network.hosts[-2]} if root else {})
+        self.workers_hosts = network.hosts[:-len(self.named)]
         self.origins: dict[str, tuple[Host, int]] = {}
         self.allocations: dict[int, Allocation] = {}
+        self.roles: dict[int, list] = {}  # a tree job's tree_roles entries
         for info in network.hosts:
             network.agent(info.name).call(op="bind", key=PROBE, port=PROBE_PORT)
         self.probes = 0  # probe rounds sent
@@ -60,10 +63,11 @@ class Bmv2Target:
     def _origin(self, origin: Origin) -> tuple[str, Host, int]:
         key = json.dumps(origin)
         if key not in self.origins:
-            info = self.stranger if origin == "stranger" else self.workers_hosts[
-                sum(1 for k in self.origins if k != '"stranger"') % len(self.workers_hosts)]
+            named = {json.dumps(n) for n in self.named}
+            info = self.named[origin] if isinstance(origin, str) else self.workers_hosts[
+                sum(1 for k in self.origins if k not in named) % len(self.workers_hosts)]
             host = Host(info.name, info.mac, info.ip, info.port)
-            port = 20000 + len(self.origins)
+            port = wire.UDP_PORT if origin == "root" else 20000 + len(self.origins)
             self.network.agent(info.name).call(op="bind", key=key, port=port)
             self.origins[key] = (host, port)
         host, port = self.origins[key]
@@ -78,9 +82,19 @@ class Bmv2Target:
         admission.install(self.switch, a)
         result_rewrite.install(self.switch, a)
         self.allocations[job.job] = a
+        if job.role == "leaf":
+            assert job.up is not None
+            _, root, _ = self._origin("root")
+            up = tree_roles.Uplink(job.up.job, job.up.generation, job.up.worker, root.port, root.mac, root.ip)
+            self.roles[job.job] = tree_roles.install_leaf(self.switch, a, up, job.owners)
+            self.indices.add(job.job % counters.MAX_JOBS)  # what comes down counts on the leaf job
+        elif job.role == "root":
+            self.roles[job.job] = tree_roles.install_root(self.switch, a, job.owners)
 
     def remove(self, job: int) -> None:
         a = self.allocations.pop(job)
+        if job in self.roles:
+            tree_roles.remove(self.switch, self.roles.pop(job))
         admission.remove(self.switch, a)
         result_rewrite.remove(self.switch, a)
 
@@ -123,7 +137,7 @@ class Bmv2Target:
                     got.append((tuple(origin) if isinstance(origin, list) else origin, bytes.fromhex(payload)))
             if emitted is None and len(probed) == len(hosts):
                 self._read_cells()
-                emitted = self._grown("results_sent") - self.collected
+                emitted = self._grown("results_sent") + self._grown("sent_up") - self.collected
             if emitted is not None and len(got) >= emitted:
                 break  # the egress emitted all it will for this step, and all of it arrived
             time.sleep(0.005)
@@ -160,7 +174,10 @@ class Bmv2Target:
         self.cells = counters.read_indices(self.switch, self.indices)
 
     def _grown(self, name: str) -> int:
-        """How much counter ``name`` grew since the last whole read, over the cells read."""
+        """How much counter ``name`` grew since the last whole read, over the cells read (0: a counter the
+        program lacks)."""
+        if name not in self.cells:
+            return 0
         return sum(n - self.whole[name].get(i, 0) for i, n in self.cells[name].items())
 
     def _totals(self) -> dict[str, int]:

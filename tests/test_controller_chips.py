@@ -163,6 +163,9 @@ class ProgramOnAggregator:
         with self.lock:
             return [e for e in self.entries if e[0] == "multicast"]
 
+    def has_counter(self, counter: str) -> bool:
+        return counter not in {f"PassingIngress.{n}" for n in ("sent_up", "answered", "late_answer")}  # as TNA
+
     def read_counter(self, counter: str) -> dict[int, int]:
         return {}
 

@@ -13,7 +13,7 @@ from tests.conformance.scenarios import SCENARIOS
 from tests.conformance.targets import EngineTarget, UdpAggregatorTarget
 from tests.conformance.tree_scenarios import TREE_SCENARIOS
 
-SOFTWARE = [s for s in SCENARIOS if not s.switch_only] + list(TREE_SCENARIOS)  # trees: software for now
+SOFTWARE = [s for s in SCENARIOS if not s.switch_only] + list(TREE_SCENARIOS)  # trees: BMv2 too (bmv2_tests)
 ENGINES = ["numpy", pytest.param("native", marks=pytest.mark.skipif(not native.available(),
                                                                    reason="the native library is not built"))]
 

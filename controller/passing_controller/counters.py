@@ -12,11 +12,19 @@ INGRESS = ("received", "rejected", "aggregated", "completed", "duplicate", "dupl
            "overflow", "relayed")
 EGRESS = ("results_sent",)
 NAMES = tuple(f"PassingIngress.{n}" for n in (*INGRESS, "malformed")) + tuple(f"PassingEgress.{n}" for n in EGRESS)
+# the tree roles' counters (docs/protocol.md, "Trees across racks"): read where the program has them (the
+# v1model program; the Tofino programs take the roles in a later issue)
+TREE = ("sent_up", "answered", "late_answer")
+
+
+def ingress(switch: Switch) -> tuple[str, ...]:
+    """The ingress counters this switch's program has: INGRESS, and TREE's where it takes the roles."""
+    return INGRESS + tuple(n for n in TREE if switch.has_counter(f"PassingIngress.{n}"))
 
 
 def read_all(switch: Switch) -> dict[str, dict[int, int]]:
     """counter name -> {index: packets}; 'malformed' has index 0 only."""
-    out = {name: switch.read_counter(f"PassingIngress.{name}") for name in INGRESS}
+    out = {name: switch.read_counter(f"PassingIngress.{name}") for name in ingress(switch)}
     out.update({name: switch.read_counter(f"PassingEgress.{name}") for name in EGRESS})
     out["malformed"] = switch.read_counter("PassingIngress.malformed")
     return out
@@ -24,12 +32,15 @@ def read_all(switch: Switch) -> dict[str, dict[int, int]]:
 
 def read_indices(switch: Switch, indices: set[int]) -> dict[str, dict[int, int]]:
     """``read_all``'s answer restricted to the given counter indices (job ids mod MAX_JOBS), in one read."""
-    cells = [(f"PassingIngress.{name}", i) for name in INGRESS for i in sorted(indices)]
+    names = ingress(switch)
+    cells = [(f"PassingIngress.{name}", i) for name in names for i in sorted(indices)]
     cells += [(f"PassingEgress.{name}", i) for name in EGRESS for i in sorted(indices)]
     cells.append(("PassingIngress.malformed", 0))
     read = switch.read_counter_cells(cells)
+    full_names = tuple(f"PassingIngress.{n}" for n in (*names, "malformed")) + tuple(
+        f"PassingEgress.{n}" for n in EGRESS)
     return {full.split(".", 1)[1]: {i: n for (counter, i), n in read.items() if counter == full}
-            for full in NAMES}
+            for full in full_names}
 
 
 def totals(switch: Switch) -> dict[str, int]:

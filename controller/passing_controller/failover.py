@@ -178,21 +178,27 @@ class Failover:
         """The group's aggregators that are down, each with why: {} when every one answers (pool thread).
         A tree's nodes are asked at once, so a check takes one ``check_timeout`` however many are down."""
         if r.mode == "switch":
-            with self.switch.lock:
-                if self.switch.session is None:
-                    return {"switch": f"switch unreachable: {self.switch.error}"}
-                try:
-                    counters.totals(self.switch.session)
-                except SwitchError as e:
-                    self.switch.lost(str(e))
-                    return {"switch": f"switch unreachable: {e}"}
-            return {}
+            why = self._switch_down()
+            return {} if why is None else {"switch": why}
         nodes = nodes_of(r) if r.mode == "tree" else [{"control": r.aggregator["control"]}]
         with ThreadPoolExecutor(len(nodes)) as pool:
             answers = list(pool.map(self._ping, [n["control"] for n in nodes]))
         return {n["control"]: why for n, why in zip(nodes, answers, strict=True) if why is not None}
 
+    def _switch_down(self) -> str | None:
+        with self.switch.lock:
+            if self.switch.session is None:
+                return f"switch unreachable: {self.switch.error}"
+            try:
+                counters.totals(self.switch.session)
+            except SwitchError as e:
+                self.switch.lost(str(e))
+                return f"switch unreachable: {e}"
+        return None
+
     def _ping(self, control: str) -> str | None:
+        if control == "switch":  # a tree's leaf on the switch
+            return self._switch_down()
         try:
             self.ps.request(control, "ping", timeout=self.ps.check_timeout)
         except (OSError, RequestError) as e:

@@ -43,7 +43,7 @@ class Placement:
                  default_pool: int) -> None:
         self.topo, self.state, self.switch, self.ps, self.readout = topo, state, switch, ps, readout
         self.default_pool = default_pool
-        self.trees = TreePlacement(topo, state, ps, default_pool)
+        self.trees = TreePlacement(topo, state, ps, default_pool, switch)
 
     def largest_pool(self) -> int:
         """The largest pool any aggregator of the topology could give one group."""
@@ -111,7 +111,8 @@ class Placement:
             p = tree_plan(self.topo, workers)
             if p is None:
                 return None
-            record = self.trees.allocate(p, job_id, name, group, generation, pending.pool, workers, exclude)
+            record = self.trees.allocate(p, job_id, name, group, generation, pending.pool, workers, exclude,
+                                         switch_allowed=pending.aggregator != "ps")
         except (FabricError, TreeRefused) as e:
             tried.append(f"no tree across racks: {e}")
             return None

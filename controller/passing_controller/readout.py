@@ -140,6 +140,13 @@ class Readout:
         controls = {r.aggregator["control"] for r in records if r.mode == "ps"}
         controls.update(node["control"] for r in records if r.mode == "tree" for node in nodes_of(r))
         for control in sorted(controls):
+            if control == "switch":  # a tree's leaf on the switch: its counters of each job, as a PS's stats
+                read = self._read_switch()
+                if read is None:
+                    errors[control] = "the switch's counters could not be read (unreachable)"
+                else:
+                    answers[control] = {str(r.job_id): counters.job_counters(read, r.job_id) for r in records}
+                continue
             try:
                 answers[control] = self.ps.request(control, "stats", timeout=self.ps.check_timeout)["jobs"]
             except (OSError, RequestError) as e:  # a PS that does not answer shows no counters, the rest do
@@ -213,6 +220,13 @@ class Readout:
         errors = {control: "known down" for control in down}
 
         def read(control: str) -> None:
+            if control == "switch":  # a tree's leaf on the switch
+                switch_read = self._read_switch()
+                if switch_read is None:
+                    errors[control] = "the switch's counters could not be read (unreachable)"
+                else:
+                    answers[control] = {str(r.job_id): counters.job_counters(switch_read, r.job_id)}
+                return
             try:
                 answers[control] = self.ps.request(control, "stats", timeout=1.0, job=r.job_id)["jobs"]
             except (OSError, RequestError) as e:

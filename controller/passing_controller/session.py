@@ -164,6 +164,10 @@ class Switch:
         entity.table_entry.table_id = self._info().table(table).preamble.id
         return self.read(entity)
 
+    def has_counter(self, counter: str) -> bool:
+        """Whether the loaded program declares ``counter`` (a feature one target's program has)."""
+        return counter in self._info().counters
+
     def read_counter(self, counter: str) -> dict[int, int]:
         """index -> packet count of an indexed counter."""
         entity = p4runtime_pb2.Entity()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import admission, aggregator_address, l2_forward, result_rewrite
+from . import admission, aggregator_address, l2_forward, result_rewrite, tree_switch
 from .allocation import Allocation, Worker
 from .p4runtime import EXTRA, Pipeline, SwitchError, SwitchSupportMissing, Tls
 from .state import State
@@ -125,19 +125,26 @@ class SwitchLink:
     def _reconcile(self, sw: Switch) -> None:
         """Make the switch's tables exactly what the store says (registers stay as they are)."""
         deletes = []
-        for control in GROUP_CONTROLS + TOPOLOGY_CONTROLS:
-            deletes += [sw.update("delete", e) for e in sw.read_table(control.TABLE)]
+        tables = [control.TABLE for control in GROUP_CONTROLS + TOPOLOGY_CONTROLS]
+        if tree_switch.supported(sw):  # the tree roles' tables (the v1model program's)
+            tables += tree_switch.TABLES
+        for table in tables:
+            deletes += [sw.update("delete", e) for e in sw.read_table(table)]
         deletes += [sw.update("delete", e) for e in sw.read_multicast_groups()]
         sw.write(deletes)
         for control in TOPOLOGY_CONTROLS:
             control.install(sw, self.topo)
         with self.state.lock:
             records = [r for r in self.state.records.values() if r.mode == "switch"]
+            nodes = [node["object"] for r in self.state.records.values() if r.mode == "tree"
+                     for node in r.aggregator.get("tree", []) if node["control"] == "switch"]
         for r in records:
             a = allocation(self.topo, r)
             for control in GROUP_CONTROLS:
                 control.install(sw, a)
-        log.info("switch reconciled: %d switch allocations", len(records))
+        for obj in nodes:  # the tree nodes on the switch, from the job objects their records keep
+            tree_switch.install(sw, self.topo, obj)
+        log.info("switch reconciled: %d switch allocations, %d tree nodes", len(records), len(nodes))
 
     def close(self) -> None:
         with self.lock:

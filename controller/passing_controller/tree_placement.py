@@ -2,10 +2,11 @@
 root, every node programmed over its control channel with the fabric plan's job objects (fabric.py, the
 one place that says what each node's job is), the per-worker part of the join answer, and freeing it all.
 
-Software aggregators only (PS leaves and a PS root): the switch programs take the roles in a later issue.
-Every node gets the same job id and generation (the plan needs the root on an aggregator of its own), and
-the same ``pool`` and ``lanes``, so a packet keeps its slot and set on every hop. Runs on a pool thread:
-the lock is taken for the state only, never while an aggregator is asked.
+A node is a software aggregator, or the topology's switch as a leaf when its program takes the roles (the
+v1model program; tree_switch.py writes its entries from the node's job object). Every node gets the same
+job id and generation (the plan needs the root on an aggregator of its own), and the same ``pool`` and
+``lanes``, so a packet keeps its slot and set on every hop. Runs on a pool thread: the lock is taken for
+the state only, never while an aggregator is asked (the switch's lock while the switch is).
 """
 
 from __future__ import annotations
@@ -14,15 +15,20 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from . import tree_switch
 from .allocator import SlotAllocator, SlotsExhausted
 from .fabric import Fabric, FabricError, TreePlan, plan
+from .p4runtime import SwitchError
 from .ps_control import PsControl
 from .schema import RequestError
 from .state import PS_SLOTS, State
 from .store import Record
-from .topology import PsEndpoint, Topology, ps_pool
+from .topology import PsEndpoint, Topology, TopologyError, ps_pool
+
+if TYPE_CHECKING:
+    from .switch import SwitchLink
 
 log = logging.getLogger("passing_controller")
 
@@ -34,13 +40,25 @@ class TreeRefused(RuntimeError):
     to one aggregator, a larger one is refused with it."""
 
 
+SWITCH = "switch"  # a node's control when it is the topology's switch
+
+
 @dataclass
 class _Node:
     name: str
     role: str  # "leaf" or "root"
-    ps: PsEndpoint
+    ps: PsEndpoint | None  # None: the switch
+    data: str  # where its workers send
     lanes: int = 0
     base: int | None = None
+
+    @property
+    def control(self) -> str:
+        return SWITCH if self.ps is None else self.ps.control
+
+
+def _what(n: _Node) -> str:
+    return "the switch" if n.ps is None else f"PS {n.ps.control}"
 
 
 def tree_plan(topo: Topology, workers: list[dict]) -> TreePlan | None:
@@ -91,81 +109,109 @@ def worker_answer(record: Record, worker: int) -> dict[str, Any]:
 
 
 class TreePlacement:
-    def __init__(self, topo: Topology, state: State, ps: PsControl, default_pool: int) -> None:
-        self.topo, self.state, self.ps, self.default_pool = topo, state, ps, default_pool
+    def __init__(self, topo: Topology, state: State, ps: PsControl, default_pool: int,
+                 switch: SwitchLink | None = None) -> None:
+        self.topo, self.state, self.ps, self.default_pool, self.switch = topo, state, ps, default_pool, switch
 
     def allocate(self, p: TreePlan, job_id: int, name: str, group: int, generation: int, pool: int | None,
-                 workers: list[dict], exclude: frozenset[str]) -> Record:
-        """Admit the group as ``p``'s tree: every node takes its job, or none keeps one (TreeRefused)."""
+                 workers: list[dict], exclude: frozenset[str], switch_allowed: bool = True) -> Record:
+        """Admit the group as ``p``'s tree: every node takes its job, or none keeps one (TreeRefused).
+        ``switch_allowed`` False: the job asked for software aggregators, so no node may be the switch."""
         assert p.root is not None
-        nodes = [_Node(r.node.name, "leaf", self._endpoint(r.node.name, r.node.aggregator)) for r in p.racks]
-        nodes.append(_Node(p.root.name, "root", self._endpoint(p.root.name, p.root.aggregator)))
+        nodes = [self._node(r.node.name, "leaf", r.node.aggregator, switch_allowed) for r in p.racks]
+        nodes.append(self._node(p.root.name, "root", p.root.aggregator, switch_allowed))
         added: list[_Node] = []
+        objects: dict[str, dict] = {}
         try:
             for n in nodes:  # a node down (``exclude``) or failing its check is taken by a spare PS, if any
                 n.lanes = self._check_or_substitute(n, nodes, exclude)
             lanes = min(n.lanes for n in nodes)
+            if any(n.ps is None for n in nodes) and lanes != self.topo.lanes:  # a switch takes its program's
+                raise TreeRefused(f"the tree's nodes take {lanes} lanes, the switch's program {self.topo.lanes}")
             # the most workers any node of the tree has: a leaf's rack, or the root's leaves
             pool = pool or ps_pool(lanes, max([len(r.hosts) for r in p.racks] + [len(p.racks)]), self.default_pool)
             with self.state.lock:
                 for n in nodes:
-                    allocator = self.state.ps_allocators.setdefault(n.ps.control, SlotAllocator(PS_SLOTS))
                     try:
-                        n.base = allocator.allocate(pool)
+                        n.base = self._allocator(n.control).allocate(pool)
                     except SlotsExhausted as e:
-                        raise TreeRefused(f"{n.role} {n.name!r} (PS {n.ps.control}): {e}") from None
+                        raise TreeRefused(f"{n.role} {n.name!r} ({_what(n)}): {e}") from None
             addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
-            data = {n.name: n.ps.data for n in nodes}
+            data = {n.name: n.data for n in nodes}
             objects = p.job_objects(job_id, generation, pool, lanes, addresses, data,
                                     bases={n.name: int(n.base) for n in nodes if n.base is not None})
+            for n in nodes:
+                if n.ps is None:
+                    try:
+                        tree_switch.check(self.topo, objects[n.name])
+                    except (tree_switch.TreeSwitchError, TopologyError) as e:
+                        raise TreeRefused(f"{n.role} {n.name!r} (the switch): {e}") from None
             for n in [nodes[-1], *nodes[:-1]]:  # the root first: the leaves' partials find their job there
-                self._request(n, "add_job", job=objects[n.name])
+                if n.ps is None:
+                    self._switch_install(n, objects[n.name])
+                else:
+                    self._request(n, "add_job", job=objects[n.name])
                 added.append(n)
         except (TreeRefused, FabricError) as e:
-            self._undo(nodes, added, job_id)
+            self._undo(nodes, added, job_id, objects)
             raise TreeRefused(str(e)) from None
         except BaseException:  # whatever else failed (a bug, the store): nothing of the tree stays taken
-            self._undo(nodes, added, job_id)
+            self._undo(nodes, added, job_id, objects)
             raise
-        tree = [{"name": n.name, "role": n.role, "control": n.ps.control, "data": n.ps.data, "base": n.base}
-                for n in nodes]
+        # a switch node keeps its job object: its entries are written again from it (teardown, reconciliation)
+        tree = [{"name": n.name, "role": n.role, "control": n.control, "data": n.data, "base": n.base,
+                 **({"object": objects[n.name]} if n.ps is None else {})} for n in nodes]
         for entry, rack in zip(tree, p.racks, strict=False):  # a leaf's servers: group indices, first number
             entry.update(workers=list(rack.hosts), first=rack.first)
         root = nodes[-1]
         r = Record(job_id, name, group, "tree", generation, int(root.base or 0), pool, workers,
-                   {"data": root.ps.data, "control": root.ps.control, "lanes": lanes, "tree": tree,
+                   {"data": root.data, "control": root.control, "lanes": lanes, "tree": tree,
                     "owner_only": p.owner_only})
         with self.state.lock:
             for n in nodes:
-                self.state.store.mark_up(n.ps.control)
+                self.state.store.mark_up(n.control)
         log.info("job %s group %d -> tree of %d racks under %s (job id %d generation %d)", name, group,
                  len(p.racks), root.name, job_id, generation)
         return r
 
-    def _endpoint(self, node: str, data: str) -> PsEndpoint:
-        if data == "switch":
-            raise TreeRefused(f"fabric node {node!r} is the switch, whose program takes no tree roles yet")
-        return next(ps for ps in self.topo.ps if ps.data == data)  # the fabric names PSs of the topology
+    def _node(self, name: str, role: str, aggregator: str, switch_allowed: bool) -> _Node:
+        if aggregator == "switch" and not switch_allowed:
+            raise TreeRefused(f"fabric {role} {name!r} is the switch, and the job asked for a software aggregator")
+        if aggregator == "switch":
+            if role == "root":  # the group's record names its root's control: a PS's, read by readout.py
+                raise TreeRefused(f"fabric root {name!r} is the switch: a switch takes a tree's leaf role only "
+                                  f"in this placement (docs/control.md, Fabric)")
+            return _Node(name, role, None, f"{self.topo.aggregation_ip}:{tree_switch.UDP_PORT}")
+        ps = next(ps for ps in self.topo.ps if ps.data == aggregator)  # the fabric names PSs of the topology
+        return _Node(name, role, ps, ps.data)
+
+    def _allocator(self, control: str) -> SlotAllocator:
+        """(lock held) The slots of a node's aggregator."""
+        if control == SWITCH:
+            return self.state.allocator
+        return self.state.ps_allocators.setdefault(control, SlotAllocator(PS_SLOTS))
 
     def _check_or_substitute(self, n: _Node, nodes: list[_Node], exclude: frozenset[str]) -> int:
-        """The node's lanes (``_check``), on its own PS or a spare (``spares``): a PS that is down (in
-        ``exclude``: a move leaves it) is not tried, one that failed lately is tried after the spares, any
-        other first. None answers: TreeRefused, saying why for each."""
-        own, resting = n.ps, self._resting()
-        spares = self.spares({m.ps.control for m in nodes} | exclude)
-        tried = [f"{n.role} {n.name!r} (PS {own.control}) is down"] if own.control in exclude else []
-        order = spares if tried else [*spares, own] if own.control in resting else [own, *spares]
+        """The node's lanes (``_check``), on its own aggregator (a PS, or the switch) or a spare PS
+        (``spares``): one that is down (in ``exclude``: a move leaves it) is not tried, a PS that failed lately
+        is tried after the spares, any other first. None answers: TreeRefused, saying why for each."""
+        own, own_data, resting = n.ps, n.data, self._resting()
+        spares = self.spares({m.control for m in nodes} | exclude)
+        tried = [f"{n.role} {n.name!r} ({_what(n)}) is down"] if n.control in exclude else []
+        order: list[PsEndpoint | None] = \
+            list(spares) if tried else [*spares, own] if n.control in resting else [own, *spares]
         for ps in order:
-            n.ps = ps
+            n.ps, n.data = ps, (own_data if ps is own or ps is None else ps.data)
             try:
                 lanes = self._check(n)
             except TreeRefused as e:
                 tried.append(str(e) if ps is own else f"spare {e}")
                 continue
             if ps is not own:
-                log.info("tree node %s (%s): PS %s instead of %s", n.name, n.role, ps.control, own.control)
+                log.info("tree node %s (%s): PS %s instead of %s", n.name, n.role, n.control,
+                         "the switch" if own is None else own.control)
             return lanes
-        n.ps = own
+        n.ps, n.data = own, own_data
         raise TreeRefused("; ".join(tried) + ("" if spares else ", and no spare PS is left"))
 
     def spares(self, used: set[str]) -> list[PsEndpoint]:
@@ -184,7 +230,18 @@ class TreePlacement:
         return {a for a, (_, retry_at, _) in down.items() if retry_at > now}
 
     def _check(self, n: _Node) -> int:
-        """The node's lanes, once its `ping` states the role it is to take."""
+        """The node's lanes, once its `ping` states the role it is to take (a switch: its program's tables)."""
+        if n.ps is None:
+            if self.switch is None:
+                raise TreeRefused(f"{n.role} {n.name!r} is the switch, and the controller has no switch link")
+            with self.switch.lock:
+                self.switch.connect_if_due()
+                if self.switch.session is None:
+                    raise TreeRefused(f"{n.role} {n.name!r}: switch unreachable: {self.switch.error}")
+                if not tree_switch.supported(self.switch.session):
+                    raise TreeRefused(f"{n.role} {n.name!r}: the switch's program takes no tree roles (no table "
+                                      f"{tree_switch.TABLES[0]})")
+            return self.topo.lanes
         ping = self._request(n, "ping")
         roles = ping.get("roles")
         if not isinstance(roles, list) or n.role not in roles:
@@ -192,7 +249,34 @@ class TreePlacement:
                               f"roles {roles!r}: an older software aggregator)")
         return n.ps.lanes(ping)
 
+    def _switch_install(self, n: _Node, obj: dict[str, Any]) -> None:
+        assert self.switch is not None
+        with self.switch.lock:
+            try:
+                if self.switch.session is None:
+                    raise SwitchError(f"switch unreachable: {self.switch.error}")
+                tree_switch.install(self.switch.session, self.topo, obj)
+            except SwitchError as e:
+                try:  # what went in of it
+                    if self.switch.session is not None:
+                        tree_switch.remove(self.switch.session, self.topo, obj)
+                except SwitchError:
+                    pass
+                raise TreeRefused(f"{n.role} {n.name!r} (the switch) refused the tree's entries: {e}") from None
+
+    def _switch_remove(self, obj: dict[str, Any], job_id: int) -> None:
+        if self.switch is None:
+            return
+        with self.switch.lock:
+            if self.switch.session is None:  # a reconciliation removes them once the switch is back
+                return
+            try:
+                tree_switch.remove(self.switch.session, self.topo, obj)
+            except SwitchError as e:
+                log.warning("switch did not remove tree job id %d: %s", job_id, e)
+
     def _request(self, n: _Node, cmd: str, **fields: Any) -> dict:
+        assert n.ps is not None
         try:
             return self.ps.request(n.ps.control, cmd, **fields)
         except (OSError, RequestError) as e:  # down, hanging or refusing: tried last for a while
@@ -201,9 +285,12 @@ class TreePlacement:
             log.warning("PS %s (%s %s) failed: %s", n.ps.control, n.role, n.name, e)
             raise TreeRefused(f"{n.role} {n.name!r} (PS {n.ps.control}): {e}") from None
 
-    def _undo(self, nodes: list[_Node], added: list[_Node], job_id: int) -> None:
+    def _undo(self, nodes: list[_Node], added: list[_Node], job_id: int, objects: dict[str, dict]) -> None:
         """What a failed placement had taken: the jobs some nodes admitted, every node's slots."""
         for n in added:
+            if n.ps is None:
+                self._switch_remove(objects[n.name], job_id)
+                continue
             try:
                 self.ps.request(n.ps.control, "remove_job", job=job_id)
             except (OSError, RequestError) as e:
@@ -211,19 +298,22 @@ class TreePlacement:
         with self.state.lock:
             for n in nodes:
                 if n.base is not None:
-                    self.state.ps_allocators[n.ps.control].release(n.base)
+                    self._allocator(n.control).release(n.base)
                     n.base = None
 
     def teardown(self, r: Record, down: frozenset[str] = frozenset()) -> None:
-        """(pool thread) Every node lets go of the group's job where it still answers (``down``: the PSs known
-        dead, not asked); its slots go free. The nodes are asked at once: a dead one that no check has found
-        yet (a group idle while it died) costs one request's timeout, however many there are."""
+        """(pool thread) Every node lets go of the group's job where it still answers (``down``: the nodes
+        known dead, not asked); its slots go free. The nodes are asked at once: a dead one that no check has
+        found yet (a group idle while it died) costs one request's timeout, however many there are."""
         nodes = [node for node in nodes_of(r) if node["control"] not in down]
         if nodes:
             with ThreadPoolExecutor(len(nodes)) as pool:
                 list(pool.map(lambda node: self._remove(node, r.job_id), nodes))
 
     def _remove(self, node: dict[str, Any], job_id: int) -> None:
+        if node["control"] == SWITCH:
+            self._switch_remove(node["object"], job_id)
+            return
         try:
             self.ps.request(node["control"], "remove_job", job=job_id)
         except (OSError, RequestError) as e:  # a dead PS holds nothing: the group ends anyway
@@ -235,5 +325,5 @@ class TreePlacement:
     def release(self, r: Record) -> None:
         """(lock held) The slots of every node of a tree record."""
         for node in nodes_of(r):
-            self.state.ps_allocators[node["control"]].release(node["base"])
+            self._allocator(node["control"]).release(node["base"])
 

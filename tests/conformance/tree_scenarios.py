@@ -1,6 +1,6 @@
 """The tree's scenario table (docs/protocol.md, "Trees across racks"): a leaf and a root, each on its own
-target, as a switch program will be held to them (the P4 programs take the roles in a later issue, and
-run this table then: each row is one aggregator's view, the root an origin "root" for a leaf).
+target (each row is one aggregator's view, the root an origin "root" for a leaf): the software aggregator
+(tests/test_scenarios.py) and a BMv2 switch (bmv2_tests/test_tree_scenarios_bmv2.py).
 
 The leaf below serves servers 0 and 1 of a job of four (its rack's owner map: 0 -> 0, 1 -> 1, 2 and 3 up),
 and goes up to job 40 as worker 1. The root is job 40 over two leaves, servers 0 and 1 under leaf 0, 2 and

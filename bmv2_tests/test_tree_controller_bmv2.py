@@ -1,0 +1,132 @@
+"""The controller places a group across racks as a tree with the BMv2 switch as one rack's leaf
+(docs/control.md, Fabric): rack1 is h1 and h2 on the switch, rack2 is h3 and h4 under a software
+aggregator (the PS leaf on host `ps`), and the root is a software aggregator on host `ps2`, all
+reached through the one switch (a mixed tree: a BMv2 leaf under a PS root, beside a PS leaf)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from .network import REPO
+from .test_e2e_bmv2 import CONTROLLER, ControllerProcess, expected, finish, run_workers
+
+HOSTS = 4
+PS = {"ps": "10.0.0.100", "ps2": "10.0.0.101"}
+EXTRA = (("ps", PS["ps"], False), ("ps2", PS["ps2"], False), ("ctl", CONTROLLER.split("//")[1].split(":")[0], True))
+FABRIC = [
+    {"name": "rack1", "switch": True, "hosts": ["h1", "h2"], "uplink": "spine"},
+    {"name": "rack2", "ps": f"{PS['ps']}:9877", "hosts": ["h3", "h4"], "uplink": "spine"},
+    {"name": "spine", "ps": f"{PS['ps2']}:9877"},
+]
+
+
+@pytest.fixture(scope="module")
+def network():
+    from .network import Bmv2Network
+
+    net = Bmv2Network(HOSTS, extra=EXTRA)
+    yield net
+    net.stop()
+
+
+@pytest.fixture(scope="module")
+def aggregators(network):
+    procs = []
+    try:
+        for host, ip in PS.items():
+            proc = network.net.get(host).popen(
+                [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", f"{ip}:9877", "--control",
+                 f"tcp://{ip}:9878"], stdout=subprocess.PIPE, text=True)
+            procs.append(proc)
+            assert json.loads(proc.stdout.readline())["event"] == "ready"
+        yield procs
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def controller(network, pipeline, aggregators, tmp_path_factory):
+    c = ControllerProcess(network, pipeline, tmp_path_factory.mktemp("controller"))
+    topo = json.loads(c.topology.read_text())
+    topo["ps"] = [{"data": f"{ip}:9877", "control": f"tcp://{ip}:9878"} for ip in PS.values()]
+    topo["fabric"] = FABRIC
+    c.topology.write_text(json.dumps(topo))
+    ready = c.start()
+    assert ready["switch"] == "connected", ready
+    yield c
+    c.stop()
+
+
+@pytest.mark.timeout(600)
+def test_a_tree_with_the_switch_as_a_leaf_and_a_controller_restart(network, controller, tmp_path):
+    """Two allreduces of one group; between them the controller restarts and reconciles the switch, writing
+    the tree's entries again from the group's record. Every result within float32's bound of the sum."""
+    size = 20_000
+    gate = tmp_path / "restarted"
+    procs = run_workers(network, tmp_path, "tree", ["h1", "h2", "h3", "h4"], size,
+                        extra=["--iterations", "2", "--gate", str(gate)], wait=False)
+    deadline = time.monotonic() + 60
+    while True:
+        jobs = [j for j in controller.ctl("jobs")["jobs"] if j["job"] == "tree"]
+        # the root's rounds (`stats` reads the root's PS) complete only with the switch leaf's partials: its
+        # worker 0 is the switch's aggregation address, which nothing but the switch's program sends from
+        if jobs and controller.ctl("stats", "--job-id", str(jobs[0]["job_id"])).get(str(jobs[0]["job_id"]),
+                                                                                     {}).get("completed", 0):
+            break
+        assert time.monotonic() < deadline, "the tree did not run"
+        time.sleep(0.2)
+    assert jobs[0]["mode"] == "tree", jobs[0]
+    nodes = {n["name"]: n for n in jobs[0]["tree"]}
+    assert nodes["rack1"]["control"] == "switch" and nodes["spine"]["control"] == f"tcp://{PS['ps2']}:9878"
+    controller.stop()
+    ready = controller.start()
+    assert ready["switch"] == "connected" and ready["jobs"] >= 1
+    gate.touch()
+    total, bound = expected(4, size)
+    for report, r in finish(procs, tmp_path, "tree"):
+        assert report["mode"] == "tree", report
+        assert np.max(np.abs(r - total)) <= bound
+    controller.ctl("leave", "tree")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("drop", [0.0, 0.05], ids=["clean", "lossy"])
+def test_reduce_scatter_and_all_gather_through_the_switch_leaf(network, controller, tmp_path, drop):
+    """Sharded collectives across the racks (bmv2_tests/sharded_worker.py): the reduce_scatter's OWNER_ONLY
+    rounds (the owner map at the switch leaf and at the PS root: the sums to each block's server, ACKs to
+    the others) and the all_gather's GATHERs and NACKs relayed through both levels; exact, with and without
+    packets dropped at the servers."""
+    from . import sharded_worker
+
+    workers = 4
+    job = f"tree-sharded-{int(drop * 100)}"
+    procs = []
+    for w in range(workers):
+        host = network.net.get(f"h{w + 1}")
+        procs.append(host.popen(
+            [sys.executable, "-m", "bmv2_tests.sharded_worker", "--controller", CONTROLLER, "--job-name", job,
+             "--worker", str(w), "--workers", str(workers), "--bind", f"{host.IP()}:{20000 + w}",
+             "--drop", str(drop), "--rto", "0.2" if drop else "5", "--out", str(tmp_path / f"{w}.npz")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO)))
+    reports = []
+    for w, p in enumerate(procs):
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, f"worker {w}: {stderr[-3000:]}"
+        reports.append(json.loads(stdout.splitlines()[-1]))
+    assert {r["mode"] for r in reports} == {"tree"}, reports
+    ins = [sharded_worker.inputs(0, w, workers) for w in range(workers)]
+    total = np.sum([x for x, _ in ins], axis=0, dtype=np.int64)
+    gathered = np.concatenate([piece for _, piece in ins])
+    block = sharded_worker.BLOCK
+    for w in range(workers):  # the servers' numbers are their group indices: rack1 h1 h2, rack2 h3 h4
+        got = np.load(tmp_path / f"{w}.npz")
+        assert np.array_equal(got["block"], total[w * block:(w + 1) * block]), w
+        assert np.array_equal(got["gathered"], gathered), w

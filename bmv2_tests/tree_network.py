@@ -1,0 +1,133 @@
+"""Three BMv2 switches in Mininet: two racks' leaves and the spine that joins them (docs/bmv2.md, A tree).
+
+    h1 h2 ... (rack 1)        h3 h4 ... (rack 2)
+       |  |                      |  |
+      s1 (leaf) port k+1 --- 1 s3 (spine) 2 --- port k+1 s2 (leaf)
+                                  | 3
+                                 hs (a server on the spine: the stranger the root admits nothing from)
+
+Every switch runs the same program; its entries make it a leaf or the root (passing_controller.tree_roles).
+Plain traffic crosses the tree by L2 forwarding; no switch forwards to another switch's aggregation MAC,
+so a server's datagram never reaches the root but through its leaf's program.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+from .network import (
+    HostInfo,
+    free_tcp_port,
+    host_mac,
+    import_mininet,
+    make_switch_class,
+    prepare_hosts,
+    wait_for_grpc,
+)
+
+SPINE = "s3"
+STRANGER = "hs"
+
+
+@dataclass(frozen=True)
+class SwitchInfo:
+    name: str
+    mac: str  # its aggregation address: where its servers (a leaf) or its leaves (the root) send DATA
+    ip: str
+    grpc_port: int
+    uplink: int | None  # a leaf's port toward the spine
+
+
+class TreeNetwork:
+    """``per_rack`` hosts under each of the leaves s1 and s2 (ports 1..per_rack, uplink port per_rack + 1),
+    the spine s3 (port r + 1 to leaf r + 1, port 3 to the stranger hs)."""
+
+    def __init__(self, per_rack: int = 2) -> None:
+        import_mininet()
+        from mininet.net import Mininet
+
+        self.per_rack = per_rack
+        self.log_dir = tempfile.mkdtemp(prefix="passing-bmv2-tree-")
+        self.net = Mininet(controller=None, build=False, autoSetMacs=False, autoStaticArp=False)
+        self.agents: dict = {}
+        try:
+            self._start(make_switch_class())
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, BMv2Switch: type) -> None:
+        k = self.per_rack
+        self.switches = {
+            "s1": SwitchInfo("s1", "02:00:00:00:01:fe", "10.0.0.251", free_tcp_port(), k + 1),
+            "s2": SwitchInfo("s2", "02:00:00:00:02:fe", "10.0.0.252", free_tcp_port(), k + 1),
+            SPINE: SwitchInfo(SPINE, "02:00:00:00:03:fe", "10.0.0.250", free_tcp_port(), None),
+        }
+        for s in self.switches.values():
+            self.net.addSwitch(s.name, cls=BMv2Switch, grpc_port=s.grpc_port, log_dir=self.log_dir)
+        self.racks: list[list[HostInfo]] = []
+        n = 0
+        for leaf in ("s1", "s2"):
+            rack = []
+            for port in range(1, k + 1):
+                n += 1
+                info = HostInfo(f"h{n}", host_mac(n), f"10.0.0.{n}", port)
+                self.net.addHost(info.name, ip=f"{info.ip}/24", mac=info.mac)
+                self.net.addLink(info.name, leaf, port2=port)
+                rack.append(info)
+            self.racks.append(rack)
+        for r, leaf in enumerate(("s1", "s2")):
+            self.net.addLink(leaf, SPINE, port1=k + 1, port2=r + 1)
+        self.stranger = HostInfo(STRANGER, host_mac(0x64), "10.0.0.100", 3)
+        self.net.addHost(STRANGER, ip=f"{self.stranger.ip}/24", mac=self.stranger.mac)
+        self.net.addLink(STRANGER, SPINE, port2=3)
+        self.net.build()
+        self.net.start()
+        arp = {h.name: {self.switches[leaf].ip: self.switches[leaf].mac}
+               for leaf, rack in zip(("s1", "s2"), self.racks, strict=True) for h in rack}
+        arp[STRANGER] = {self.switches[SPINE].ip: self.switches[SPINE].mac}
+        prepare_hosts(self.net, self.hosts, arp)
+        for s in self.switches.values():
+            wait_for_grpc(self.net.get(s.name), s.grpc_port, self.log_dir)
+
+    @property
+    def hosts(self) -> list[HostInfo]:
+        return [h for rack in self.racks for h in rack] + [self.stranger]
+
+    def port_at(self, switch: str, host: HostInfo) -> int:
+        """The port of ``switch`` that reaches ``host``."""
+        if switch == SPINE:
+            if host is self.stranger:
+                return 3
+            return next(r + 1 for r, rack in enumerate(self.racks) if host in rack)
+        leaf = int(switch[1:]) - 1
+        return host.port if host in self.racks[leaf] else self.switches[switch].uplink
+
+    def program_plain(self, switch: str, session) -> None:
+        """L2 forwarding of every host's MAC, and the switch's aggregation address."""
+        from passing_controller import aggregator_address, l2_forward
+        from passing_controller.topology import ip_to_int, mac_to_int
+
+        entries = [session.table_entry(l2_forward.TABLE, {"dst_addr": mac_to_int(h.mac)}, l2_forward.FORWARD,
+                                       {"port": self.port_at(switch, h)}) for h in self.hosts]
+        entries.append(session.table_entry(aggregator_address.TABLE, {"ip": ip_to_int(self.switches[switch].ip)},
+                                           "NoAction"))
+        session.write([session.update("insert", e) for e in entries])
+
+    def agent(self, host: str):
+        from .network import Agent
+
+        if host not in self.agents:
+            self.agents[host] = Agent(self.net.get(host))
+        return self.agents[host]
+
+    def stop(self) -> None:
+        for a in self.agents.values():
+            try:
+                a.close()
+            except Exception:  # best effort on the way out
+                a.proc.kill()
+        self.net.stop()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
