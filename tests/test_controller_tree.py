@@ -409,3 +409,48 @@ def test_stats_metrics_and_top_show_every_node_of_a_tree(fabric):
     assert not ended["running"] and "error" in ended["nodes"][0], ended["nodes"]
     assert [n["counters"]["completed"] for n in ended["nodes"][1:]] == [seen["rounds"]] * 2
     assert ended["counters"] == ended["nodes"][2]["counters"]  # the group's own: its root's
+
+
+@pytest.mark.timeout(120)
+def test_a_spare_ps_takes_an_unreachable_switch_leafs_place(tmp_path):
+    """rack0's leaf is the topology's switch, which does not answer (no P4Runtime server at its address); a
+    spare PS takes its place at the join: the group runs as a tree with rack0's servers on the spare, and
+    every worker gets the flat sum (docs/control.md, Fabric)."""
+    from tests.test_controller_ps_fallback import closed_port
+
+    services = Services(tmp_path, spares=1)
+    try:
+        services.topology["switch"] = {"p4runtime": f"127.0.0.1:{closed_port()}",
+                                       "aggregation_mac": "02:00:00:00:00:fe", "aggregation_ip": "10.0.0.254"}
+        services.topology["hosts"] = [{"name": f"h{k}-{i}", "mac": f"02:00:00:00:{k + 1:02x}:{i + 1:02x}",
+                                       "ip": host_ip(k, i), "port": 20 * k + i + 1}
+                                      for k in range(2) for i in range(20)]
+        rack0 = services.topology["fabric"][0]
+        rack0.pop("ps")
+        rack0["switch"] = True
+        services.restart_controller()
+        endpoint = services.endpoint
+        spares = {services.ready[0]["data"], services.ready[3]["data"]}  # the PSs no node of the fabric names now
+        ports = free_udp_ports(4)
+        data = [np.full(100, w + 1, dtype=np.int32) for w in range(4)]
+
+        def work(w: int) -> tuple[dict, np.ndarray]:
+            ip = host_ip(w % 2, w // 2)
+            answer = join(endpoint, "spare-for-switch", w, 4, host=ip, udp_port=ports[w], pool=4, timeout=30)
+            try:
+                with Group.from_answer(answer, bind=(ip, ports[w]), timeout=10) as g:
+                    return answer, g.allreduce(data[w])
+            finally:
+                leave(endpoint, "spare-for-switch", 0, w, answer["token"])
+
+        for w, result in enumerate(run_threads(work, 4)):
+            assert isinstance(result, tuple), result
+            answer, got = result
+            assert answer["mode"] == "tree", answer["reason"]
+            leaf = f"{answer['aggregators'][0]['host']}:{answer['aggregators'][0]['port']}"
+            assert leaf in spares if w % 2 == 0 else leaf == services.ready[1]["data"], (w, leaf)
+            assert np.array_equal(got, np.full(100, 10, dtype=np.int32))
+        assert ask(endpoint, "status")["jobs"] == []
+        assert_freed(services.ready)
+    finally:
+        services.stop()
