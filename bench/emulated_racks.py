@@ -55,11 +55,11 @@ from emulated_report import RESULTS  # noqa: E402
 from emulated_run import MODELS, wait_all  # noqa: E402
 
 from cluster import netns  # noqa: E402
-from cluster.local import ensure_keys, launch_ranks, start_controller  # noqa: E402
+from cluster.local import ensure_keys, launch_ranks  # noqa: E402
+from cluster.racks import fabric_topology, start_aggregator_in, start_spine_controller  # noqa: E402
 from passing_controller.topology import CHIP_LANES  # noqa: E402
 
 WORKER = BENCH / "emulated_racks_worker.py"
-PORT = 9877
 
 
 def uptime() -> str:
@@ -77,28 +77,18 @@ class RackCluster:
             self.net.set_rate(rate_mbit, *tbf_sizes(rate_mbit, lanes))
             self.set_oversubscription(oversubscription)
             self.servers = [f"r{k}s{i}" for k in range(racks) for i in range(per_rack)]
-            leaves = [(f"leaf{k}", f"leaf{k}", self.net.leaves[f"leaf{k}"].ip) for k in range(racks)]
             self.aggregators: dict[str, dict[str, str]] = {}
-            for name, where, ip in [*leaves, ("root", "switch", self.net.switch.ip),
-                                    ("ps", "ps", self.net.hosts["ps"].ip)]:
-                control = f"ipc://{workdir}/{name}-aggregator.ipc"
-                proc = self.popen(where, [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen",
-                                          f"{ip}:{PORT}", "--control", control, "--max-lanes", str(lanes)],
-                                  stdout=subprocess.PIPE, text=True)
-                if not proc.stdout.readline():
-                    raise RuntimeError(f"the {name} aggregator did not start")
-                self.aggregators[name] = {"data": f"{ip}:{PORT}", "control": control}
-            fabric = [{"name": f"rack{k}", "ps": self.aggregators[f"leaf{k}"]["data"], "uplink": "spine",
-                       "hosts": [self.net.hosts[f"r{k}s{i}"].ip for i in range(per_rack)]} for k in range(racks)]
-            tree = {"ps": [self.aggregators[a] for a in (*(f"leaf{k}" for k in range(racks)), "root")],
-                    "fabric": [*fabric, {"name": "spine", "ps": self.aggregators["root"]["data"]}]}
+            for name, where, ip in [*((f"leaf{k}", f"leaf{k}", self.net.leaves[f"leaf{k}"].ip) for k in range(racks)),
+                                    ("root", "switch", self.net.switch.ip), ("ps", "ps", self.net.hosts["ps"].ip)]:
+                _, self.aggregators[name] = start_aggregator_in(self.popen, where, ip,
+                                                                f"ipc://{workdir}/{name}-aggregator.ipc",
+                                                                ["--max-lanes", str(lanes)])
+            tree = fabric_topology(self.net, [self.aggregators[f"leaf{k}"] for k in range(racks)],
+                                   self.aggregators["root"])
             self.controllers = {}
             for port, name, topology in ((9090, "tree", tree), (9091, "ps", {"ps": [self.aggregators["ps"]]})):
                 (workdir / name).mkdir()
-                endpoint = f"tcp://{self.net.switch.ip}:{port}"
-                start_controller(topology, workdir / name, endpoint,
-                                 popen=lambda argv, **kw: self.net.popen("switch", argv, **kw))
-                self.controllers[name] = endpoint
+                _, self.controllers[name] = start_spine_controller(self.net, topology, workdir / name, port)
         except BaseException:
             self.net.stop()
             raise
