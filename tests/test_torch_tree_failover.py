@@ -4,7 +4,8 @@ a PS leaf per rack, a PS root, spare PSs, the real controller), backend "passing
 0's leaf is SIGKILLed past rank 0's fifth step; once the controller has moved the training's group off it,
 the root is SIGKILLed too; each time the group moves to a tree with a spare in the lost node's place, and
 the training ends as the same training on gloo does: the ranks' parameters identical at every check, loss
-and accuracy as gloo's. FSDP2: a leaf killed, or the root hung, mid-step; every step's loss is gloo's."""
+and accuracy as gloo's. FSDP2: a leaf killed, or the root hung, mid-step; every step's loss is gloo's.
+tests/test_torch_tree_netns.py runs both across racks in network namespaces, as deployed."""
 
 from __future__ import annotations
 
