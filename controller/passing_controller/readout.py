@@ -135,23 +135,35 @@ class Readout:
     def _read_ps(self, records: list[Record]) -> tuple[dict[str, dict], dict[str, str]]:
         """The counters of every PS that holds one of ``records`` (each node of a tree): (answers, errors) by
         control endpoint."""
-        answers: dict[str, dict] = {}
-        errors: dict[str, str] = {}
         controls = {r.aggregator["control"] for r in records if r.mode == "ps"}
         controls.update(node["control"] for r in records if r.mode == "tree" for node in nodes_of(r))
-        for control in sorted(controls):
-            if control == "switch":  # a tree's leaf on the switch: its counters of each job, as a PS's stats
-                read = self._read_switch()
-                if read is None:
+        return self._read_nodes(controls, [r.job_id for r in records], self.ps.check_timeout)
+
+    def _read_nodes(self, controls: set[str], job_ids: list[int], timeout: float,
+                    **fields: Any) -> tuple[dict[str, dict], dict[str, str]]:
+        """Each aggregator's ``stats`` (``fields``: the request's), all asked at once, so that nodes that do
+        not answer cost one ``timeout`` however many they are: (answers, errors) by control endpoint. The
+        switch (a tree's leaf) answers with its counters of ``job_ids``, as a PS's stats would."""
+        answers: dict[str, dict] = {}
+        errors: dict[str, str] = {}
+
+        def read(control: str) -> None:
+            if control == "switch":
+                switch_read = self._read_switch()
+                if switch_read is None:
                     errors[control] = "the switch's counters could not be read (unreachable)"
                 else:
-                    answers[control] = {str(r.job_id): counters.job_counters(read, r.job_id) for r in records}
-                continue
+                    answers[control] = {str(j): counters.job_counters(switch_read, j) for j in job_ids}
+                return
             try:
-                answers[control] = self.ps.request(control, "stats", timeout=self.ps.check_timeout)["jobs"]
+                answers[control] = self.ps.request(control, "stats", timeout=timeout, **fields)["jobs"]
             except (OSError, RequestError) as e:  # a PS that does not answer shows no counters, the rest do
                 errors[control] = str(e)
                 log.warning("PS %s: %s", control, e)
+
+        if controls:
+            with ThreadPoolExecutor(len(controls)) as pool:
+                list(pool.map(read, sorted(controls)))
         return answers, errors
 
     def metrics(self) -> dict[str, Any]:
@@ -216,26 +228,9 @@ class Readout:
         second shows its error, the others their counters."""
         if r.mode != "tree":
             return None
-        answers: dict[str, dict] = {}
-        errors = {control: "known down" for control in down}
-
-        def read(control: str) -> None:
-            if control == "switch":  # a tree's leaf on the switch
-                switch_read = self._read_switch()
-                if switch_read is None:
-                    errors[control] = "the switch's counters could not be read (unreachable)"
-                else:
-                    answers[control] = {str(r.job_id): counters.job_counters(switch_read, r.job_id)}
-                return
-            try:
-                answers[control] = self.ps.request(control, "stats", timeout=1.0, job=r.job_id)["jobs"]
-            except (OSError, RequestError) as e:
-                errors[control] = str(e)
-
-        asked = [node["control"] for node in nodes_of(r) if node["control"] not in down]
-        if asked:
-            with ThreadPoolExecutor(len(asked)) as pool:
-                list(pool.map(read, asked))
+        asked = {node["control"] for node in nodes_of(r) if node["control"] not in down}
+        answers, errors = self._read_nodes(asked, [r.job_id], 1.0, job=r.job_id)
+        errors.update({control: "known down" for control in down})
         return node_counters(r, answers, errors)
 
 
