@@ -17,8 +17,9 @@ from .network import REPO
 from .test_e2e_bmv2 import CONTROLLER, ControllerProcess, expected, finish, run_workers
 
 HOSTS = 4
-PS = {"ps": "10.0.0.100", "ps2": "10.0.0.101"}
-EXTRA = (("ps", PS["ps"], False), ("ps2", PS["ps2"], False), ("ctl", CONTROLLER.split("//")[1].split(":")[0], True))
+PS = {"ps": "10.0.0.100", "ps2": "10.0.0.101", "ps3": "10.0.0.102"}  # ps3: a spare, named by no fabric node
+EXTRA = (("ps", PS["ps"], False), ("ps2", PS["ps2"], False), ("ps3", PS["ps3"], False),
+         ("ctl", CONTROLLER.split("//")[1].split(":")[0], True))
 FABRIC = [
     {"name": "rack1", "switch": True, "hosts": ["h1", "h2"], "uplink": "spine"},
     {"name": "rack2", "ps": f"{PS['ps']}:9877", "hosts": ["h3", "h4"], "uplink": "spine"},
@@ -130,3 +131,27 @@ def test_reduce_scatter_and_all_gather_through_the_switch_leaf(network, controll
         got = np.load(tmp_path / f"{w}.npz")
         assert np.array_equal(got["block"], total[w * block:(w + 1) * block]), w
         assert np.array_equal(got["gathered"], gathered), w
+
+
+@pytest.mark.timeout(600)
+def test_a_spare_ps_takes_the_place_of_a_switch_leaf_out_of_slots(network, controller, tmp_path):
+    """A group that asks for more slots than the switch has (1 024): the spare PS (ps3) takes rack1's leaf
+    role, and the group runs as a tree with the sum within float32's bound (docs/control.md, Fabric)."""
+    size = 5_000
+    gate = tmp_path / "placed"
+    procs = run_workers(network, tmp_path, "tree-full", ["h1", "h2", "h3", "h4"], size,
+                        extra=["--pool", "2000", "--iterations", "2", "--gate", str(gate)], wait=False)
+    try:
+        deadline = time.monotonic() + 60
+        while not (jobs := [j for j in controller.ctl("jobs")["jobs"] if j["job"] == "tree-full"]):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the group was not placed"
+            time.sleep(0.2)
+    finally:
+        gate.touch()
+    nodes = {n["name"]: n for n in jobs[0]["tree"]}
+    assert jobs[0]["mode"] == "tree" and nodes["rack1"]["control"] == f"tcp://{PS['ps3']}:9878", jobs[0]
+    total, bound = expected(4, size)
+    for report, r in finish(procs, tmp_path, "tree-full"):
+        assert report["mode"] == "tree", report
+        assert np.max(np.abs(r - total)) <= bound
+    controller.ctl("leave", "tree-full")

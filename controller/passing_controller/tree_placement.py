@@ -125,17 +125,18 @@ class TreePlacement:
         try:
             for n in nodes:  # a node down (``exclude``) or failing its check is taken by a spare PS, if any
                 n.lanes = self._check_or_substitute(n, nodes, exclude)
-            lanes = min(n.lanes for n in nodes)
-            if any(n.ps is None for n in nodes) and lanes != self.topo.lanes:  # a switch takes its program's
-                raise TreeRefused(f"the tree's nodes take {lanes} lanes, the switch's program {self.topo.lanes}")
-            # the most workers any node of the tree has: a leaf's rack, or the root's leaves
-            pool = pool or ps_pool(lanes, max([len(r.hosts) for r in p.racks] + [len(p.racks)]), self.default_pool)
-            with self.state.lock:
-                for n in nodes:
-                    try:
-                        n.base = self._allocator(n.control).allocate(pool)
-                    except SlotsExhausted as e:
-                        raise TreeRefused(f"{n.role} {n.name!r} ({_what(n)}): {e}") from None
+            asked_pool = pool
+            while True:  # a switch out of slots is taken by a spare PS too, and the slots asked again
+                lanes = min(n.lanes for n in nodes)
+                if any(n.ps is None for n in nodes) and lanes != self.topo.lanes:  # a switch takes its program's
+                    raise TreeRefused(f"the tree's nodes take {lanes} lanes, the switch's program {self.topo.lanes}")
+                # the most workers any node of the tree has: a leaf's rack, or the root's leaves
+                pool = asked_pool or ps_pool(lanes, max([len(r.hosts) for r in p.racks] + [len(p.racks)]),
+                                             self.default_pool)
+                full = self._take_slots(nodes, pool)
+                if full is None:
+                    break
+                full.lanes = self._check_or_substitute(full, nodes, exclude | {SWITCH}, "is out of slots")
             addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
             data = {n.name: n.data for n in nodes}
             objects = p.job_objects(job_id, generation, pool, lanes, addresses, data,
@@ -191,13 +192,31 @@ class TreePlacement:
             return self.state.allocator
         return self.state.ps_allocators.setdefault(control, SlotAllocator(PS_SLOTS))
 
-    def _check_or_substitute(self, n: _Node, nodes: list[_Node], exclude: frozenset[str]) -> int:
+    def _take_slots(self, nodes: list[_Node], pool: int) -> _Node | None:
+        """Slots of ``pool`` at every node; a switch node that has not enough: returned, with none taken
+        anywhere (a spare PS may take its place). A PS out of slots: TreeRefused."""
+        with self.state.lock:
+            for n in nodes:
+                try:
+                    n.base = self._allocator(n.control).allocate(pool)
+                except SlotsExhausted as e:
+                    if n.ps is None:
+                        for m in nodes:
+                            if m.base is not None:
+                                self._allocator(m.control).release(m.base)
+                                m.base = None
+                        return n
+                    raise TreeRefused(f"{n.role} {n.name!r} ({_what(n)}): {e}") from None
+        return None
+
+    def _check_or_substitute(self, n: _Node, nodes: list[_Node], exclude: frozenset[str],
+                             why: str = "is down") -> int:
         """The node's lanes (``_check``), on its own aggregator (a PS, or the switch) or a spare PS
         (``spares``): one that is down (in ``exclude``: a move leaves it) is not tried, a PS that failed lately
         is tried after the spares, any other first. None answers: TreeRefused, saying why for each."""
         own, own_data, resting = n.ps, n.data, self._resting()
         spares = self.spares({m.control for m in nodes} | exclude)
-        tried = [f"{n.role} {n.name!r} ({_what(n)}) is down"] if n.control in exclude else []
+        tried = [f"{n.role} {n.name!r} ({_what(n)}) {why}"] if n.control in exclude else []
         order: list[PsEndpoint | None] = \
             list(spares) if tried else [*spares, own] if n.control in resting else [own, *spares]
         for ps in order:
