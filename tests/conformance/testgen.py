@@ -702,6 +702,40 @@ def check_batches(vectors: dict, lanes: int) -> None:
 # ---- the v1model program's vectors (P4Testgen's bmv2 target) --------------------------------------------------
 
 
+def _header_only(raw: bytes) -> dict[str, int] | None:
+    """The PASSING header of a header-only datagram (UDP length 8 + 16: a root's ACK coming down), which the
+    v1model parser extracts after the shared parser (that leaves it as payload); None for any other frame."""
+    at = ETH + IPV4 + UDP
+    size = header_size("passing_h")
+    if len(raw) < at + size:
+        return None
+    udp = unpack("udp_h", raw[ETH + IPV4:])
+    if udp["dst_port"] != wire.UDP_PORT or udp["length"] != UDP + size:
+        return None
+    return unpack("passing_h", raw[at:])
+
+
+def _from_uplink_shaped(vector: dict, hdr: dict | None, port: int) -> None:
+    """What comes down from a root to a leaf job (docs/protocol.md, "Trees across racks"): a RESULT or ACK of the
+    job id an ``uplink`` entry holds, or a GATHER or NACK of it on that entry's port, which the v1model program
+    admits by that entry, not by admission. The controller writes the entry (tree_roles.leaf_entries) with the
+    leaf job's allocation, as admission's: raise Outside for an entry no controller writes."""
+    if hdr is None or hdr["version"] != wire.VERSION or \
+            hdr["type"] not in (wire.RESULT, wire.ACK, wire.GATHER, wire.NACK):
+        return
+    entry = _table_hit(vector, "uplink", "job", hdr["job"])
+    if entry is None or entry["action"].split(".")[-1] != "from_uplink":
+        return
+    u = _params(entry)
+    if hdr["type"] in (wire.GATHER, wire.NACK) and port != u["port"]:
+        return  # a server's own GATHER or NACK of that job id: the flat path
+    workers = u["full"].bit_length()
+    if not 1 <= u["leaf_job"] < MAX_JOBS or u["epoch"] != u["leaf_job"] << 16 | u["leaf_generation"] \
+            or u["group"] != u["leaf_job"] + 1 or workers == 0 or u["full"] != (1 << workers) - 1 \
+            or not 1 <= u["pool"] or u["base"] + u["pool"] > SLOTS:
+        raise Outside(f"uplink of job {hdr['job']} {u}: no controller writes it")
+
+
 def v1model_expect(vector: dict, lanes: int) -> tuple[str, int | None, bytes | None]:
     """What p4/v1model/passing.p4 sends for a vector of P4Testgen's bmv2 target: (rule, port, packet), or a drop
     (None, None). That model starts every register at 0 (a slot of no allocation: a round there is new) and
@@ -720,6 +754,7 @@ def v1model_expect(vector: dict, lanes: int) -> tuple[str, int | None, bytes | N
             header = raw[ETH:ETH + IPV4]
             packet = raw[:ETH + 10] + struct.pack(">H", tool.ipv4_checksum(header)) + raw[ETH + 12:]
         return "l2: forwarded", out, packet
+    _from_uplink_shaped(vector, p.headers.get("passing_h") or _header_only(raw), port)
     hdr = p.headers.get("passing_h")
     if not _aggregated_kind(hdr):
         return "malformed: dropped", None, None
