@@ -18,6 +18,8 @@ from passing.cli import worker_inputs
 
 from .network import REPO
 
+pytestmark = pytest.mark.slow  # three BMv2 switches or a controller's tree: make test-all's (~1 min each file)
+
 LEAF_JOB, ROOT_JOB = 1, 40
 LEAVES = ("s1", "s2")
 AGENT_PORT = 21000  # the test agents' sockets (passing-allreduce binds 20000 + w)

@@ -16,6 +16,8 @@ import pytest
 from .network import REPO
 from .test_e2e_bmv2 import CONTROLLER, ControllerProcess, expected, finish, run_workers
 
+pytestmark = pytest.mark.slow  # three BMv2 switches or a controller's tree: make test-all's (~1 min each file)
+
 HOSTS = 4
 PS = {"ps": "10.0.0.100", "ps2": "10.0.0.101", "ps3": "10.0.0.102"}  # ps3: a spare, named by no fabric node
 EXTRA = (("ps", PS["ps"], False), ("ps2", PS["ps2"], False), ("ps3", PS["ps3"], False),
