@@ -42,6 +42,25 @@ def on_node(control: str, endpoint: str) -> bool:
     return any(n["control"] == control for j in ask(endpoint, "status")["jobs"] for n in j.get("tree", []))
 
 
+def check_ddp_across_racks(outcomes: list, gloo: list, kills: list[float], moved: list[float], trees: list[dict],
+                           nodes: list[str], where: str) -> None:
+    """The DDP training with a leaf and then the root killed (here and in network namespaces): every rank
+    ended with gloo's training, both kills mid-training, each rank on the tree that moved twice (``nodes``:
+    the final tree's node addresses, the spares in the leaf's and the root's places)."""
+    for rank, (rc, report, stderr) in enumerate(outcomes):
+        assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
+    reports = [report for _, report, _ in outcomes]
+    started = reports[0]["passing"]["started"]
+    print(f"{where}kills at {kills[0] - started:.1f} s and {kills[1] - started:.1f} s of the training; the groups "
+          f"moved {moved[0] - kills[0]:.1f} s and {moved[1] - kills[1]:.1f} s after each")
+    check_training(reports, [report["gloo"] for _, report, _ in gloo])
+    assert all(r["passing"]["started"] < kills[0] < kills[1] < r["passing"]["ended"] for r in reports), \
+        "not mid-training"
+    assert all(r["mode"] == "tree" and r["moves"] >= 2 and not r["on_gloo"] for r in reports), reports
+    # the group that moved twice (a group idle meanwhile, as the lane of all_gathers, moves when it is used)
+    assert any([n["data"] for n in j["tree"]] == nodes for j in trees), trees
+
+
 @pytest.mark.slow  # two DDP trainings of four ranks, seven services
 @pytest.mark.timeout(600)
 def test_ddp_across_two_racks_survives_a_leaf_and_the_root_killed(tmp_path):
@@ -82,19 +101,8 @@ def test_ddp_across_two_racks_survives_a_leaf_and_the_root_killed(tmp_path):
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-        for rank, (rc, report, stderr) in enumerate(outcomes):
-            assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
-        reports = [report for _, report, _ in outcomes]
-        started = reports[0]["passing"]["started"]
-        print(f"kills at {kills[0] - started:.1f} s and {kills[1] - started:.1f} s of the training; the groups "
-              f"moved {moved[0] - kills[0]:.1f} s and {moved[1] - kills[1]:.1f} s after each")
-        check_training(reports, [report["gloo"] for _, report, _ in gloo])
-        assert all(r["passing"]["started"] < kills[0] < kills[1] < r["passing"]["ended"] for r in reports), \
-            "not mid-training"
-        assert all(r["mode"] == "tree" and r["moves"] >= 2 and not r["on_gloo"] for r in reports), reports
-        # the group that moved twice (a group idle meanwhile, as the lane of all_gathers, moves when it is used)
-        assert any([n["data"] for n in j["tree"]] == [spares[0]["data"], services.ready[1]["data"], spares[1]["data"]]
-                   for j in trees), trees
+        check_ddp_across_racks(outcomes, gloo, kills, moved, trees,
+                               [spares[0]["data"], services.ready[1]["data"], spares[1]["data"]], "")
     finally:
         services.stop()
 

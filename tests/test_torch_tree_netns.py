@@ -25,8 +25,7 @@ pytestmark = pytest.mark.slow  # trainings of four ranks in eleven namespaces (m
 from cluster import netns  # noqa: E402
 from cluster.local import REPO, collect, launch_ranks  # noqa: E402
 from cluster.racks import fabric_topology, start_aggregator_in, start_spine_controller  # noqa: E402
-from tests.test_torch_failover import check_training  # noqa: E402
-from tests.test_torch_tree_failover import EPOCHS, SERVERS, WORKER, running  # noqa: E402
+from tests.test_torch_tree_failover import EPOCHS, SERVERS, WORKER, check_ddp_across_racks, running  # noqa: E402
 from tests.zygote import torch_ranks_in  # noqa: E402
 
 ORDER = ["r0s0", "r1s0", "r0s1", "r1s1"]  # server s is rack s % 2's: as host_ip(s % 2, s // 2) on loopback
@@ -142,19 +141,8 @@ def test_ddp_across_racks_in_network_namespaces_survives_a_leaf_and_the_root_kil
         outcomes = collect(procs, 400)
     finally:
         kill_all(procs)
-    for rank, (rc, report, stderr) in enumerate(outcomes):
-        assert rc == 0 and report is not None, f"rank {rank} failed ({rc}):\n{stderr[-3000:]}"
-    reports = [report for _, report, _ in outcomes]
-    started = reports[0]["passing"]["started"]
-    print(f"in namespaces: kills at {kills[0] - started:.1f} s and {kills[1] - started:.1f} s of the training; "
-          f"the groups moved {moved[0] - kills[0]:.1f} s and {moved[1] - kills[1]:.1f} s after each")
-    check_training(reports, [report["gloo"] for _, report, _ in gloo])
-    assert all(r["passing"]["started"] < kills[0] < kills[1] < r["passing"]["ended"] for r in reports), \
-        "not mid-training"
-    assert all(r["mode"] == "tree" and r["moves"] >= 2 and not r["on_gloo"] for r in reports), reports
-    # the group that moved twice: the spares in the leaf's and the root's places, rack 1's leaf kept
-    assert any([n["data"] for n in j["tree"]] == [spares[0]["data"], racks.ready[1]["data"], spares[1]["data"]]
-               for j in trees), trees
+    check_ddp_across_racks(outcomes, gloo, kills, moved, trees,
+                           [spares[0]["data"], racks.ready[1]["data"], spares[1]["data"]], "in namespaces: ")
 
 
 @pytest.mark.timeout(900)
