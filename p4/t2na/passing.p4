@@ -34,11 +34,13 @@
 #include "../include/parser.p4"
 #include "../include/testgen.p4"
 
-/* The round is decided in stages 0 to 3 (PassingIngress.apply); lane pair k runs in stage
- * 4 + k / 4, pinned as on Tofino 1 so that the outcome tables do not take the lanes' SALUs. */
-#define PASSING_FIRST_LANE_STAGE 4
+/* The round is decided in stages 0 to 6 (PassingIngress.apply: the tree roles' lookups come first);
+ * lane pair k runs in stage 7 + k / 4, pinned as on Tofino 1 so that the outcome tables do not take
+ * the lanes' SALUs. */
+#define PASSING_FIRST_LANE_STAGE 7
 
 #include "../include/tofino_common.p4"  /* slot sets, lane ops, verdicts, register entries */
+#include "../include/tofino_tree_common.p4"  /* the tree roles: replication ids, verdicts, the bridged tree header */
 
 /* a retransmission to a completed round: the stored pair, unchanged */
 #define LANE_READ 4
@@ -72,10 +74,28 @@ struct ingress_metadata_t {
     bit<8> verdict;
     bit<1> admitted;     /* admission hit: (job, generation, worker, ingress port) is admitted */
     bit<1> relay_ok;     /* a GATHER of the sender's own piece, or a NACK to another worker of the job */
+    /* the tree roles (docs/tofino.md, "The tree roles") */
+    tree_bridged_h tree; /* to the egress, behind the bridged header */
+    bit<1> leaf;         /* tree_role: a leaf job, with its uplink (tree.up_*, up_port) */
+    bit<1> root;
+    bit<1> owner_mapped; /* owner_map hit with a worker (owner_worker, tree.owner_rid) */
+    bit<1> owner_up;     /* owner_map hit with up */
+    bit<1> owner_ok;     /* an OWNER_ONLY DATA's owner is a worker here, or (a leaf) up */
+    bit<8> owner_worker;
+    PortId_t up_port;    /* tree_role's, or (what comes down) uplink's */
+    bit<16> map_job;     /* the job whose owner map is read: the packet's, or the leaf job of what comes down */
+    bit<16> leaf_job;    /* uplink: the leaf job what comes down is for */
+    bit<16> leaf_generation;
+    bit<8> up_flags;     /* the flags of a packet a leaf sends up */
+    bit<8> phase;        /* slot_phase of a complete round at a leaf */
+    bit<8> same_round;   /* the root's answer is for the round the slot/set holds */
+    bit<8> first_answer; /* ... and answers it */
     PASSING_TESTGEN_METADATA
 }
 
 struct egress_metadata_t {
+    tree_bridged_h tree;      /* from the ingress: what a tree job's replicas need */
+    bit<16> tree_to_owner;    /* a tree job's replica's worker ^ its owner's (owner_map), 0 for the owner's */
     bit<32> job_index;  /* counter index: a plain field, as Tofino wants */
     bit<16> to_owner;   /* a replica's worker (its replication id) ^ owner, 0 for the owner's */
     bit<16> sender_to_owner;  /* an answer's worker (its sender) ^ owner, 0 for the owner's */
@@ -88,6 +108,14 @@ parser TnaIngressParser(packet_in pkt, out headers_t hdr, out ingress_metadata_t
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
         passing_parser.apply(pkt, hdr, true);  /* one pass: no packet comes back with a bridged header */
+        /* a root's ACK comes down to a leaf as the header alone, which the shared parser leaves as payload */
+        transition select(hdr.udp.isValid(), hdr.udp.dst_port, hdr.udp.length) {
+            (true, PASSING_UDP_PORT, 8 + 16): parse_header_only;
+            default: accept;
+        }
+    }
+    state parse_header_only {
+        pkt.extract(hdr.passing);  /* lanes invalid: the ingress drops any other kind of this length */
         transition accept;
     }
 }
@@ -167,11 +195,13 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     #define LANE_PAIR_APPLY(k, a, b) lane_op_##k.apply();
 
     #include "../include/tofino_tables.p4"  /* admission ... contribution */
+    #include "../include/tofino_tree.p4"  /* tree_role, uplink, owner_map, slot_phase, go_up */
 
     /* ---- the owner of an OWNER_ONLY DATA is a worker of the job, or the round is refused ---- */
-    /* `full` comes from admission in stage 0 and round_check runs in stage 1: the check is the
-     * match of the table that runs round_check, so it costs no stage. The owner's bit in `full`
-     * is a ternary entry, as in relay_check; a DATA without OWNER_ONLY matches the first. */
+    /* `full` comes from admission and `owner_ok` from owner_map before the stage of round_check: the
+     * check is the match of the table that runs round_check, so it costs no stage. A flat job's
+     * owner's bit in `full` is a ternary entry, as in relay_check; a tree job's owner is what its
+     * owner map says (owner_ok); a DATA without OWNER_ONLY matches the first. */
     action check_round() {
         /* the entry of meta.slot_set, formed by the hash unit: no stage to wait */
         meta.fresh = round_check.execute(slot_set_index.get(
@@ -179,20 +209,23 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     }
     action owner_refused() {
     }
-    #define OWNER_WORKER_ENTRY(i) (PASSING_FLAG_OWNER_ONLY &&& PASSING_FLAG_OWNER_ONLY, 32w1 << i &&& 32w1 << i, i): check_round();
+    #define OWNER_WORKER_ENTRY(i) (0, PASSING_FLAG_OWNER_ONLY &&& PASSING_FLAG_OWNER_ONLY, 32w1 << i &&& 32w1 << i, i, _): check_round();
     table owner_check {
         key = {
+            meta.tree.tree: ternary;
             hdr.passing.flags: ternary;
             meta.full: ternary;
             hdr.passing.owner: ternary;
+            meta.owner_ok: ternary;
         }
         actions = { check_round; @defaultonly owner_refused; }
         const entries = {
-            (0 &&& PASSING_FLAG_OWNER_ONLY, _, _): check_round();
+            (_, 0 &&& PASSING_FLAG_OWNER_ONLY, _, _, _): check_round();
             PASSING_IDS_32(OWNER_WORKER_ENTRY)
+            (1, PASSING_FLAG_OWNER_ONLY &&& PASSING_FLAG_OWNER_ONLY, _, _, 1): check_round();
         }
         const default_action = owner_refused();
-        size = 33;
+        size = 34;
     }
 
     /* A retransmission to a completed round gets the stored result: every pair returns it. */
@@ -230,10 +263,19 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
     }
 
+    /* the root's answer to the leaf's servers, as a flat completion's (the egress addresses each replica,
+     * and in an OWNER_ONLY round makes the replicas but the owner's ACKs): the round's OVERFLOW alone */
+    action answer_down() {
+        hdr.passing.flags = meta.flagged;
+        ig_tm_md.mcast_grp_a = meta.group;
+        hdr.bridged.result_multicast = 1;
+    }
+
     apply {
-        /* As on Tofino 1, the round is decided in 4 stages: stage 0 looks up and checks the
-         * headers, stage 1 owner_check (round_check), stage 2 bitmap_start/join, stage 3 the
-         * contribution table; the lane pairs follow from stage 4 (4 to 12 for 72 lanes). */
+        /* The tree roles' lookups take stages 0 to 2 (uplink; admission and tree_role, which wait for
+         * uplink's answer; owner_map, keyed by the job uplink names), then the round is decided as on
+         * Tofino 1 in stages 3 to 6: owner_check (round_check), bitmap_start/join, the contribution
+         * table and slot_phase, slot_overflow; the lane pairs follow from stage 7 (7 to 15 for 72 lanes). */
         hdr.bridged.setValid();
         hdr.bridged.pad0 = 0;
         hdr.bridged.pad1 = 0;
@@ -245,57 +287,174 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         hdr.bridged.answer = 0;
         hdr.bridged.flood = 0;
         hdr.bridged.relay = 0;
+        meta.tree.setValid();
+        meta.tree.owner_rid = PASSING_NO_RID;
+        meta.tree.up_job = 0;
+        meta.tree.up_generation = 0;
+        meta.tree.up_worker = 0;
+        meta.tree.up_mac = 0;
+        meta.tree.up_ip = 0;
+        meta.tree.pad = 0;
+        meta.tree.tree = 0;
+        meta.tree.relay_up = 0;
+        meta.tree.owner_only = 0;
+        meta.tree.ack = 0;
         meta.lane_op = LANE_NONE;
         meta.verdict = VERDICT_NONE;
+        meta.leaf = 0;
+        meta.root = 0;
+        meta.owner_mapped = 0;
+        meta.owner_up = 0;
+        meta.owner_ok = 0;
+        meta.phase = 0;
+        meta.same_round = 0;
+        meta.first_answer = 0;
         PASSING_TESTGEN_INPUT
 
         /* ---- stage 0: lookups and header checks ---- */
-        bool well_formed = false;
-        bool relay_kind = false;
+        bool well_formed = false;   /* a DATA with the lanes */
+        bool relay_kind = false;    /* a GATHER or NACK with the lanes, not from a leaf job's uplink */
         bool slot_in_table = false;
+        bool version_ok = false;
+        bool is_answer = false;     /* a RESULT or ACK (hosts send none: the root's, or malformed) */
+        bool is_ack = false;
+        bool is_gather = false;
+        bool is_nack = false;
+        bool from_up = false;       /* uplink hit */
         if (hdr.passing.isValid()) {
             meta.job_index = (bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1));
             meta.flagged = hdr.passing.flags & PASSING_FLAG_OVERFLOW;
             meta.owner_only = hdr.passing.flags & PASSING_FLAG_OWNER_ONLY;
-            admission.apply();
             worker_bit.apply();
-            PASSING_TESTGEN_MEMBER(meta.admitted, meta.full, meta.worker_bit)
-            if (hdr.passing.version == PASSING_VERSION && hdr.passing.type == PASSING_TYPE_DATA) {
-                well_formed = true;
+            if (hdr.passing.version == PASSING_VERSION) {
+                version_ok = true;
             }
-            if (hdr.passing.version == PASSING_VERSION
-                    && (hdr.passing.type == PASSING_TYPE_GATHER || hdr.passing.type == PASSING_TYPE_NACK)) {
-                relay_kind = true;
+            if (hdr.passing.type == PASSING_TYPE_RESULT || hdr.passing.type == PASSING_TYPE_ACK) {
+                is_answer = true;
+            }
+            if (hdr.passing.type == PASSING_TYPE_ACK) {
+                is_ack = true;
+            }
+            if (hdr.passing.type == PASSING_TYPE_GATHER) {
+                is_gather = true;
+            }
+            if (hdr.passing.type == PASSING_TYPE_NACK) {
+                is_nack = true;
             }
             if (hdr.passing.slot[15:PASSING_SLOT_BITS] == 0) {
                 slot_in_table = true;
             }
+            if (hdr.passing.version == PASSING_VERSION && (is_answer || is_gather || is_nack)) {
+                if (uplink.apply().hit) {
+                    from_up = true;
+                }
+            }
+        }
+
+        /* ---- stage 1: what comes down from a leaf job's root (uplink), or the packet's own job ---- */
+        /* hosts send no RESULT or ACK; a GATHER or NACK of the uplink's job comes down only on the uplink
+         * port (a leaf job and its root job may have one id: a server's own GATHER carries it too, and
+         * takes the flat path) */
+        bool down = false;
+        if (from_up) {
+            if (is_answer) {
+                down = true;
+            } else if (ig_intr_md.ingress_port == meta.up_port) {
+                down = true;
+            }
+        }
+        if (down) {
+            meta.map_job = meta.leaf_job;
+            meta.job_index = (bit<32>)(meta.leaf_job & (PASSING_MAX_JOBS - 1));
+            meta.tree.tree = 1;
+        } else {
+            meta.map_job = hdr.passing.job;
+            if (hdr.passing.isValid()) {
+                admission.apply();
+                tree_role.apply();
+                PASSING_TESTGEN_MEMBER(meta.admitted, meta.full, meta.worker_bit)
+            }
+        }
+        if (version_ok && hdr.passing.type == PASSING_TYPE_DATA && hdr.lanes.isValid()) {
+            well_formed = true;
+        }
+        if (!down && version_ok && (is_gather || is_nack) && hdr.lanes.isValid()) {
+            relay_kind = true;
         }
         meta.slot_set = (bit<32>)(hdr.passing.set[0:0] ++ meta.base_plus_slot[PASSING_SLOT_BITS - 1:0]);
+
+        /* ---- stage 2: the owner map (a flat job has no entries) ---- */
+        if (version_ok) {
+            owner_map.apply();
+        }
 
         bool to_aggregator = false;
         if (ig_prsr_md.parser_err == 0 && hdr.udp.isValid() && hdr.udp.dst_port == PASSING_UDP_PORT) {
             /* a table is applied in an `if` of its own on Tofino, not inside a && chain */
             if (aggregator_address.apply().hit) {
                 to_aggregator = true;
-                /* ---- stages 1 to 3: the round ---- */
-                /* admitted, and slot < pool: slots_left = pool - slot is in 1 .. pool */
-                if (well_formed && slot_in_table && meta.slots_left != 0 && meta.slots_left[15:15] == 0) {
+                if (down) {
+                    /* ---- the root's answer to a leaf job's round, or a GATHER or NACK relayed down ---- */
+                    if (ig_intr_md.ingress_port != meta.up_port || hdr.passing.generation != meta.tree.up_generation
+                            || hdr.passing.worker != meta.tree.up_worker) {
+                        meta.verdict = VERDICT_REJECTED;
+                    } else if ((is_ack && hdr.lanes.isValid()) || (!is_ack && !hdr.lanes.isValid())) {
+                        meta.verdict = VERDICT_REJECTED;  /* the job's lanes; an ACK: the header alone */
+                    } else if (hdr.passing.type == PASSING_TYPE_RESULT && meta.owner_only != 0 && meta.owner_mapped == 0) {
+                        meta.verdict = VERDICT_REJECTED;  /* an OWNER_ONLY round's sums: for a server of this rack */
+                    } else if (is_gather && meta.owner_up == 0) {
+                        meta.verdict = VERDICT_REJECTED;  /* a piece of another rack's server */
+                    } else if (is_nack && meta.owner_mapped == 0) {
+                        meta.verdict = VERDICT_REJECTED;  /* a NACK to a server of this rack */
+                    } else if (!is_answer) {
+                        meta.verdict = VERDICT_RELAY;
+                    } else if (slot_in_table && meta.slots_left != 0 && meta.slots_left[15:15] == 0) {
+                        /* stages 3 to 6: the round the slot/set holds, complete here, not yet answered */
+                        meta.same_round = answer_check.execute(answer_set_index.get(
+                            {hdr.passing.set[0:0], meta.base_plus_slot[PASSING_SLOT_BITS - 1:0]}));
+                        if (meta.same_round == 1) {
+                            meta.old_bitmap = bitmap_read.execute(meta.slot_set);
+                            if (meta.old_bitmap == meta.full) {
+                                if (is_ack) {
+                                    meta.first_answer = phase_ack.execute(meta.slot_set);
+                                } else {
+                                    meta.first_answer = phase_result.execute(meta.slot_set);
+                                }
+                            }
+                        }
+                        if (meta.first_answer == 1) {
+                            /* a RESULT's lanes and OVERFLOW replace the partial; an ACK's OVERFLOW */
+                            meta.round_overflow = overflow_start.execute(meta.slot_set);
+                            meta.verdict = VERDICT_ANSWERED;
+                            if (!is_ack) {
+                                meta.lane_op = LANE_WRITE;
+                            }
+                        } else {
+                            meta.verdict = VERDICT_LATE;
+                        }
+                    } else {
+                        meta.verdict = VERDICT_REJECTED;
+                    }
+                } else if (well_formed && slot_in_table && meta.slots_left != 0 && meta.slots_left[15:15] == 0) {
+                    /* ---- stages 3 to 6: the round ---- */
+                    /* admitted, and slot < pool: slots_left = pool - slot is in 1 .. pool */
                     switch (owner_check.apply().action_run) {
                         check_round: {
                             if (meta.fresh == 1) {
                                 bitmap_start.execute(meta.slot_set);
-                                meta.round_overflow = overflow_start.execute(meta.slot_set);
                                 start_round_table.apply();
+                                phase_reset.execute(meta.slot_set);
+                                meta.round_overflow = overflow_start.execute(meta.slot_set);
                             } else {
                                 meta.old_bitmap = bitmap_join.execute(meta.slot_set);
-                                if (meta.old_bitmap != 0) {
-                                    meta.round_overflow = overflow_join.execute(meta.slot_set);
-                                }
                                 if (meta.old_bitmap == meta.full) {
                                     answer_from_round();
+                                    meta.phase = phase_read.execute(meta.slot_set);
                                 } else {
                                     contribution.apply();  /* stale, duplicate, or add / max */
+                                }
+                                if (meta.old_bitmap != 0) {
+                                    meta.round_overflow = overflow_join.execute(meta.slot_set);
                                 }
                             }
                         }
@@ -305,8 +464,26 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                     }
                 } else if (well_formed) {
                     meta.verdict = VERDICT_REJECTED;
+                } else if (relay_kind && meta.tree.tree == 1) {
+                    /* a tree job's GATHER (the sender's own piece, as its owner map says) or NACK (to
+                     * another worker here, or at a leaf up): no register */
+                    if (meta.admitted == 0) {
+                        meta.verdict = VERDICT_REJECTED;
+                    } else if (is_gather) {
+                        if (meta.owner_mapped == 1 && meta.owner_worker == hdr.passing.worker) {
+                            meta.verdict = VERDICT_RELAY;
+                        } else {
+                            meta.verdict = VERDICT_REJECTED;
+                        }
+                    } else if (meta.leaf == 1 && meta.owner_up == 1) {
+                        meta.verdict = VERDICT_UP;
+                    } else if (meta.owner_mapped == 1 && meta.owner_worker != hdr.passing.worker) {
+                        meta.verdict = VERDICT_RELAY;
+                    } else {
+                        meta.verdict = VERDICT_REJECTED;
+                    }
                 } else if (relay_kind) {
-                    /* no register: stage 1 (relay_check needs `full` from admission) */
+                    /* no register (relay_check needs `full` from admission) */
                     relay_check.apply();
                     if (meta.admitted == 1 && meta.relay_ok == 1) {
                         meta.verdict = VERDICT_RELAY;
@@ -318,19 +495,32 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         }
 
         /* ---- not for the round: malformed, or plain forwarding ---- */
-        if (ig_prsr_md.parser_err != 0 || (to_aggregator && !well_formed && !relay_kind)) {
+        if (ig_prsr_md.parser_err != 0 || (to_aggregator && !down && !well_formed && !relay_kind)) {
             malformed.count(0);
             drop();
         } else if (!to_aggregator && hdr.ethernet.isValid()) {
             l2_forward.apply();
         }
-        if (to_aggregator && (well_formed || relay_kind)) {
+        if (to_aggregator && (well_formed || relay_kind || down)) {
             received.count(meta.job_index);
         }
 
         /* ---- where the packet goes ---- */
-        /* apart from the actions below: flags shares its container with op, so they set it whole */
-        meta.result_flags = meta.round_overflow | meta.owner_only;
+        /* apart from the actions below: flags shares its container with op, so they set it whole. A
+         * leaf's answers to its servers carry the round's OVERFLOW alone, a root's keep OWNER_ONLY too
+         * (docs/protocol.md, "Trees across racks"), as a flat job's until its egress */
+        if (meta.leaf == 1) {
+            meta.result_flags = meta.round_overflow;
+        } else {
+            meta.result_flags = meta.round_overflow | meta.owner_only;
+        }
+        if (meta.verdict == VERDICT_ANSWER && meta.phase == 0) {
+            meta.up_flags = meta.round_overflow | meta.owner_only | PASSING_FLAG_RETRANSMIT;
+        } else if (meta.verdict == VERDICT_UP) {
+            meta.up_flags = hdr.passing.flags;
+        } else {
+            meta.up_flags = meta.round_overflow | meta.owner_only;
+        }
         if (meta.verdict == VERDICT_CONTRIBUTED) {
             aggregated.count(meta.job_index);
             if (meta.flagged != 0) {
@@ -338,13 +528,38 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             }
             if (meta.bitmap == meta.full) {
                 completed.count(meta.job_index);
-                complete_round();
+                if (meta.leaf == 1) {
+                    /* complete at a leaf: the partial goes up as one DATA of the root's job */
+                    sent_up.count(meta.job_index);
+                    go_up();
+                } else {
+                    complete_round();
+                }
             } else {
                 drop();
             }
         } else if (meta.verdict == VERDICT_ANSWER) {
-            duplicate_answered.count(meta.job_index);
-            answer_sender();
+            if (meta.leaf == 1 && meta.phase == 0) {
+                /* complete at a leaf and not answered yet: the partial goes up again, flagged
+                 * RETRANSMIT (the hosts' timers clock both levels) */
+                duplicate.count(meta.job_index);
+                sent_up.count(meta.job_index);
+                go_up();
+            } else {
+                duplicate_answered.count(meta.job_index);
+                answer_sender();
+                /* a tree job's ACK: a non-owner of an OWNER_ONLY round (its owner map), or any server once
+                 * a leaf's root answered with an ACK (the slot holds a partial) */
+                if (meta.tree.tree == 1) {
+                    if (meta.leaf == 1 && meta.phase == 2) {
+                        meta.tree.ack = 1;
+                    } else if (meta.owner_only != 0 && meta.owner_mapped == 0) {
+                        meta.tree.ack = 1;
+                    } else if (meta.owner_only != 0 && meta.owner_worker != hdr.passing.worker) {
+                        meta.tree.ack = 1;
+                    }
+                }
+            }
         } else if (meta.verdict == VERDICT_DUPLICATE) {
             duplicate.count(meta.job_index);
             drop();
@@ -355,11 +570,35 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             rejected.count(meta.job_index);
             drop();
         } else if (meta.verdict == VERDICT_RELAY) {
+            /* GATHER to every other worker, NACK to its owner: the job's multicast group, the egress
+             * keeps the replicas it goes to. A leaf's GATHER also goes up, by its group's uplink replica;
+             * what comes down takes the leaf job's names */
             relayed.count(meta.job_index);
             relay();
+            if (down) {
+                to_leaf_job();
+            } else if (meta.leaf == 1 && is_gather) {
+                sent_up.count(meta.job_index);
+                meta.tree.relay_up = 1;
+            }
+        } else if (meta.verdict == VERDICT_UP) {
+            /* a leaf's NACK to another rack's server: up, as sent but for the level's fields */
+            relayed.count(meta.job_index);
+            sent_up.count(meta.job_index);
+            go_up();
+        } else if (meta.verdict == VERDICT_ANSWERED) {
+            answered.count(meta.job_index);
+            to_leaf_job();
+            answer_down();
+            if (hdr.passing.type == PASSING_TYPE_RESULT && meta.owner_only != 0) {
+                meta.tree.owner_only = 1;  /* the RESULT to the rack's owner, ACKs to the others */
+            }
+        } else if (meta.verdict == VERDICT_LATE) {
+            late_answer.count(meta.job_index);
+            drop();
         }
 
-        /* ---- the lanes (from stage 4; independent of the outcomes above) ---- */
+        /* ---- the lanes (from stage 7; independent of the outcomes above) ---- */
         FOR_EACH_PAIR(LANE_PAIR_APPLY)
     }
 }
@@ -368,6 +607,7 @@ control TnaIngressDeparser(packet_out pkt, inout headers_t hdr, in ingress_metad
                            in ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
     apply {
         pkt.emit(hdr.bridged);
+        pkt.emit(meta.tree);
         pkt.emit(hdr.ethernet);
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
@@ -384,7 +624,16 @@ parser TnaEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t m
     state start {
         pkt.extract(eg_intr_md);
         pkt.extract(hdr.bridged);
+        pkt.extract(meta.tree);
         passing_parser.apply(pkt, hdr, false);  /* headers only: the lanes stay payload */
+        /* a root's ACK relayed to a leaf's servers: the header alone, as in the ingress parser */
+        transition select(hdr.udp.isValid(), hdr.udp.dst_port, hdr.udp.length) {
+            (true, PASSING_UDP_PORT, 8 + 16): parse_header_only;
+            default: accept;
+        }
+    }
+    state parse_header_only {
+        pkt.extract(hdr.passing);
         transition accept;
     }
 }
@@ -395,6 +644,7 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
                       inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
                       inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
     #include "../include/tofino_egress.p4"  /* results_sent, result_rewrite, answer_to_sender, compare_with_owner */
+    #include "../include/tofino_tree_egress.p4"  /* to_root, compare_with_owner_rid */
 
     /* the answer to a retransmission goes to its sender: the sender against the owner (in
      * the hash unit: worker and owner do not line up for an ALU or a gateway either) */
@@ -415,6 +665,13 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
     action owner_result() {
         hdr.passing.flags = hdr.passing.flags & PASSING_FLAG_OVERFLOW;
     }
+    /* a tree job's ACK: the ingress set its flags (a root's keep OWNER_ONLY, docs/protocol.md) */
+    action make_tree_ack() {
+        hdr.passing.type = PASSING_TYPE_ACK;
+        hdr.ipv4.total_len = 20 + 8 + 16;
+        hdr.udp.length = 8 + 16;
+        eg_dprsr_md.mtu_trunc_len = PASSING_ACK_TRUNC_LEN;
+    }
 
     apply {
         if (hdr.passing.isValid()) {
@@ -423,11 +680,27 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
         /* a replica's worker is its replication id, an answer's its sender: both, into two fields */
         compare_with_owner();
         compare_sender_with_owner();
+        compare_with_owner_rid();  /* a tree job's owner: its owner map's worker, from the ingress */
         /* result_rewrite is applied in one place, as on BMv2 (a table with one successor) */
         bool addressed = false;  /* a replica for one worker: result_rewrite addresses it */
         bool sent = false;
         if (hdr.bridged.flood == 1 && eg_intr_md.egress_port == hdr.bridged.ingress_port) {
             drop();  /* a flood never goes back where it came from */
+        } else if (hdr.bridged.flood == 0 && eg_intr_md.egress_rid == PASSING_UP_RID) {
+            /* a leaf group's uplink replica: a server's GATHER goes up, anything else not */
+            if (meta.tree.relay_up == 1) {
+                to_root();
+            } else {
+                drop();
+            }
+        } else if (hdr.bridged.relay == 1 && meta.tree.tree == 1) {
+            /* a tree job's GATHER to every worker but its owner's, a NACK to its owner's alone */
+            if ((hdr.passing.type == PASSING_TYPE_GATHER && meta.tree_to_owner == 0)
+                    || (hdr.passing.type != PASSING_TYPE_GATHER && meta.tree_to_owner != 0)) {
+                drop();
+            } else {
+                addressed = true;
+            }
         } else if (hdr.bridged.relay == 1) {
             /* a GATHER to every worker but its sender (= its owner), a NACK to its owner alone */
             if ((hdr.passing.type == PASSING_TYPE_GATHER && meta.to_owner == 0)
@@ -450,7 +723,21 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
         if (sent) {
             results_sent.count(meta.job_index);
             /* a RESULT of an OWNER_ONLY round (a relayed packet is no RESULT) */
-            if (hdr.passing.type == PASSING_TYPE_RESULT && (hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0) {
+            if (hdr.passing.type != PASSING_TYPE_RESULT) {
+                /* an ACK from a leaf's root goes to its servers as it came */
+            } else if (meta.tree.tree == 1) {
+                /* a tree job's: the unicast answer as the ingress decided; a replica for a worker but
+                 * the owner's (owner_map) of a root's OWNER_ONLY round (the flag kept) or of the root's
+                 * OWNER_ONLY RESULT at a leaf */
+                if (hdr.bridged.answer == 1) {
+                    if (meta.tree.ack == 1) {
+                        make_tree_ack();
+                    }
+                } else if (meta.tree_to_owner != 0
+                           && ((hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0 || meta.tree.owner_only == 1)) {
+                    make_tree_ack();
+                }
+            } else if ((hdr.passing.flags & PASSING_FLAG_OWNER_ONLY) != 0) {
                 if ((hdr.bridged.answer == 0 && meta.to_owner != 0)
                         || (hdr.bridged.answer == 1 && meta.sender_to_owner != 0)) {
                     make_ack();
