@@ -142,9 +142,10 @@ def writes_of(trace: str, control: str) -> list[dict]:
     computed value: ``value.<field> = v`` (``value`` is the apply's register parameter in every RegisterAction
     of the program), so the value written back is the initial value with those fields replaced. The register
     is known by its fields (slot_tag: tag, epoch; slot_bitmap: bitmap, psn; slot_overflow: no field) and, for
-    a lane pair, by the lane action that ran it; the index is ``meta.slot_set`` (slot_tag's hash-unit index
-    has the same bits). One entry per register and index: {register, index, fields} (``fields`` of
-    slot_overflow: {"value": v}), values as unsigned words like setRegisterValue's."""
+    a lane pair, by the lane action that ran it; slot_phase of the tree roles (p4/include/tofino_tree.p4) by
+    its apply's parameter, ``phase``; the index is ``meta.slot_set`` (slot_tag's hash-unit index has the same
+    bits). One entry per register and index: {register, index, fields} (``fields`` of slot_overflow and
+    slot_phase: {"value": v}), values as unsigned words like setRegisterValue's."""
     start = trace.find(f'copy_in("{control}")')
     if start < 0:
         return []
@@ -163,6 +164,8 @@ def writes_of(trace: str, control: str) -> list[dict]:
             index = value
         elif target == "value":
             out.setdefault(("slot_overflow", index), {})["value"] = value % 0x100
+        elif target == "phase":
+            out.setdefault(("slot_phase", index), {})["value"] = value % 0x100
         elif target.startswith("value."):
             field = target.split(".", 1)[1]
             register = _REGISTER_OF.get(field) or (f"lane_pair_{pair}" if field in ("first", "second") else None)

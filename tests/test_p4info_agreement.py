@@ -28,6 +28,8 @@ needs_compilers = pytest.mark.skipif(
 # registers both programs keep per slot/set (BMv2 also has slot_epoch, which TNA pairs with the tag;
 # the lanes are one register on BMv2, one per lane on TNA: docs/tofino.md)
 SHARED_REGISTERS = ("PassingIngress.slot_tag", "PassingIngress.slot_bitmap", "PassingIngress.slot_overflow")
+# and those of the tree roles, on a program that takes them (docs/tofino.md, "The tree roles")
+TREE_REGISTERS = ("PassingIngress.slot_phase",)
 
 
 def test_every_scenario_is_traced_through_tna():
@@ -55,11 +57,12 @@ class Chip:
     out_variable: str  # where the make target puts its build
     binary: str  # what bfas writes once the program fits
     stages: int  # MAU stages per gress
+    tree: bool  # takes the tree roles (docs/tofino.md, "The tree roles"; Tofino 1 does not fit them)
 
 
 CHIPS = {
-    "tna": Chip("tna", "p4-tofino", "TOFINO_OUT", "tofino.bin", 12),
-    "t2na": Chip("t2na", "p4-tofino2", "TOFINO2_OUT", "tofino2.bin", 20),
+    "tna": Chip("tna", "p4-tofino", "TOFINO_OUT", "tofino.bin", 12, tree=False),
+    "t2na": Chip("t2na", "p4-tofino2", "TOFINO2_OUT", "tofino2.bin", 20, tree=True),
 }
 
 
@@ -126,13 +129,34 @@ SHARED_CONST_TABLES = ("PassingIngress.worker_bit",)
 SHARED_CONST_ACTIONS = ("PassingIngress.set_worker_bit",)
 
 
-def controller_names() -> tuple[list[str], list[str], list[str]]:
-    from passing_controller import admission, aggregator_address, counters, l2_forward, result_rewrite
+def controller_names(tree: bool = False) -> tuple[list[str], list[str], list[str]]:
+    """The tables, actions and counters the controller writes or reads; with ``tree``, the tree roles' too
+    (controller tree_roles.py, counters.TREE)."""
+    from passing_controller import admission, aggregator_address, counters, l2_forward, result_rewrite, tree_roles
 
     tables = [admission.TABLE, result_rewrite.TABLE, l2_forward.TABLE, aggregator_address.TABLE, *SHARED_CONST_TABLES]
     actions = [admission.ACTION, result_rewrite.ACTION, l2_forward.FORWARD, l2_forward.FLOOD, "NoAction",
                *SHARED_CONST_ACTIONS]
-    return tables, actions, list(counters.NAMES)
+    names = list(counters.NAMES)
+    if tree:
+        tables += [tree_roles.ROLE_TABLE, tree_roles.UPLINK_TABLE, tree_roles.OWNER_TABLE]
+        actions += [tree_roles.LEAF, tree_roles.ROOT, tree_roles.FROM_UPLINK, tree_roles.OWNER_WORKER,
+                    tree_roles.OWNER_UP]
+        names += [f"PassingIngress.{n}" for n in counters.TREE]
+    return tables, actions, names
+
+
+def test_the_tree_names_are_the_controllers():
+    """The tree roles' names the P4Info tests hold every program to are those the controller writes and reads
+    (no compiler needed): tree_roles.COUNTERS is counters.TREE, and the v1model program declares each."""
+    from passing_controller import counters, tree_roles
+
+    assert tuple(tree_roles.COUNTERS) == tuple(counters.TREE)
+    source = (REPO / "p4" / "v1model" / "passing.p4").read_text()
+    tables, actions, names = controller_names(tree=True)
+    for name in (*tables[-3:], *actions[-5:], *names[-3:], *TREE_REGISTERS):
+        short = name.split(".", 1)[1]
+        assert re.search(rf"\b{short}\b", source), f"p4/v1model/passing.p4 has no {short}"
 
 
 def by_name(entities) -> dict:
@@ -143,7 +167,7 @@ def by_name(entities) -> dict:
 def test_tables_agree_on_keys(compiled):
     v1, tofino = (by_name(p.tables) for p in compiled[:2])
     program = compiled[3].program
-    tables, _, _ = controller_names()
+    tables, _, _ = controller_names(compiled[3].tree)
     for name in tables:
         assert name in v1 and name in tofino, f"table {name} missing: v1model {name in v1}, {program} {name in tofino}"
         keys = [[(m.name, m.bitwidth, m.match_type) for m in t.match_fields] for t in (v1[name], tofino[name])]
@@ -154,7 +178,7 @@ def test_tables_agree_on_keys(compiled):
 def test_actions_agree_on_parameters(compiled):
     v1, tofino = (by_name(p.actions) for p in compiled[:2])
     program = compiled[3].program
-    _, actions, _ = controller_names()
+    _, actions, _ = controller_names(compiled[3].tree)
     for name in actions:
         assert name in v1 and name in tofino, f"action {name} missing: v1model {name in v1}, {program} {name in tofino}"
         params = [[(q.name, q.bitwidth) for q in a.params] for a in (v1[name], tofino[name])]
@@ -165,11 +189,25 @@ def test_actions_agree_on_parameters(compiled):
 def test_counters_and_registers_exist_on_both(compiled):
     v1_counters, tofino_counters = (by_name(p.counters) for p in compiled[:2])
     program = compiled[3].program
-    _, _, counter_names = controller_names()
+    _, _, counter_names = controller_names(compiled[3].tree)
     for name in counter_names:
         assert name in v1_counters and name in tofino_counters, f"counter {name} missing ({program})"
         assert v1_counters[name].size == tofino_counters[name].size, (program, name)
     v1_registers, tofino_registers = (by_name(p.registers) for p in compiled[:2])
-    for name in SHARED_REGISTERS:
+    for name in SHARED_REGISTERS + (TREE_REGISTERS if compiled[3].tree else ()):
         assert name in v1_registers and name in tofino_registers, f"register {name} missing ({program})"
         assert v1_registers[name].size == tofino_registers[name].size, (program, name)
+
+
+@needs_compilers
+def test_tree_roles_only_where_the_chip_takes_them(compiled):
+    """A program without the roles must not have half of them: the controller configures a tree on a switch
+    whose P4Info has tree_role (tree_switch.supported), which then needs every table, action and counter."""
+    from passing_controller import tree_roles
+
+    tofino, chip = compiled[1], compiled[3]
+    tables = by_name(tofino.tables)
+    assert (tree_roles.ROLE_TABLE in tables) == chip.tree, chip.program
+    if not chip.tree:
+        tree_tables = {tree_roles.ROLE_TABLE, tree_roles.UPLINK_TABLE, tree_roles.OWNER_TABLE}
+        assert not tree_tables & set(tables), (chip.program, tree_tables & set(tables))

@@ -13,7 +13,7 @@ INGRESS = ("received", "rejected", "aggregated", "completed", "duplicate", "dupl
 EGRESS = ("results_sent",)
 NAMES = tuple(f"PassingIngress.{n}" for n in (*INGRESS, "malformed")) + tuple(f"PassingEgress.{n}" for n in EGRESS)
 # the tree roles' counters (docs/protocol.md, "Trees across racks"): read where the program has them (the
-# v1model program; the Tofino programs take the roles in a later issue)
+# v1model and Tofino 2 programs; the Tofino 1 program takes no roles)
 TREE = ("sent_up", "answered", "late_answer")
 
 
