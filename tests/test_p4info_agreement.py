@@ -41,6 +41,15 @@ def test_every_scenario_is_traced_through_tna():
     assert not missing, f"docs/tofino.md traces no TNA path for {missing}"
 
 
+def test_every_tree_scenario_is_traced_through_t2na():
+    from tests.conformance.tree_scenarios import TREE_SCENARIOS
+
+    doc = (REPO / "docs" / "tofino.md").read_text()
+    traced = set(re.findall(r"^\| `(\w+)` \|", doc, re.M))
+    missing = [s.name for s in TREE_SCENARIOS if s.name not in traced]
+    assert not missing, f"docs/tofino.md traces no Tofino 2 path for {missing}"
+
+
 def load(path: Path):
     from google.protobuf import text_format
     from p4.config.v1 import p4info_pb2

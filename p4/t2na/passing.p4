@@ -13,6 +13,10 @@
  *   - the owner of an OWNER_ONLY DATA is checked against the job's workers in the table that
  *     runs round_check (stage 1), so the check costs no stage: one whose owner is not a
  *     worker is rejected and touches no register.
+ *   - the tree roles (docs/protocol.md, "Trees across racks"; docs/tofino.md, "The tree roles"):
+ *     a job is a leaf or a root by the entries of tree_role, uplink and owner_map, with the
+ *     v1model program's names (p4/include/tofino_tree*.p4); their lookups take stages 0 to 2,
+ *     so the round is decided in stages 3 to 6 and the lanes follow in 7 to 15.
  * A saturated lane is not flagged (one saturated word per lane, as on Tofino 1); the host
  * reads a SUM lane at an int32 bound as overflow.
  */
@@ -247,7 +251,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
 
     /* The RESULT keeps the round's OWNER_ONLY flag until the egress, which makes each replica
      * for a worker other than the owner an ACK and clears the flag (docs/protocol.md: a RESULT
-     * or ACK carries the round's OVERFLOW alone). */
+     * or ACK carries the round's OVERFLOW alone) but a root's (its answers keep it). */
     action complete_round() {
         hdr.passing.type = PASSING_TYPE_RESULT;
         hdr.passing.flags = meta.result_flags;
@@ -255,7 +259,8 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         hdr.bridged.result_multicast = 1;
     }
     /* a retransmission to a completed round: answer this worker alone (the egress swaps the
-     * addresses, and makes it an ACK if the round is OWNER_ONLY and the worker not its owner) */
+     * addresses, and makes it an ACK if the round is OWNER_ONLY and the worker not its owner, or
+     * for a tree job if the ingress said so: tree.ack) */
     action answer_sender() {
         hdr.passing.type = PASSING_TYPE_RESULT;
         hdr.passing.flags = meta.result_flags;
