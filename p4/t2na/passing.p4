@@ -349,7 +349,10 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
             if (hdr.passing.slot[15:PASSING_SLOT_BITS] == 0) {
                 slot_in_table = true;
             }
-            if (hdr.passing.version == PASSING_VERSION && (is_answer || is_gather || is_nack)) {
+            /* on the header's fields, not the flags above: a gateway in stage 0 reads no action's result */
+            if (hdr.passing.version == PASSING_VERSION
+                    && (hdr.passing.type == PASSING_TYPE_RESULT || hdr.passing.type == PASSING_TYPE_ACK
+                        || hdr.passing.type == PASSING_TYPE_GATHER || hdr.passing.type == PASSING_TYPE_NACK)) {
                 if (uplink.apply().hit) {
                     from_up = true;
                 }
@@ -361,14 +364,9 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
          * port (a leaf job and its root job may have one id: a server's own GATHER carries it too, and
          * takes the flat path) */
         bool down = false;
-        if (from_up) {
-            if (is_answer) {
-                down = true;
-            } else if (ig_intr_md.ingress_port == meta.up_port) {
-                down = true;
-            }
-        }
-        if (down) {
+        if (from_up && (hdr.passing.type == PASSING_TYPE_RESULT || hdr.passing.type == PASSING_TYPE_ACK
+                        || ig_intr_md.ingress_port == meta.up_port)) {
+            down = true;
             meta.map_job = meta.leaf_job;
             meta.job_index = (bit<32>)(meta.leaf_job & (PASSING_MAX_JOBS - 1));
             meta.tree.tree = 1;
