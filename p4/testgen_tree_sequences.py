@@ -312,6 +312,7 @@ def run_tree_sequence(program: Program, name: str, roles: tuple[Role, ...], even
 
 
 def _pinned_run(program: Program, variant: str, pins: str, lanes: int, log: list[str]) -> dict:
+    """The pinned packet's path with the controller's entries (the most hits: every hit is pinned to one)."""
     with tempfile.TemporaryDirectory(prefix="passing-pin-") as d:
         (Path(d) / PIN_FILE).write_text(pins)
         (Path(d) / "passing.p4").write_text(variant)
@@ -319,13 +320,20 @@ def _pinned_run(program: Program, variant: str, pins: str, lanes: int, log: list
         tests, meta = run_p4testgen(program, run, 64, 1, {"PASSING_LANES": lanes}, [f"-I{d}"], None,
                                     Path(d) / "passing.p4", coverage=False, traces=True)
     log.append(f"{meta['seconds']} s {len(tests)} paths")
-    hits = [sum(not e.get("default") for e in t["tables"]) for t in tests]
     if not tests:
         raise SystemExit(f"no path of the pinned packet: {pins.splitlines()[0]}")
-    best = max(hits)
-    if hits.count(best) != 1:
-        raise SystemExit(f"{hits.count(best)} paths hit {best} tables: the pins leave a choice")
-    return tests[hits.index(best)]
+    hits = [sum(not e.get("default") for e in t["tables"]) for t in tests]
+    best = [t for t, n in zip(tests, hits) if n == max(hits)]
+    shortest = min(len(t["input"]["packet"]) for t in best)  # P4Testgen may append bytes after the headers
+    best = [t for t in best if len(t["input"]["packet"]) == shortest]
+    # paths that differ in what the pins do not fix (P4Testgen's choices outside the tables and the input) must
+    # agree on what the vector keeps: the entries, the output and the writes
+    kept = {repr((sorted(repr(e) for e in t["tables"]), t["expect"], writes_of_trace(t["trace"], lanes)))
+            for t in best}
+    if len(kept) != 1:
+        raise SystemExit(f"{len(best)} paths hit {max(hits)} tables and differ: the pins leave a choice\n"
+                         + "\n".join(sorted(kept)))
+    return best[0]
 
 
 __all__ = ["TREE_SEQUENCES", "Down", "Role", "Up", "frame", "pin_source", "pinned_program", "run_tree_sequence",

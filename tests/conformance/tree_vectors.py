@@ -29,7 +29,7 @@ import numpy as np
 from passing import wire
 from passing.aggregator import engine as reference
 from passing.aggregator.engine import ConfigError, JobSpec, Uplink
-from passing.aggregator.jobs import UP
+from passing.aggregator.jobs import NOT_OWNER, OWNERS, UP
 
 from . import vector_tool
 
@@ -99,12 +99,12 @@ def owner_map(vector: dict, job: int, role: str, workers: int) -> list[int] | No
     reference's ``JobSpec.owners``; None for a flat job (the identity: a flat job's map has no entries)."""
     if role == "flat":
         return None
-    owners = [reference.jobs.NOT_OWNER] * reference.jobs.OWNERS
+    owners = [NOT_OWNER] * OWNERS
     for entry in vector["tables"]:
         if _name(entry) != "owner_map" or entry.get("default") or _key(entry, "job") != job:
             continue
         owner, action = _key(entry, "owner"), _action(entry)
-        if owner >= reference.jobs.OWNERS:
+        if owner >= OWNERS:
             raise Outside(f"owner_map of job {job}: owner {owner} past the wire's 7 bits")
         if action == "owner_up":
             if role != "leaf":
@@ -228,14 +228,14 @@ def answer_frame(raw: bytes, datagram: bytes) -> bytes:
     frame = bytearray(raw)
     frame[0:6], frame[6:12] = raw[6:12], raw[0:6]
     frame[ETH + 12:ETH + 16], frame[ETH + 16:ETH + 20] = raw[ETH + 16:ETH + 20], raw[ETH + 12:ETH + 16]
-    frame[at:at + 4] = raw[at + 2:at + 4] + struct.pack(">H", wire.UDP_PORT)
+    frame[at:at + 4] = struct.pack(">H", wire.UDP_PORT) + raw[at:at + 2]
     frame[at + 6:at + 8] = b"\0\0"
-    whole = len(raw) - at - UDP
+    total, length = struct.unpack_from(">H", raw, ETH + 2)[0], struct.unpack_from(">H", raw, at + 4)[0]
+    whole = length - UDP  # the datagram's PASSING header and lanes (what follows them stays as it came)
     frame[at + UDP:at + UDP + len(datagram)] = datagram
     if len(datagram) < whole:  # an ACK: the lanes go, and the lengths with them
         cut = whole - len(datagram)
         del frame[at + UDP + len(datagram):at + UDP + whole]
-        total, length = struct.unpack_from(">H", raw, ETH + 2)[0], struct.unpack_from(">H", raw, at + 4)[0]
         frame[ETH + 2:ETH + 4] = struct.pack(">H", total - cut)
         frame[at + 4:at + 6] = struct.pack(">H", length - cut)
     return _checksummed(frame)
