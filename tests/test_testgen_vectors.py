@@ -331,8 +331,6 @@ def test_a_tree_sequence_that_writes_what_the_reference_does_not_is_a_divergence
 
 # The engine's mutants no vector can see, and why (docs/tofino.md lists them with the same words).
 ENGINE_SURVIVORS = {
-    "OWNER_ONLY answers everyone with the sums": "Tofino 1 sends every replica the RESULT by design; no model runs "
-                                                 "the v1model egress that makes ACKs",
     "a GATHER relayed back to its sender too": "which replicas leave is the egress's; neither model replicates",
 }
 
