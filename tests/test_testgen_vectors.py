@@ -49,7 +49,8 @@ T2NA_STALE = pytest.mark.xfail(strict=True, reason="p4/t2na/testgen.json predate
                                                    "\"The tree roles\"): regenerate with a tofino2 P4Testgen")
 
 
-@pytest.mark.parametrize("program", [TNA, pytest.param(T2NA, marks=T2NA_STALE), V1MODEL, V1MODEL_TREE], ids=lambda p: p.name)
+@pytest.mark.parametrize("program", [TNA, pytest.param(T2NA, marks=T2NA_STALE), V1MODEL, V1MODEL_TREE],
+                         ids=lambda p: p.name)
 def test_the_vectors_are_those_of_the_program_as_it_is(program):
     assert tool.stale(program) is None, tool.stale(program)
 
