@@ -36,6 +36,7 @@ int pn_udp_init(pn_udp *u, int fd, uint32_t packet_size, uint32_t batch, int gso
     u->fd = fd;
     u->packet_size = packet_size;
     u->gso = gso ? 1 : 0;
+    u->max_segments = PN_UDP_MAX_SEGMENTS;
     u->batch = batch;
     /* A buffer holds a whole GRO-coalesced datagram (up to 64 KiB) as packet rows. */
     u->msg_bytes = (65536 / packet_size + 2) * packet_size;
@@ -201,7 +202,7 @@ int pn_udp_wait(pn_udp *u, int timeout_ms, int extra_fd) {
 static uint32_t build_messages(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n,
                                uint32_t size, uint32_t *packets_in) {
     uint32_t max_segments = u->gso ? PN_UDP_GSO_MAX_BYTES / size : 1;
-    if (max_segments > PN_UDP_MAX_SEGMENTS) max_segments = PN_UDP_MAX_SEGMENTS;
+    if (max_segments > u->max_segments) max_segments = u->max_segments;
     if (max_segments == 0) max_segments = 1;
     uint32_t m = 0;
     for (uint32_t i = 0; i < n;) {
@@ -335,6 +336,12 @@ static int send_socket(pn_udp *u, const uint8_t *const *packet, const int64_t *d
             if (err == EAGAIN || err == EWOULDBLOCK || err == ENOBUFS) {
                 int w = wait_writable(u->fd, timeout_ms);
                 if (w < 0) return w;
+            } else if (err == EINVAL && h->msg_controllen > 0 && h->msg_iovlen > PN_UDP_OLD_MAX_SEGMENTS &&
+                       u->max_segments > PN_UDP_OLD_MAX_SEGMENTS) {
+                /* a kernel older than 6.9 takes at most 64 segments a message: the rest of the send, and every
+                 * later one, is cut into messages of 64 (nothing of this message left) */
+                u->max_segments = PN_UDP_OLD_MAX_SEGMENTS;
+                break;
             } else if ((err == EIO || err == EINVAL || err == EMSGSIZE) && h->msg_controllen > 0) {
                 /* the kernel refused this one GSO message: a path that cannot segment (EIO), an
                  * MTU below the segment size (EMSGSIZE), a destination it refuses anyway, such as
