@@ -89,8 +89,11 @@ static inline void pn_header_encode(uint8_t *p, const pn_header *h) {
 PN_API size_t pn_packet_size(uint32_t lanes);
 /* The lane loops of the engine and the stream are written so that the compiler vectorizes
  * them; byte swaps need SSSE3, which x86-64's baseline lacks, so on x86-64 they are also
- * built for AVX2 and the loader picks the variant the CPU runs. */
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
+ * built for AVX2 and, with GCC 12 on, for AVX-512 (x86-64-v4: a 64-lane packet is four
+ * vectors), and the loader picks the variant the CPU runs. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__linux__)
+#define PN_LANE_LOOP __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#elif defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
 #define PN_LANE_LOOP __attribute__((target_clones("avx2", "default")))
 #else
 #define PN_LANE_LOOP
