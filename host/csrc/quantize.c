@@ -82,35 +82,40 @@ PN_LANE_LOOP uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only)
     return most > 0x7F800000u ? 0x7FC00000u : most;
 }
 
+/* The bound is told from the lanes' least and greatest values (two vector instructions a vector, where testing
+ * each lane for either bound takes four). */
 PN_LANE_LOOP int pn_read_result(const uint8_t *restrict packet, uint32_t n, uint32_t lanes, int kind,
                                 const pn_scale *s, void *restrict out) {
-    int32_t bound = 0;
+    int32_t least = 0, most = 0;
     if (kind == PN_IN_I32) {
         int32_t *o = out;
         for (uint32_t i = 0; i < n; i++) {
             int32_t v = pn_lane_get(packet, i);
-            bound |= -((v == INT32_MAX) | (v == INT32_MIN));
+            least = v < least ? v : least;
+            most = v > most ? v : most;
             o[i] = v;
         }
     } else if (s->f32) {
         float *o = out;
         for (uint32_t i = 0; i < n; i++) {
             int32_t v = pn_lane_get(packet, i);
-            bound |= -((v == INT32_MAX) | (v == INT32_MIN));
+            least = v < least ? v : least;
+            most = v > most ? v : most;
             o[i] = (float)v * s->inverse;
         }
     } else {
         float *o = out;
         for (uint32_t i = 0; i < n; i++) {
             int32_t v = pn_lane_get(packet, i);
-            bound |= -((v == INT32_MAX) | (v == INT32_MIN));
+            least = v < least ? v : least;
+            most = v > most ? v : most;
             o[i] = (float)((double)v / s->scale);
         }
     }
     for (uint32_t i = n; i < lanes; i++) { /* the last packet's padding: read for the bound alone */
         int32_t v = pn_lane_get(packet, i);
-        bound |= -((v == INT32_MAX) | (v == INT32_MIN));
+        least = v < least ? v : least;
+        most = v > most ? v : most;
     }
-    return bound != 0;
+    return least == INT32_MIN || most == INT32_MAX;
 }
-
