@@ -49,11 +49,8 @@ typedef struct {
     double first_sent, last_sent;
     uint64_t xmit;     /* order of its latest transmission among the call's (ties of time broken) */
     uint32_t retries;  /* transmissions after the first */
-    uint32_t prev, next; /* in flight: its neighbours in transmission (xmit) order, NONE at the ends */
     uint8_t inflight;
 } window_slot;
-
-#define NONE UINT32_MAX
 
 typedef struct {
     uint32_t pool;
@@ -69,8 +66,6 @@ typedef struct {
     int64_t aggregator;
     uint8_t *packets;          /* pool packets */
     window_slot *slots;
-    uint32_t head, tail;       /* the in-flight slots in xmit order: the earliest-transmitted, the latest */
-    double first_bound;        /* no packet in flight was first sent before this (new ones only come later) */
     pn_scale scale;            /* float32 input: the shard's */
 } shard_state;
 
@@ -84,24 +79,6 @@ typedef struct {
     uint64_t xmit;                /* transmissions so far */
     pn_send_queue sends;
 } stream_state;
-
-/* The in-flight list: RACK's candidates are its front (transmitted before the latest answered packet), so the
- * timers need not look at the whole window while nothing is overdue. */
-static void list_append(shard_state *s, uint32_t i) {
-    s->slots[i].prev = s->tail;
-    s->slots[i].next = NONE;
-    if (s->tail != NONE) s->slots[s->tail].next = i;
-    else s->head = i;
-    s->tail = i;
-}
-
-static void list_remove(shard_state *s, uint32_t i) {
-    window_slot *w = &s->slots[i];
-    if (w->prev != NONE) s->slots[w->prev].next = w->next;
-    else s->head = w->next;
-    if (w->next != NONE) s->slots[w->next].prev = w->prev;
-    else s->tail = w->prev;
-}
 
 static int flush_sends(stream_state *st) {
     return pn_send_queue_flush(&st->sends, &st->udp, st->packet_size, st->c->drop, st->c->rng, st->r);
@@ -167,7 +144,6 @@ static void send_first(stream_state *st, shard_state *s, uint64_t offset, uint32
     s->last_activity = now;
     window_slot *w = &s->slots[index];
     *w = (window_slot){.offset = offset, .xmit = ++st->xmit, .first_sent = now, .last_sent = now, .inflight = 1};
-    list_append(s, index);
     pn_send_queue_add(&st->sends, build_packet(st, s, (uint32_t)offset, index), s->aggregator);
 }
 
@@ -179,8 +155,6 @@ static void retransmit(stream_state *st, shard_state *s, window_slot *w, double 
     w->retries++;
     w->last_sent = now;
     w->xmit = ++st->xmit;
-    list_remove(s, (uint32_t)(w - s->slots));
-    list_append(s, (uint32_t)(w - s->slots));
     s->last_activity = now;
     st->r->retransmissions++;
     if (early) st->r->early_retransmissions++;
@@ -220,7 +194,6 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
         window_slot *w = &s->slots[index];
         if (!w->inflight || w->offset != offset) return 0; /* answered already */
         w->inflight = 0;
-        list_remove(s, index);
         /* answered right after a resend: the resend was (most likely) needed, evidence of loss */
         if (w->retries > 0 && now - w->last_sent <= pn_probe_timeout(&st->rec)) st->rec.last_loss = now;
         s->done++;
@@ -259,27 +232,11 @@ static int check_timers(stream_state *st, double now, double *next_deadline) {
         if (s->done == s->sent) continue; /* nothing in flight */
         double allowance = s->rack_rtt * REORDER_FRACTION;
         double overdue = s->rack_rtt + (allowance > REORDER_MIN_S ? allowance : REORDER_MIN_S);
-        double pto = pn_probe_wait(&st->rec, now, s->probes);
-        if (now - s->first_bound <= c->timeout && now < s->last_activity + pto) {
-            /* no packet can have timed out, and no probe is due: only RACK's candidates, the list's front, matter
-             * (what the scan below would find; a resend goes to the list's end, after the candidates) */
-            for (uint32_t i = s->head; i != NONE && s->slots[i].xmit < s->rack_xmit;) {
-                window_slot *w = &s->slots[i];
-                i = w->next;
-                if (now >= w->last_sent + overdue) retransmit(st, s, w, now, 1);
-                if (w->last_sent + overdue < next) next = w->last_sent + overdue;
-            }
-            double probe_at = s->last_activity + pn_probe_wait(&st->rec, now, s->probes);
-            if (probe_at < next) next = probe_at;
-            continue;
-        }
-        s->first_bound = now;
         window_slot *latest = NULL; /* the in-flight packet transmitted last */
         window_slot *oldest = NULL; /* and the one out the longest (lowest offset) */
         for (uint32_t i = 0; i < s->pool; i++) {
             window_slot *w = &s->slots[i];
             if (!w->inflight) continue;
-            if (w->first_sent < s->first_bound) s->first_bound = w->first_sent;
             if (now - w->first_sent > c->timeout) {
                 st->r->error_shard = k;
                 st->r->error_psn = (uint32_t)(s->base + w->offset);
@@ -299,7 +256,7 @@ static int check_timers(stream_state *st, double now, double *next_deadline) {
          * ever be answered (the peers cannot send past it), so only resending it unblocks them.
          * The latest one's answer lets RACK judge the ones before it. A peer that is only slow
          * makes a shard silent too: each unanswered probe doubles the wait. */
-        pto = pn_probe_wait(&st->rec, now, s->probes);
+        double pto = pn_probe_wait(&st->rec, now, s->probes);
         double probe_at = s->last_activity + pto;
         if (latest && now >= probe_at) {
             if (oldest != latest) retransmit(st, s, oldest, now, 0);
@@ -368,7 +325,6 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
         s->count = c->count[k];
         s->base = c->next_psn[k];
         s->aggregator = c->aggregator[k];
-        s->head = s->tail = NONE;
         s->base_round = s->base / s->pool;
         s->base_slot = (uint32_t)(s->base % s->pool);
         if (c->kind == PN_IN_F32) s->scale = pn_scale_of(c->scale[k]);
@@ -395,7 +351,6 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     for (uint32_t k = 0; k < c->shards; k++) {
         shard_state *s = &st.shards[k];
         remaining += s->count;
-        s->first_bound = now;
         for (uint32_t i = 0; i < s->pool; i++) send_first(&st, s, i, i, now);
     }
     rc = flush_sends(&st);
