@@ -101,16 +101,6 @@ int pn_send_queue_flush(pn_send_queue *q, pn_udp *udp, size_t packet_size, doubl
 
 /* ---- loss recovery's estimates and waits ------------------------------------------------------------------ */
 
-void pn_smooth(pn_recovery *rec, double sample) {
-    if (rec->srtt < 0) {
-        rec->srtt = sample;
-        rec->rttvar = sample / 2;
-        return;
-    }
-    rec->rttvar = 0.75 * rec->rttvar + 0.25 * fabs(rec->srtt - sample);
-    rec->srtt = 0.875 * rec->srtt + 0.125 * sample;
-}
-
 double pn_probe_timeout(const pn_recovery *rec) {
     double pto = rec->srtt < 0 ? rec->rto_min : 2.0 * rec->srtt;
     return pto > PROBE_MIN_S ? pto : PROBE_MIN_S;
