@@ -31,9 +31,10 @@ def sh(*args: str) -> None:
 
 class ManagementNetwork:
     """A bridge in the root namespace (where the controller runs) and a veth from it into each
-    namespaced host; host routes put the controller and the PS on it."""
+    namespaced host; host routes put the controller and the ``servers`` (the PSs) on it: a server
+    reaches every other host over it, any other host the controller and the servers."""
 
-    def __init__(self, network, hosts: list[str]) -> None:
+    def __init__(self, network, hosts: list[str], servers: tuple[str, ...] = ("ps",)) -> None:
         self.links: list[str] = []
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
         sh("ip", "link", "add", BRIDGE, "type", "bridge")
@@ -49,7 +50,8 @@ class ManagementNetwork:
             sh("ip", "link", "set", inside, "netns", str(node.pid))
             node.cmd(f"ip link set {inside} name mgmt0 && ip link set mgmt0 up")
             node.cmd("sysctl -qw net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.mgmt0.rp_filter=0")
-            peers = [CTL_IP] + ([a for o, a in addresses.items() if o != h] if h == "ps" else [PS_IP])
+            others = [a for o, a in addresses.items() if o != h and (h in servers or o in servers)]
+            peers = [CTL_IP] + others
             for ip in peers:
                 node.cmd(f"ip route replace {ip}/32 dev mgmt0")
         for ip in addresses.values():  # the controller's side
