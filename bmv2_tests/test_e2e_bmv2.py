@@ -39,10 +39,9 @@ def network():
 
 @pytest.fixture(scope="module")
 def ps(network):
-    proc = network.net.get("ps").popen(
-        [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", "10.0.0.100:9877",
-         "--control", "tcp://10.0.0.100:9878"], stdout=subprocess.PIPE, text=True)
-    assert json.loads(proc.stdout.readline())["event"] == "ready"
+    from .network import start_ps
+
+    proc = start_ps(network.net.get("ps"), "10.0.0.100")
     yield proc
     proc.terminate()
     proc.wait(10)

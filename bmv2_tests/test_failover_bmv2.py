@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from .network import REPO
+from .network import REPO, start_ps
 from .test_e2e_bmv2 import CONTROLLER, ControllerProcess, expected
 
 HOSTS = 2
@@ -79,10 +79,7 @@ def network():
 
 @pytest.mark.timeout(600)
 def test_switch_killed_mid_job_moves_the_group_to_the_ps(network, pipeline, tmp_path):
-    ps = network.net.get("ps").popen(
-        [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", f"{PS_IP}:9877",
-         "--control", f"tcp://{PS_IP}:9878"], stdout=subprocess.PIPE, text=True)
-    assert json.loads(ps.stdout.readline())["event"] == "ready"
+    ps = start_ps(network.net.get("ps"), PS_IP)
     controller = ControllerProcess(network, pipeline, tmp_path)
     try:
         assert controller.start()["switch"] == "connected"

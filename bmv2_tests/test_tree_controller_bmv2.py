@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .network import REPO
+from .network import REPO, start_ps
 from .test_e2e_bmv2 import CONTROLLER, ControllerProcess, expected, finish, run_workers
 
 pytestmark = pytest.mark.slow  # three BMv2 switches or a controller's tree: make test-all's (~1 min each file)
@@ -47,11 +47,7 @@ def tree_services(network, pipeline, tmp: Path) -> Iterator[ControllerProcess]:
     procs = []
     try:
         for host, ip in PS.items():
-            proc = network.net.get(host).popen(
-                [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", f"{ip}:9877", "--control",
-                 f"tcp://{ip}:9878"], stdout=subprocess.PIPE, text=True)
-            procs.append(proc)
-            assert json.loads(proc.stdout.readline())["event"] == "ready"
+            procs.append(start_ps(network.net.get(host), ip))
         c = ControllerProcess(network, pipeline, tmp)
         topo = json.loads(c.topology.read_text())
         topo["ps"] = [{"data": f"{ip}:9877", "control": f"tcp://{ip}:9878"} for ip in PS.values()]

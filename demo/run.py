@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bmv2_tests.network import Bmv2Network, compile_p4, missing_requirements  # noqa: E402
+from bmv2_tests.network import Bmv2Network, compile_p4, missing_requirements, start_ps  # noqa: E402
 from cluster import netns  # noqa: E402
 from cluster.local import LocalServices, ensure_keys, launch_ranks, start_controller  # noqa: E402
 
@@ -143,10 +143,7 @@ def on_bmv2(tree: bool) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="passing-demo-") as tmp:
             for host, ip in ps_hosts.items():
-                services.append(net.net.get(host).popen(
-                    [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", f"{ip}:9877", "--control",
-                     f"tcp://{ip}:9878"], stdout=subprocess.PIPE, text=True))
-                services[-1].stdout.readline()
+                services.append(start_ps(net.net.get(host), ip))
             topo = {**net.topology(),
                     "ps": [{"data": f"{ip}:9877", "control": f"tcp://{ip}:9878"} for ip in ps_hosts.values()]}
             if tree:
