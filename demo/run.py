@@ -173,20 +173,30 @@ def on_bmv2(tree: bool) -> int:
         net.stop()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", action="store_true",
                         help="on BMv2: a tree across two racks, the switch as one rack's leaf (needs BMv2)")
-    args = parser.parse_args()
+    parser.add_argument("--on", choices=("auto", "bmv2", "namespaces", "loopback"), default="auto",
+                        help="where to run: the best this machine has (auto), or that one")
+    args = parser.parse_args(argv)
     missing = missing_requirements()
-    if args.tree and missing:
-        print(f"demo: --tree needs BMv2 in Mininet: {missing}", file=sys.stderr)
+    if (args.tree or args.on == "bmv2") and missing:
+        print(f"demo: BMv2 in Mininet is needed: {missing}", file=sys.stderr)
         return 2
-    if not missing:
+    if args.tree and args.on not in ("auto", "bmv2"):
+        print("demo: --tree runs on BMv2 only", file=sys.stderr)
+        return 2
+    if args.on in ("auto", "bmv2") and not missing:
         return on_bmv2(args.tree)
     why_not_netns = netns.available()
-    if not why_not_netns:
-        return on_namespaces(f"no BMv2: {missing}")
+    if args.on == "namespaces" and why_not_netns:
+        print(f"demo: network namespaces are needed: {why_not_netns}", file=sys.stderr)
+        return 2
+    if args.on in ("auto", "namespaces") and not why_not_netns:
+        return on_namespaces(f"no BMv2: {missing}" if args.on == "auto" else "asked for")
+    if args.on == "loopback":
+        return on_loopback("asked for")
     return on_loopback(f"no BMv2: {missing}; no namespaces: {why_not_netns}")
 
 
