@@ -44,7 +44,8 @@ class Readout:
                 "jobs": [{"job": r.job_name, "group": r.group, "job_id": r.job_id, "mode": r.mode, "base": r.base,
                           "pool": r.pool, "generation": r.generation, "workers": len(r.workers),
                           "aggregator": r.aggregator["data"], "lanes": r.lanes(self.topo.lanes),
-                          **({"tree": r.aggregator["tree"]} if r.mode == "tree" else {})}
+                          **({"tree": r.aggregator["tree"]} if r.mode == "tree" else {}),
+                          **({"stripes": r.stripes} if r.stripes else {})}
                          for r in self._running_records()],
                 "pending": [{"job": k[0], "group": k[1], "joined": sorted(p.members), "workers": p.workers}
                             for k, p in s.pending.items()],
