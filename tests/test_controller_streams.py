@@ -125,6 +125,11 @@ def test_each_stream_is_a_job_at_the_aggregator_while_the_group_runs(one_ps, tmp
             ps_jobs = ControlClient(ready["control"]).request("stats")["jobs"]
             assert sorted(ps_jobs) == sorted(str(i) for i in [answer["job_id"]] + [j for j, _ in
                                                                                    answer["stream_jobs"]])
+            # a restarted controller has them from its store: the streams' slots and job ids stay taken
+            running.stop()
+            running = Running(ps_topology(ready), tmp_path / "ctl.sqlite")
+            (again,) = running.ctl.status()["jobs"]
+            assert again["stripes"] == job["stripes"]
             # a later group's job ids are none of these
             other = join(running.endpoint, "other", 0, 1, host="127.0.0.1", udp_port=socks[0].address[1] + 10,
                          secret=secret, timeout=10)
