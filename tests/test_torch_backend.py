@@ -57,6 +57,7 @@ def test_all_reduce_equals_gloo_within_the_scale_bound(services, servers, ranks)
                 assert c["identical_to_gloo"], c
 
 
+@pytest.mark.slow  # 4 s of four rank processes (make test-all)
 @pytest.mark.timeout(300)
 def test_all_reduce_over_two_streams_equals_gloo_within_the_scale_bound(services):
     """PASSING_STREAMS=2: each rank's group striped over two streams, a job each at the controller's PS."""
