@@ -76,7 +76,7 @@ def test_striped_streams_under_loss():
         assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-def test_streams_need_the_native_engine_and_no_failover():
+def test_streams_need_the_native_engine_and_a_job_per_stream():
     (port,) = free_udp_ports(1)
     with pytest.raises(ValueError, match="streams=2"):
         Group(1, 0, 1, ["127.0.0.1:9"], bind=f"127.0.0.1:{port}", engine="numpy", streams=2)
