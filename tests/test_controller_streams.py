@@ -190,19 +190,28 @@ def test_the_store_never_hands_out_a_streams_job_id_in_use(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_striped_group_moves_with_every_stream_and_every_result_is_exact(two_ps, tmp_path):
+@pytest.mark.parametrize("streams,size,delay", [(2, 20_000, None),
+                                                pytest.param(3, 200_000, 0.02, marks=pytest.mark.slow)])
+def test_a_striped_group_moves_with_every_stream_and_every_result_is_exact(two_ps, tmp_path, streams, size, delay):
+    """The PS that serves every stream is SIGKILLed as worker 0 begins its call 4 (``delay`` None), or shortly
+    after, while the streams' threads are on the wire: the group moves once, with every stream, and every
+    result is exact whenever the kill lands."""
     (p0, r0), (p1, r1) = two_ps
     running = Running(ps_topology(r0, r1), tmp_path / "ctl.sqlite", check_timeout=CHECK)
     try:
-        data = inputs(calls=12, workers=WORKERS, size=20_000)
-        first = {}
+        data = inputs(calls=8, workers=WORKERS, size=size)
 
         def kill_at_call_4(w: int, k: int, g: Group) -> None:
-            if w == 0 and k == 4:  # the PS that serves every stream, SIGKILLed between two calls of worker 0
-                first["port"] = g.aggregators[0].port
-                os.kill((p0 if r0["data"].endswith(f":{first['port']}") else p1).pid, signal.SIGKILL)
+            if w == 0 and k == 4:
+                port = g.aggregators[0].port
+                pid = (p0 if r0["data"].endswith(f":{port}") else p1).pid
+                if delay is None:
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    threading.Timer(delay, os.kill, (pid, signal.SIGKILL)).start()
 
-        outcomes = striped_run(running.endpoint, "moved", 2, failover=True, data=data, on_call=kill_at_call_4)
+        outcomes = striped_run(running.endpoint, f"moved{streams}", streams, failover=True, data=data,
+                               on_call=kill_at_call_4)
         assert_exact(data, outcomes)
         assert all(moves == 1 for _, _, moves in outcomes)
     finally:
