@@ -108,13 +108,18 @@ def bind_streams(host: str, streams: int, lanes: int = wire.DEFAULT_LANES, tries
 def sized(sockets: list[BatchSocket], lanes: int) -> list[BatchSocket]:
     """``sockets`` for packets of ``lanes`` (an answer's): each one of another size closed and bound again at its
     port (stream s at the port the controller admitted it from)."""
-    out = []
-    for sock in sockets:
-        if sock.dtype != wire.packet_dtype(lanes):
-            address = sock.address
+    out: list[BatchSocket] = []
+    try:
+        for sock in sockets:
+            if sock.dtype != wire.packet_dtype(lanes):
+                address = sock.address
+                sock.close()
+                sock = BatchSocket(address, lanes=lanes)
+            out.append(sock)
+    except BaseException:  # none is left open: the caller closes ``sockets`` only
+        for sock in out:
             sock.close()
-            sock = BatchSocket(address, lanes=lanes)
-        out.append(sock)
+        raise
     return out
 
 
