@@ -242,7 +242,7 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     if args.out:
         np.save(args.out, out)
     report = {"worker": args.worker, "mode": mode, "engine": group.engine, "io": group.io_path,
-              "io_reason": group.io_reason, "elements": args.size, "seconds": elapsed,
+              "io_reason": group.io_reason, "streams": group.streams, "elements": args.size, "seconds": elapsed,
               "gbit_per_s": args.size * 4 * 8 / elapsed / 1e9, "ok": True, "moves": group.moves, "calls": calls,
               **stats}
     if not args.no_check:
