@@ -144,7 +144,7 @@ def test_each_stream_is_a_job_at_the_aggregator_while_the_group_runs(one_ps, tmp
 @pytest.mark.timeout(60)
 def test_bad_stream_counts_are_refused(one_ps, tmp_path):
     ((_, ready),) = one_ps
-    running = Running(ps_topology(ready), tmp_path / "ctl.sqlite", join_timeout=2.0)
+    running = Running(ps_topology(ready), tmp_path / "ctl.sqlite")
     secret = new_job_secret()
 
     def ask(job: str, **fields) -> str:
@@ -164,15 +164,26 @@ def test_bad_stream_counts_are_refused(one_ps, tmp_path):
                     timeout=10)
         assert "(2 streams of 2048 slots)" in ask("e", streams=2, pool=2048)
         assert ControlClient(ready["control"]).request("stats")["jobs"].keys() == {str(held["job_id"])}
-        # the workers of one group must agree
-        waiting = threading.Thread(target=run_threads, args=(lambda _: join(
-            running.endpoint, "f", 1, 2, host="127.0.0.1", udp_port=20010, secret=secret, streams=2, timeout=5), 1))
+        # the workers of one group must agree: a worker asking for other streams than the first joiner is refused,
+        # and the group still forms with the right ones
+        answers: dict[int, dict] = {}
+
+        def first_joiner() -> None:
+            answers[1] = join(running.endpoint, "f", 1, 2, host="127.0.0.1", udp_port=20010, secret=secret,
+                              streams=2, timeout=10)
+
+        waiting = threading.Thread(target=first_joiner)
         waiting.start()
         deadline = time.monotonic() + 10
         while not any(p["job"] == "f" for p in running.ctl.status()["pending"]) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert "job 'f' group 0 has 2 streams, not 3" in ask("f", streams=3, workers=2)
+        answers[0] = join(running.endpoint, "f", 0, 2, host="127.0.0.1", udp_port=20000, secret=secret, streams=2,
+                          timeout=10)
         waiting.join(10)
+        assert answers[0]["stream_jobs"] == answers[1]["stream_jobs"] and len(answers[0]["stream_jobs"]) == 1
+        for w in (0, 1):
+            leave(running.endpoint, "f", 0, w, answers[w]["token"])
     finally:
         running.stop()
 
