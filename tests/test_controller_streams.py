@@ -58,8 +58,8 @@ def striped_run(endpoint: str, job: str, streams: int, failover: bool = False, d
         socks = sized(socks, int(answer["lanes"]))  # the PS's packets
         line = Failover(endpoint, job, 0, w, answer["token"], after=AFTER, heartbeat=HEARTBEAT_SECONDS) \
             if failover else None
-        with Group.from_answer(answer, bind=socks[0], stream_sockets=socks[1:], engine="native", io="udp",
-                               timeout=60, failover=line) as g:
+        with Group.from_answer(answer, bind=socks[0], streams=streams, stream_sockets=socks[1:], engine="native",
+                               io="udp", timeout=60, failover=line) as g:
             assert g.streams == streams
             if data is None:
                 r = np.random.default_rng(w)

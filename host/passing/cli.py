@@ -216,7 +216,7 @@ def allreduce_main(argv: list[str] | None = None) -> int:
             mode, token = answer["mode"], str(answer["token"])
             line = (control.Failover(args.controller, args.job_name, args.group, args.worker, token,
                                      after=args.failover_after) if args.failover_after > 0 else None)
-            group = Group.from_answer(answer, bind=args.bind, failover=line, **options)
+            group = Group.from_answer(answer, bind=args.bind, failover=line, streams=args.streams, **options)
         else:
             group = Group(args.job, args.worker, args.workers, args.aggregator, pool=args.pool, lanes=args.lanes,
                           generation=args.generation, bind=args.bind, servers=args.servers, streams=args.streams,

@@ -305,7 +305,8 @@ class _Job:
             line = (control.Failover(str(o.controller), self.name, group, worker, str(answer["token"]),
                                      aggregator=aggregator, after=float(o.failover_after),
                                      keys=self.keys) if o.failover_after else None)
-            stream = Group.from_answer(answer, bind=socks[0], stream_sockets=socks[1:] or None, scale=o.scale,
+            stream = Group.from_answer(answer, bind=socks[0], streams=streams, stream_sockets=socks[1:] or None,
+                                       scale=o.scale,
                                        on_overflow=str(o.on_overflow), rto=float(o.rto), timeout=float(o.timeout),
                                        engine=str(o.engine), failover=line, io=str(o.io))
         except BaseException:
