@@ -70,7 +70,7 @@ def allreduce(sizes: list[int]) -> dict:
                                "identical_to_gloo": bool(torch.equal(mine, expected))})
     return {"checks": checks, "mode": pg.mode, "reason": pg.reason, "servers": servers,
             "ranks_per_server": pg.layout.ranks_per_server, "stream": pg.stream is not None,
-            "embedded": pg.embedded is not None,
+            "embedded": pg.embedded is not None, "streams": pg.stream.streams if pg.stream else None,
             "in_host": type(pg.in_host["cpu"]).__name__ if pg.in_host else None}
 
 
