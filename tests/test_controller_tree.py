@@ -78,6 +78,23 @@ class Services:
                 proc.kill()
 
 
+def allreduce_once(endpoint: str, job: str, data: list[np.ndarray]) -> list:
+    """Worker w (of len(data), host_ip(w % 2, w // 2): the racks alternate) joins ``job``, allreduces data[w]
+    once and leaves; per worker (the join's answer, the result), or what it raised."""
+    ports = free_udp_ports(len(data))
+
+    def work(w: int) -> tuple[dict, np.ndarray]:
+        ip = host_ip(w % 2, w // 2)
+        answer = join(endpoint, job, w, len(data), host=ip, udp_port=ports[w], pool=4, timeout=30)
+        try:
+            with Group.from_answer(answer, bind=(ip, ports[w]), timeout=10) as g:
+                return answer, g.allreduce(data[w])
+        finally:
+            leave(endpoint, job, 0, w, answer["token"])
+
+    return run_threads(work, len(data))
+
+
 @pytest.fixture
 def fabric(tmp_path):
     """(controller endpoint, [leaf0, leaf1, root] ready lines, the processes: the three PSs, the controller)."""
@@ -213,19 +230,8 @@ def test_a_tree_that_cannot_be_placed_falls_back_to_one_aggregator_and_says_why(
     endpoint, ready, services = fabric
     services.procs[0].terminate()
     services.procs[0].wait(10)
-    ports = free_udp_ports(4)
     data = [np.full(100, w + 1, dtype=np.int32) for w in range(4)]
-
-    def work(w: int) -> tuple[dict, np.ndarray]:
-        ip = host_ip(w % 2, w // 2)
-        answer = join(endpoint, "fallback", w, 4, host=ip, udp_port=ports[w], pool=4, timeout=30)
-        try:
-            with Group.from_answer(answer, bind=(ip, ports[w]), timeout=10) as g:
-                return answer, g.allreduce(data[w])
-        finally:
-            leave(endpoint, "fallback", 0, w, answer["token"])
-
-    results = run_threads(work, 4)
+    results = allreduce_once(endpoint, "fallback", data)
     for w, result in enumerate(results):
         assert isinstance(result, tuple), result
         answer, got = result
@@ -461,19 +467,8 @@ def test_a_spare_ps_takes_an_unreachable_switch_leafs_place(tmp_path):
         services.restart_controller()
         endpoint = services.endpoint
         spares = {services.ready[0]["data"], services.ready[3]["data"]}  # the PSs no node of the fabric names now
-        ports = free_udp_ports(4)
         data = [np.full(100, w + 1, dtype=np.int32) for w in range(4)]
-
-        def work(w: int) -> tuple[dict, np.ndarray]:
-            ip = host_ip(w % 2, w // 2)
-            answer = join(endpoint, "spare-for-switch", w, 4, host=ip, udp_port=ports[w], pool=4, timeout=30)
-            try:
-                with Group.from_answer(answer, bind=(ip, ports[w]), timeout=10) as g:
-                    return answer, g.allreduce(data[w])
-            finally:
-                leave(endpoint, "spare-for-switch", 0, w, answer["token"])
-
-        for w, result in enumerate(run_threads(work, 4)):
+        for w, result in enumerate(allreduce_once(endpoint, "spare-for-switch", data)):
             assert isinstance(result, tuple), result
             answer, got = result
             assert answer["mode"] == "tree", answer["reason"]
