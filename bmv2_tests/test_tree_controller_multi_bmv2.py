@@ -106,8 +106,9 @@ def test_a_tree_of_three_switches_placed_by_the_controller_and_its_restart(tree,
         assert counted["spine"]["completed"] > 0 and counted["rack1"]["sent_up"] > 0 \
             and counted["rack2"]["sent_up"] > 0, counted
         assert counted["rack1"]["aggregated"] > 0 and counted["rack2"]["aggregated"] > 0, counted
-        kinds = {a["aggregator"]: a["kind"] for a in controller.ctl("metrics")["aggregators"]}
-        assert all(kinds[c] == "switch" for c in SWITCHES.values()), kinds
+        aggregators = {a["aggregator"]: a for a in status["aggregators"]}
+        assert all(aggregators[c]["state"] == "up" and aggregators[c]["chip"] == "bmv2" for c in SWITCHES.values()), \
+            aggregators
         controller.stop()
         ready = controller.start()
         assert ready["jobs"] >= 1 and set(ready["switches"].values()) == {"connected"}, ready

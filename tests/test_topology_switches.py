@@ -172,3 +172,27 @@ def test_unreachable_switches_leaves_and_root_alike_are_replaced_by_spare_pss(tm
         for proc, _ in pss:
             proc.terminate()
             proc.wait(10)
+
+
+def test_a_restart_reserves_each_tree_nodes_slots_on_its_own_switch(tmp_path):
+    """A tree record's nodes on the one switch, on a named switch and on a PS: a controller started on the
+    store finds those slots taken at each (the one switch's in the allocator that flat groups take theirs
+    from: a new group must not be given the slots a running tree's switch leaf aggregates in)."""
+    from passing_controller.state import State
+    from passing_controller.store import Record, Store
+
+    store = Store(tmp_path / "ctl.sqlite")
+    tree = [{"name": "rack1", "role": "leaf", "control": "switch", "data": "10.0.0.254:9877", "base": 0},
+            {"name": "rack2", "role": "leaf", "control": "switch:s2", "data": "10.0.9.2:9877", "base": 16},
+            {"name": "spine", "role": "root", "control": "tcp://10.0.0.100:9878", "data": "10.0.0.100:9877",
+             "base": 32}]
+    store.add(Record(1, "j", 0, "tree", 0, 32, 16, [], {"data": "10.0.0.100:9877", "control": tree[2]["control"],
+                                                       "tree": tree}))
+    store.close()
+    state = State(tmp_path / "ctl.sqlite", 1024, [tree[2]["control"]], {"switch:s2": 512})
+    try:
+        assert state.allocator.free() == 1024 - 16 and "switch" not in state.ps_allocators
+        assert state.allocator_for("switch:s2").slots == 512 and state.allocator_for("switch:s2").free() == 512 - 16
+        assert state.allocator_for(tree[2]["control"]).free_ranges()[0] == (0, 32)
+    finally:
+        state.close()
