@@ -95,6 +95,8 @@ class TreeNetwork:
         arp = {h.name: {self.switches[leaf].ip: self.switches[leaf].mac}
                for leaf, rack in zip(("s1", "s2"), self.racks, strict=True) for h in rack}
         arp[STRANGER] = {self.switches[SPINE].ip: self.switches[SPINE].mac}
+        if self.ctl is not None:  # a PS there (a spare taking a leaf's place) sends its partials to the spine
+            arp[self.ctl.name] = {self.switches[SPINE].ip: self.switches[SPINE].mac}
         prepare_hosts(self.net, self.hosts + ([self.ctl] if self.ctl is not None else []), arp)
         for s in self.switches.values():
             wait_for_grpc(self.net.get(s.name), s.grpc_port, self.log_dir)
