@@ -124,25 +124,16 @@ class TreeNetwork:
             + [{"name": "spine", "switch": SPINE}],
         }
 
-    def port_at(self, switch: str, host: HostInfo) -> int:
-        """The port of ``switch`` that reaches ``host``."""
-        if switch == SPINE:
-            if host is self.stranger or host is self.ctl:
-                return host.port
-            return next(r + 1 for r, rack in enumerate(self.racks) if host in rack)
-        leaf = int(switch[1:]) - 1
-        return host.port if host in self.racks[leaf] else self.switches[switch].uplink
-
     def program_plain(self, switch: str, session) -> None:
-        """L2 forwarding of every host's MAC, and the switch's aggregation address."""
+        """What the controller writes on a switch from the topology alone: L2 forwarding (every host's MAC
+        toward it, broadcasts to the switch's own hosts) and the switch's aggregation address, from the
+        switch's view of ``topology()`` (passing_controller.topology, docs/control.md, Several switches)."""
         from passing_controller import aggregator_address, l2_forward
-        from passing_controller.topology import ip_to_int, mac_to_int
+        from passing_controller.topology import Topology
 
-        entries = [session.table_entry(l2_forward.TABLE, {"dst_addr": mac_to_int(h.mac)}, l2_forward.FORWARD,
-                                       {"port": self.port_at(switch, h)}) for h in self.hosts]
-        entries.append(session.table_entry(aggregator_address.TABLE, {"ip": ip_to_int(self.switches[switch].ip)},
-                                           "NoAction"))
-        session.write([session.update("insert", e) for e in entries])
+        view = Topology.from_dict(self.topology()).view(f"switch:{switch}")
+        l2_forward.install(session, view)
+        aggregator_address.install(session, view)
 
     def agent(self, host: str):
         from .network import Agent
