@@ -182,6 +182,18 @@ def prepare_hosts(net, hosts: list[HostInfo], arp: dict[str, dict[str, str]]) ->
                 h.setARP(other.ip, other.mac)
 
 
+def start_ps(node, ip: str) -> subprocess.Popen:
+    """A software aggregator (PS) on Mininet host ``node``: data at ``ip``:9877, control at tcp://``ip``:9878;
+    returns once it says it is ready."""
+    proc = node.popen([sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", f"{ip}:9877",
+                       "--control", f"tcp://{ip}:9878"], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line or json.loads(line).get("event") != "ready":
+        proc.kill()
+        raise RuntimeError(f"the PS at {ip} did not start: {line!r}")
+    return proc
+
+
 class Bmv2Network:
     """n hosts h1..hn on switch ports 1..n, all in 10.0.0.0/24, and the switch.
 

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from .network import REPO
+from .network import REPO, start_ps
 from .test_e2e_bmv2 import CONTROLLER, expected
 from .test_failover_bmv2 import ManagementNetwork
 from .test_tree_controller_multi_bmv2 import CONTROLLER_IP, Controller
@@ -42,9 +42,7 @@ def tree():
 
 @pytest.mark.timeout(600)
 def test_a_leaf_switch_killed_mid_job_is_replaced_by_the_spare_ps(tree, pipeline, tmp_path):
-    spare = subprocess.Popen([sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", SPARE,
-                              "--control", SPARE_CONTROL], stdout=subprocess.PIPE, text=True)
-    assert json.loads(spare.stdout.readline())["event"] == "ready"
+    spare = start_ps(tree.net.get("ctl"), CONTROLLER_IP)
     controller = Controller(tree, pipeline, tmp_path)
     topo = json.loads(controller.topology.read_text())
     topo["ps"] = [{"data": SPARE, "control": SPARE_CONTROL}]

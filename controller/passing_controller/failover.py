@@ -232,7 +232,7 @@ class Failover:
                 s.store.mark_down(name, reason, time.time(),
                                   SWITCH_RETRY_SECONDS if is_switch(name) else AGGREGATOR_RETRY_SECONDS)
         self.placement.teardown(r, reachable=r.mode == "tree" or not down, down=frozenset(down))
-        pending = PendingGroup(len(r.workers), r.pool, 0.0, wanted)
+        pending = PendingGroup(len(r.workers), r.pool, 0.0, wanted, streams=r.streams)  # every stream moves
         label = "its tree's nodes" if r.mode == "tree" else names[0]
         why = "; ".join(down.values()) or f"{label} answer, but no RESULT reached any worker"
         try:

@@ -47,7 +47,8 @@ class Readout:
                 "jobs": [{"job": r.job_name, "group": r.group, "job_id": r.job_id, "mode": r.mode, "base": r.base,
                           "pool": r.pool, "generation": r.generation, "workers": len(r.workers),
                           "aggregator": r.aggregator["data"], "lanes": r.lanes(self.topo.lanes),
-                          **({"tree": r.aggregator["tree"]} if r.mode == "tree" else {})}
+                          **({"tree": r.aggregator["tree"]} if r.mode == "tree" else {}),
+                          **({"stripes": r.stripes} if r.stripes else {})}
                          for r in self._running_records()],
                 "pending": [{"job": k[0], "group": k[1], "joined": sorted(p.members), "workers": p.workers}
                             for k, p in s.pending.items()],
@@ -133,6 +134,10 @@ class Readout:
                 out[str(r.job_id)] = ps_jobs[r.aggregator["control"]].get(str(r.job_id), {})
             if r.mode == "tree":  # each node's: the leaves' and the root's (the job's own are the root's)
                 out[str(r.job_id)] = {**out[str(r.job_id)], "nodes": node_counters(r, ps_jobs, ps_errors)}
+            if r.stripes and "error" not in out.get(str(r.job_id), {"error": ""}):  # streams 1..: their own jobs'
+                out[str(r.job_id)]["streams"] = [
+                    counters.job_counters(switch_read, s["job_id"]) if r.mode == "switch" and switch_read is not None
+                    else ps_jobs.get(r.aggregator.get("control", ""), {}).get(str(s["job_id"]), {}) for s in r.stripes]
         return out
 
     def _read_switch(self, control: str = SWITCH) -> dict[str, dict[int, int]] | None:
@@ -196,10 +201,15 @@ class Readout:
         with s.lock:
             groups = []
             for r in records:
-                if r.mode == "switch":
-                    job_counters = counters.job_counters(switch_read, r.job_id) if switch_read is not None else {}
-                else:
-                    job_counters = ps_jobs.get(r.aggregator["control"], {}).get(str(r.job_id), {})
+                job_counters: dict[str, int] = {}
+                for job_id in [r.job_id] + [stripe["job_id"] for stripe in r.stripes]:  # every stream's, added up
+                    if r.mode == "switch":
+                        read = counters.job_counters(switch_read, job_id) if switch_read is not None else {}
+                    else:
+                        read = ps_jobs.get(r.aggregator["control"], {}).get(str(job_id), {})
+                    for name, value in read.items():
+                        if isinstance(value, int):
+                            job_counters[name] = job_counters.get(name, 0) + value
                 nodes = node_counters(r, ps_jobs, ps_errors) if r.mode == "tree" else None
                 groups.append(self.group_metrics(r, job_counters, running=True, nodes=nodes))
             slots = []

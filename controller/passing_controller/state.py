@@ -34,6 +34,7 @@ class PendingGroup:
     deadline: float
     aggregator: str  # "any": the switch when it can serve, else a PS; "ps": a PS in any case
     secret: str = ""  # digest of the job secret the first joiner gave: the others must know it
+    streams: int = 1  # the group's streams (a join's "streams"): a job id and slots each, on one aggregator
     members: dict[int, tuple[bytes, dict]] = field(default_factory=dict)  # worker -> (identity, request)
 
 
@@ -77,8 +78,10 @@ class State:
                 for node in r.aggregator["tree"]:
                     self.allocator_for(node["control"]).reserve(node["base"], r.pool)
                 continue
-            (self.allocator if r.mode == "switch" else self.ps_allocators.setdefault(
-                r.aggregator["control"], SlotAllocator(PS_SLOTS))).reserve(r.base, r.pool)
+            allocator = self.allocator if r.mode == "switch" else self.ps_allocators.setdefault(
+                r.aggregator["control"], SlotAllocator(PS_SLOTS))
+            for base in [r.base] + [stripe["base"] for stripe in r.stripes]:  # each stream's slots
+                allocator.reserve(base, r.pool)
 
     def close(self) -> None:
         with self.lock:

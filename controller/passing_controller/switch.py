@@ -55,9 +55,19 @@ def connect(address: str, device_id: int = 0, timeout: float = 5.0, tls: Tls | N
 
 
 def allocation(topo: Topology, r: Record) -> Allocation:
-    """A group's record as the per-group P4 controls take it."""
-    workers = tuple(Worker(w["index"], topo.host(w["host"]), w["udp_port"]) for w in r.workers)
-    return Allocation(r.job_id, r.generation, r.base, r.pool, workers)
+    """A group's record as the per-group P4 controls take it (its first stream)."""
+    return allocations(topo, r)[0]
+
+
+def allocations(topo: Topology, r: Record) -> list[Allocation]:
+    """Every stream of a group as the per-group P4 controls take it: its first, then each of ``r.stripes``,
+    stream s with its own job id, generation and slots, from each worker's UDP port + s."""
+    out = []
+    for s, (job_id, generation, base) in enumerate([(r.job_id, r.generation, r.base)] + [
+            (stripe["job_id"], stripe["generation"], stripe["base"]) for stripe in r.stripes]):
+        workers = tuple(Worker(w["index"], topo.host(w["host"]), w["udp_port"] + s) for w in r.workers)
+        out.append(Allocation(job_id, generation, base, r.pool, workers))
+    return out
 
 
 class SwitchLink:
@@ -141,9 +151,9 @@ class SwitchLink:
             nodes = [node["object"] for r in self.state.records.values() if r.mode == "tree"
                      for node in r.aggregator.get("tree", []) if node["control"] == self.name]
         for r in records:
-            a = allocation(self.topo, r)
-            for control in GROUP_CONTROLS:
-                control.install(sw, a)
+            for a in allocations(self.topo, r):
+                for control in GROUP_CONTROLS:
+                    control.install(sw, a)
         for obj in nodes:  # the tree nodes on the switch, from the job objects their records keep
             tree_switch.install(sw, self.topo, obj)
         log.info("%s reconciled: %d switch allocations, %d tree nodes", self.name, len(records), len(nodes))
