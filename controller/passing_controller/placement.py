@@ -40,14 +40,16 @@ class AggregatorFailed(RuntimeError):
 
 class Placement:
     def __init__(self, topo: Topology, state: State, switch: SwitchLink, ps: PsControl, readout: Readout,
-                 default_pool: int) -> None:
+                 default_pool: int, switches: dict[str, SwitchLink] | None = None) -> None:
+        """``switches``: every switch's session by control name, for trees (default: ``switch``, the one)."""
         self.topo, self.state, self.switch, self.ps, self.readout = topo, state, switch, ps, readout
         self.default_pool = default_pool
-        self.trees = TreePlacement(topo, state, ps, default_pool, switch)
+        self.trees = TreePlacement(topo, state, ps, default_pool, switch, switches)
 
     def largest_pool(self) -> int:
         """The largest pool any aggregator of the topology could give one group."""
-        return max([self.topo.slots if self.topo.p4runtime else 0] + ([PS_SLOTS] if self.topo.ps else []))
+        return max([self.topo.slots if self.topo.p4runtime else 0] + [v.slots for v in self.topo.switches.values()]
+                   + ([PS_SLOTS] if self.topo.ps else []))
 
     def allocate(self, name: str, group: int, pending: PendingGroup, tokens: dict[int, str] | None = None,
                  exclude: frozenset[str] = frozenset(), workers: list[dict] | None = None) -> tuple[Record, str]:

@@ -39,13 +39,16 @@ class PendingGroup:
 
 
 class State:
-    def __init__(self, store: str | Path, switch_slots: int, ps_controls: list[str]) -> None:
-        """Opens the store and restores the running groups it holds, with their slots."""
+    def __init__(self, store: str | Path, switch_slots: int, ps_controls: list[str],
+                 named_switches: dict[str, int] | None = None) -> None:
+        """Opens the store and restores the running groups it holds, with their slots. ``named_switches``:
+        the slots of each named switch (topology "switches"), by its control name ("switch:NAME")."""
         self.lock = threading.RLock()  # the state below and the store; never held while waiting on I/O
         self.store = Store(store)
         # placement: the slots of every aggregator, and the running groups (the store's, in memory)
         self.allocator = SlotAllocator(switch_slots)
         self.ps_allocators = {control: SlotAllocator(PS_SLOTS) for control in ps_controls}
+        self.ps_allocators.update({control: SlotAllocator(slots) for control, slots in (named_switches or {}).items()})
         self.records: dict[tuple[str, int], Record] = {}
         self.claimed: set[int] = set()  # job ids of groups being placed, not in the store yet
         self.ending: set[int] = set()  # job ids being torn down
@@ -73,8 +76,7 @@ class State:
             self.records[(r.job_name, r.group)] = r
             if r.mode == "tree":  # slots at every node of a tree across racks (tree_placement.nodes_of)
                 for node in r.aggregator["tree"]:
-                    self.ps_allocators.setdefault(node["control"], SlotAllocator(PS_SLOTS)).reserve(node["base"],
-                                                                                                    r.pool)
+                    self.allocator_for(node["control"]).reserve(node["base"], r.pool)
                 continue
             allocator = self.allocator if r.mode == "switch" else self.ps_allocators.setdefault(
                 r.aggregator["control"], SlotAllocator(PS_SLOTS))
@@ -84,3 +86,10 @@ class State:
     def close(self) -> None:
         with self.lock:
             self.store.close()
+
+    def allocator_for(self, control: str) -> SlotAllocator:
+        """(lock held) The slots of an aggregator by its control name: the one switch's, a named switch's, a
+        PS's (one the topology no longer names gets a PS's slots: a group the store still holds there)."""
+        if control == "switch":
+            return self.allocator
+        return self.ps_allocators.setdefault(control, SlotAllocator(PS_SLOTS))
