@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build" / "v1model"
@@ -194,7 +195,30 @@ def start_ps(node, ip: str) -> subprocess.Popen:
     return proc
 
 
-class Bmv2Network:
+class MininetWithAgents:
+    """What a Mininet network of these tests shares: ``net``, ``log_dir`` and each host's packet agent, made on
+    first use and closed with the network."""
+
+    net: Any
+    log_dir: str
+    agents: dict[str, Agent]
+
+    def agent(self, host: str) -> Agent:
+        if host not in self.agents:
+            self.agents[host] = Agent(self.net.get(host))
+        return self.agents[host]
+
+    def stop(self) -> None:
+        for a in self.agents.values():
+            try:
+                a.close()
+            except Exception:  # best effort on the way out
+                a.proc.kill()
+        self.net.stop()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+class Bmv2Network(MininetWithAgents):
     """n hosts h1..hn on switch ports 1..n, all in 10.0.0.0/24, and the switch.
 
     ``extra`` adds named hosts after them, e.g. a PS host, or a host in the root
@@ -246,16 +270,3 @@ class Bmv2Network:
             "hosts": [{"name": h.name, "mac": h.mac, "ip": h.ip, "port": h.port} for h in self.hosts],
         }
 
-    def agent(self, host: str) -> Agent:
-        if host not in self.agents:
-            self.agents[host] = Agent(self.net.get(host))
-        return self.agents[host]
-
-    def stop(self) -> None:
-        for a in self.agents.values():
-            try:
-                a.close()
-            except Exception:  # best effort on the way out
-                a.proc.kill()
-        self.net.stop()
-        shutil.rmtree(self.log_dir, ignore_errors=True)

@@ -14,12 +14,12 @@ so a server's datagram never reaches the root but through its leaf's program.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from dataclasses import dataclass
 
 from .network import (
     HostInfo,
+    MininetWithAgents,
     free_tcp_port,
     host_mac,
     import_mininet,
@@ -41,7 +41,7 @@ class SwitchInfo:
     uplink: int | None  # a leaf's port toward the spine
 
 
-class TreeNetwork:
+class TreeNetwork(MininetWithAgents):
     """``per_rack`` hosts under each of the leaves s1 and s2 (ports 1..per_rack, uplink port per_rack + 1),
     the spine s3 (port r + 1 to leaf r + 1, port 3 to the stranger hs, port 4 to the controller's host ctl
     when ``controller_ip`` is given: a host in the root namespace, where passing-controller reaches every
@@ -134,19 +134,3 @@ class TreeNetwork:
         view = Topology.from_dict(self.topology()).view(f"switch:{switch}")
         l2_forward.install(session, view)
         aggregator_address.install(session, view)
-
-    def agent(self, host: str):
-        from .network import Agent
-
-        if host not in self.agents:
-            self.agents[host] = Agent(self.net.get(host))
-        return self.agents[host]
-
-    def stop(self) -> None:
-        for a in self.agents.values():
-            try:
-                a.close()
-            except Exception:  # best effort on the way out
-                a.proc.kill()
-        self.net.stop()
-        shutil.rmtree(self.log_dir, ignore_errors=True)
