@@ -58,8 +58,9 @@ lint: $(STAMP)
 
 # The main job: a multi-host run on BMv2 in Mininet when BMv2, p4c and Mininet are here
 # (as root), else on the software aggregator with worker processes on loopback; it says which.
+# DEMO=tree: on BMv2, a tree across two racks with the switch as one rack's leaf (needs BMv2).
 demo: $(STAMP)
-	$(PY) demo/run.py
+	$(PY) demo/run.py $(if $(DEMO),--$(DEMO))
 
 # The emulated-cluster comparison of the schemes of docs/torch.md ("Schemes") (root: network namespaces;
 # docs/benchmarks.md). bench-quick: under 10 minutes; bench: every configuration. SWITCH_KIND: the switch the
