@@ -32,10 +32,11 @@ from .recovery import LossRecovery, SilenceWatch
 from .stream_state import StreamState
 from .transport import BatchSocket, TransportStats
 
-# payload Gbit/s each way per core of the native host engine over the UDP sockets on veth, by lane count: the
-# medians of four runs of bench/core.py's section 8 on its development machine (docs/benchmarks.md, "The host
-# stage per core"; 144 lanes: two runs)
-MEASURED_PER_CORE_GBIT = {64: 7.0, 72: 6.7, 144: 8.5, 364: 9.3}
+# payload Gbit/s each way per core of the native host engine over the UDP sockets on veth, by lane count, on its
+# development machine after the per-packet cut (docs/benchmarks.md, "The host stage per core: the per-packet cost
+# cut"): 64 and 72 lanes the medians of four alternated rounds (bench/core_percore_ab.py), 144 and 364 one run of
+# bench/core.py's section 8
+MEASURED_PER_CORE_GBIT = {64: 10.5, 72: 11.2, 144: 14.3, 364: 11.4}
 
 
 @dataclass
