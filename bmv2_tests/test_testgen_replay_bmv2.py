@@ -178,6 +178,7 @@ TREE = testgen_vectors.PROGRAMS["v1model_tree"]
 TREE_VECTORS = testgen_vectors.load_vectors(TREE)["tests"] if (REPO / TREE.vectors).exists() else []
 
 
+@pytest.mark.slow  # a second compile of the program (at the sequences' lanes) and a second switch
 @pytest.mark.parametrize("name", sorted({v["sequence"] for v in TREE_VECTORS}))
 def test_bmv2_runs_each_tree_sequence_as_p4testgen_expected(tree_replay, name):
     """A tree sequence's packets in order on one switch, from registers at 0 (the first step's): each does what
