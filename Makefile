@@ -152,7 +152,7 @@ p4-tofino2: $(T2NA_SOURCES)
 TESTGEN_MAX_TESTS ?= 600
 TESTGEN_SEED ?= 2
 TESTGEN_V1MODEL_MAX_TESTS ?= 300
-TESTGEN_V1MODEL_SEED ?= 2
+TESTGEN_V1MODEL_SEED ?= 3
 p4-testgen:
 	@command -v p4testgen >/dev/null || { echo "make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)" >&2; exit 1; }
 	$(PYTHON) p4/testgen_vectors.py generate tna --max-tests $(TESTGEN_MAX_TESTS) --seed $(TESTGEN_SEED)
