@@ -163,9 +163,11 @@ p4-testgen:
 # The mutation score of the vector checks (docs/tofino.md, "Mutation score"): bugs planted one at a time in the
 # reference engine (the vectors in the repository checked against each; seconds, no P4 tool) and, with
 # P4MUTANTS=1, in the TNA program (P4Testgen makes each mutant's vectors at 4 lanes, minutes each; results
-# recorded in p4/tna/mutants.json). Fails below 90 % killed. It runs the project's code: the venv's Python.
+# recorded in p4/tna/mutants.json) and in the v1model program's tree rules (its tree sequences made again on
+# each; p4/v1model/tree_mutants.json). Fails below 90 % killed. It runs the project's code: the venv's Python.
 p4-mutants: $(STAMP)
 	$(PY) -m tests.conformance.mutants $(if $(P4MUTANTS),--p4 --record p4/tna/mutants.json)
+	$(if $(P4MUTANTS),$(PY) -m tests.conformance.tree_mutants --record p4/v1model/tree_mutants.json)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache
