@@ -358,3 +358,20 @@ def test_the_recorded_p4_mutants_are_of_the_program_as_it_is():
     docs = (ROOT / "docs" / "tofino.md").read_text()
     for r in recorded["results"]:
         assert r["killed"] or r["mutant"] in docs, f"survivor not in docs/tofino.md: {r['mutant']}"
+
+
+def test_the_recorded_v1model_tree_mutants_are_of_the_program_as_it_is():
+    """p4/v1model/tree_mutants.json (`make p4-mutants P4MUTANTS=1`): each mutant of the v1model program's tree rules
+    still applies to the program, at least 90 % were killed, and docs/tofino.md names each survivor."""
+    from tests.conformance import mutants, tree_mutants
+
+    recorded = json.loads((ROOT / "p4" / "v1model" / "tree_mutants.json").read_text())
+    assert {r["mutant"] for r in recorded["results"]} == {m.name for m in tree_mutants.P4_TREE_MUTANTS}
+    text = tree_mutants.V1MODEL.read_text()
+    for m in tree_mutants.P4_TREE_MUTANTS:
+        mutants.mutated(text, m)  # raises when the program no longer has the mutated text
+    killed = sum(r["killed"] for r in recorded["results"])
+    assert len(recorded["results"]) >= 4 and killed >= 0.9 * len(recorded["results"])
+    docs = (ROOT / "docs" / "tofino.md").read_text()
+    for r in recorded["results"]:
+        assert r["killed"] or r["mutant"] in docs, f"survivor not in docs/tofino.md: {r['mutant']}"
