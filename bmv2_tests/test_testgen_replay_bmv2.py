@@ -13,6 +13,7 @@ a drop is known without waiting on the clock. Then the vector's entries are dele
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 
 import pytest
@@ -78,9 +79,17 @@ class Replay:
 
     def run(self, vector: dict) -> list[tuple[int, bytes]]:
         """What the switch sent, (port, frame) each, for the vector's input on its entries."""
-        port = vector["input"]["port"]
-        assert 0 <= port < PORTS, f"input port {port} is not one of the replay's (0-{PORTS - 1})"
-        entries = [self.entry(t) for t in vector["tables"]]
+        return self.run_chain([vector])[0]
+
+    def run_chain(self, chain: list[dict]) -> list[list[tuple[int, bytes]]]:
+        """What the switch sent for each vector of a chain (a tree sequence: the packets one after the other on the
+        registers the earlier ones left, with every entry any of them hit installed), or of one vector."""
+        for vector in chain:
+            port = vector["input"]["port"]
+            assert 0 <= port < PORTS, f"input port {port} is not one of the replay's (0-{PORTS - 1})"
+        tables = chain[0]["tables"] if len(chain) == 1 else \
+            list({repr((t["table"], sorted(t["key"].items()))): t for v in chain for t in v["tables"]}.values())
+        entries = [self.entry(t) for t in tables]
         inserted = []
         try:
             # one update per Write: a vector may hold one entry twice, and the entries it did insert are
@@ -88,10 +97,14 @@ class Replay:
             for e in entries:
                 self.p4runtime.write([self.update("insert", e)])
                 inserted.append(e)
-            self.switch.send(port, bytes.fromhex(vector["input"]["packet"]))
-            for p in range(PORTS):
-                self.switch.send(port, marker(p))
-            return self.switch.receive(is_marker, PORTS, timeout=30)
+            sent = []
+            for vector in chain:
+                port = vector["input"]["port"]
+                self.switch.send(port, bytes.fromhex(vector["input"]["packet"]))
+                for p in range(PORTS):
+                    self.switch.send(port, marker(p))
+                sent.append(self.switch.receive(is_marker, PORTS, timeout=30))
+            return sent
         finally:
             for e in inserted:
                 self.p4runtime.write([self.update("delete", e)])
@@ -99,8 +112,7 @@ class Replay:
                 self.switch.thrift.register_reset(register)
 
 
-@pytest.fixture(scope="module")
-def replay(pipeline):
+def _replay(pipeline):
     from passing_controller.session import Switch
 
     from .bare_switch import NamespacedSwitch
@@ -117,6 +129,24 @@ def replay(pipeline):
         switch.stop()
 
 
+@pytest.fixture(scope="module")
+def replay(pipeline):
+    yield from _replay(pipeline)
+
+
+@pytest.fixture(scope="module")
+def tree_replay(tmp_path_factory):
+    """The program at the tree sequences' lanes (p4/v1model/testgen_tree.json: 4), on a switch of its own."""
+    from passing_controller.p4runtime import Pipeline
+
+    out = tmp_path_factory.mktemp("v1model-tree")
+    lanes = testgen_vectors.load_vectors(TREE)["defines"]["PASSING_LANES"]
+    subprocess.run(["p4c-bm2-ss", "--arch", "v1model", "--std", "p4-16", f"-DPASSING_LANES={lanes}",
+                    "--p4runtime-files", str(out / "passing.p4info.txtpb"), "-o", str(out / "passing.json"),
+                    str(REPO / TREE.source)], check=True)
+    yield from _replay(Pipeline(out / "passing.p4info.txtpb", out / "passing.json"))
+
+
 def test_the_vectors_are_those_of_the_program():
     assert testgen_vectors.stale(PROGRAM) is None, testgen_vectors.stale(PROGRAM)
     assert VECTORS, f"{PROGRAM.vectors} has no tests"
@@ -128,9 +158,7 @@ def _param(vector: dict):
     return pytest.param(vector, id=f"test{vector['id']}", marks=marks)
 
 
-@pytest.mark.parametrize("vector", [_param(v) for v in VECTORS])
-def test_bmv2_does_what_p4testgen_expected(replay, vector):
-    got = replay.run(vector)
+def _agrees(vector: dict, got: list[tuple[int, bytes]]) -> None:
     expect = vector["expect"]
     if expect is None:
         assert not got, f"P4Testgen: dropped; BMv2 sent {describe(got)}"
@@ -139,6 +167,28 @@ def test_bmv2_does_what_p4testgen_expected(replay, vector):
         f"P4Testgen: one frame on port {expect['port']}; BMv2 sent {describe(got)}"
     difference = masked_difference(bytes.fromhex(expect["packet"]), got[0][1], expect["dont_care_bits"])
     assert difference is None, f"port {expect['port']}: {difference}"
+
+
+@pytest.mark.parametrize("vector", [_param(v) for v in VECTORS])
+def test_bmv2_does_what_p4testgen_expected(replay, vector):
+    _agrees(vector, replay.run(vector))
+
+
+TREE = testgen_vectors.PROGRAMS["v1model_tree"]
+TREE_VECTORS = testgen_vectors.load_vectors(TREE)["tests"] if (REPO / TREE.vectors).exists() else []
+
+
+@pytest.mark.slow  # a second compile of the program (at the sequences' lanes) and a second switch
+@pytest.mark.parametrize("name", sorted({v["sequence"] for v in TREE_VECTORS}))
+def test_bmv2_runs_each_tree_sequence_as_p4testgen_expected(tree_replay, name):
+    """A tree sequence's packets in order on one switch, from registers at 0 (the first step's): each does what
+    its pinned run expected on the registers the earlier ones left (p4/testgen_tree_sequences.py)."""
+    chain = sorted((v for v in TREE_VECTORS if v.get("sequence") == name), key=lambda v: v["step"])
+    for vector, got in zip(chain, tree_replay.run_chain(chain)):
+        try:
+            _agrees(vector, got)
+        except AssertionError as e:
+            raise AssertionError(f"step {vector['step']}: {e}") from e
 
 
 def test_a_batch_that_fails_in_part_names_the_update_that_failed(replay):

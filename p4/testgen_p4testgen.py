@@ -242,8 +242,9 @@ def _uncovered(log: str) -> list[str]:
 
 def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines: dict[str, int],
                   extra: list[str], log_file: Path | None, source: Path | None = None,
-                  coverage: bool = True) -> tuple[list[dict], dict]:
-    """One p4testgen run of ``run`` over the program (or ``source``, a variant of it: a mutant)."""
+                  coverage: bool = True, traces: bool = False) -> tuple[list[dict], dict]:
+    """One p4testgen run of ``run`` over the program (or ``source``, a variant of it: a mutant); ``traces``: each
+    test keeps its path's trace (``trace``; the v1model sequences read their register writes from it)."""
     tool = shutil.which("p4testgen")
     if tool is None:
         sys.exit("make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)")
@@ -267,6 +268,11 @@ def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines
         tests = [t for f in sorted(Path(out).glob("*.py")) for t in
                  (parse_ptf(f.read_text(), program.ingress_deparser) if program.ingress_deparser
                   else parse_ptf(without_traces(f)))]
+        if traces:
+            found = {int(m[1]): m[2] for f in sorted(Path(out).glob("*.py"))
+                     for m in re.finditer(r"class Test(\d+)\(.*?'{3}(.*?)'{3}", f.read_text(), flags=re.S)}
+            for t in tests:
+                t["trace"] = found.get(t["id"], "")
     for t in tests:
         t["run"] = run.name
     coverage = _COVERAGE.findall(log)

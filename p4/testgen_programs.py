@@ -71,7 +71,7 @@ class Program:
     test_backend: str  # the output format whose parser is below
     ingress_deparser: str | None  # the control whose output a vector records from the trace (see ingress_of)
     runs: tuple[Run, ...]
-    sequences: bool = False  # P4Testgen runs pinned to the packets of SEQUENCES (the tofino target only)
+    sequences: bool = False  # P4Testgen runs pinned to the packets of SEQUENCES (tofino), TREE_SEQUENCES (bmv2)
 
 
 # The tofino target writes initial registers only in PTF (its STF has none). Greedy statement search, and only
@@ -102,6 +102,10 @@ PROGRAMS = {
                     sequences=True),
     "v1model": Program("v1model", "p4/v1model/passing.p4", "p4/v1model/testgen.json", "bmv2", "v1model", "PTF", None,
                        (Run("all", {}, _V1MODEL_SEARCH), Run("in_domain", {"PASSING_TESTGEN": 1}, _V1MODEL_SEARCH))),
+    # the same program's tree sequences alone (testgen_tree_sequences.py), at 4 lanes (`--lanes 4`): a pinned run
+    # at 64 takes minutes of CPU, and the lanes are one macro unrolled (as the Tofino mutants' 4 lanes)
+    "v1model_tree": Program("v1model_tree", "p4/v1model/passing.p4", "p4/v1model/testgen_tree.json", "bmv2", "v1model",
+                            "PTF", None, (), sequences=True),
 }
 # p4c-barefoot defines it for tna.p4 and t2na.p4; p4testgen does not
 TARGET_DEFINES = {"tofino": {"__TARGET_TOFINO__": 1}, "tofino2": {"__TARGET_TOFINO__": 2}}

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # p4/ is no package (`p4` is p4runtime's protobuf package): the tool's other modules are its neighbours, found
@@ -60,10 +61,11 @@ from testgen_sequences import (  # noqa: E402
     unwritten,
     written,
 )
+from testgen_tree_sequences import TREE_SEQUENCES, run_tree_sequence  # noqa: E402
 
 # what the checker (tests/conformance/testgen.py), the mutation score and the tests use of the tool, from here
-__all__ = ["HEADER_FIELDS", "HEADER_VARIABLES", "PROGRAMS", "SEQUENCES", "Allocate", "Allocation", "Free",
-           "Program", "Run", "Send", "generate", "header_size", "ingress_of", "ipv4_checksum", "lane_data",
+__all__ = ["HEADER_FIELDS", "HEADER_VARIABLES", "PROGRAMS", "SEQUENCES", "TREE_SEQUENCES", "Allocate", "Allocation",
+           "Free", "Program", "Run", "Send", "generate", "header_size", "ingress_of", "ipv4_checksum", "lane_data",
            "load_vectors", "main", "parse_ptf", "program_sha256", "run_p4testgen", "run_sequence", "signed32",
            "sources_of", "stale", "unpack", "unwritten", "without_traces", "write_vectors", "writes_of", "written"]
 
@@ -102,7 +104,8 @@ def stale(program: Program) -> str | None:
 def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int], extra: list[str],
              log_file: Path | None = None, source: Path | None = None, out: Path | None = None,
              only_sequences: bool = False) -> dict:
-    """Every run of the program, then (Tofino) its sequences, into its vector file; ``source`` and ``out``: a
+    """Every run of the program, then its sequences (Tofino; the v1model program's tree sequences), into its
+    vector file; ``source`` and ``out``: a
     variant of the program (a mutant, tests/conformance/mutants.py) and where its vectors go."""
     runs: dict[str, dict] = {}
     tests: list[dict] = []
@@ -117,18 +120,28 @@ def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int
         found, runs[run.name] = run_p4testgen(program, run, max_tests, seed, defines, extra, log, source)
         tests += found
     sequences: dict[str, dict] = {}
-    if program.sequences:
+    if program.sequences and program.target == "bmv2":  # the tree roles' sequences (testgen_tree_sequences.py)
+        def one(name: str) -> tuple[list[dict], float]:
+            started, roles, events = time.monotonic(), *TREE_SEQUENCES[name]
+            return run_tree_sequence(program, name, roles, events, defines["PASSING_LANES"],
+                                     source or ROOT / program.source, []), time.monotonic() - started
+
+        with ThreadPoolExecutor(len(TREE_SEQUENCES)) as pool:  # each sequence's runs in turn, the sequences at once
+            for name, (found, seconds) in zip(TREE_SEQUENCES, pool.map(one, TREE_SEQUENCES)):
+                sequences[name] = {"vectors": len(found), "seconds": round(seconds, 1)}
+                tests += found
+    elif program.sequences:
         for name, events in SEQUENCES.items():
             started, steps = time.monotonic(), []
             found = run_sequence(program, name, events, defines["PASSING_LANES"], source or ROOT / program.source,
                                  steps)
             sequences[name] = {"vectors": len(found), "seconds": round(time.monotonic() - started, 1)}
             tests += found
-    # statements no run covered: what stays uncovered in the union
-    left = Counter(runs[program.runs[0].name]["uncovered"])
+    # statements no run covered: what stays uncovered in the union (a program of sequences alone has no runs)
+    left = Counter(runs[program.runs[0].name]["uncovered"]) if program.runs else Counter()
     for run in program.runs[1:]:
         left &= Counter(runs[run.name]["uncovered"])
-    nodes = max((r["node_coverage"] or {}).get("nodes", 0) for r in runs.values())
+    nodes = max([(r["node_coverage"] or {}).get("nodes", 0) for r in runs.values()] or [0])
     meta = {
         "program": program.source,
         "program_sha256": program_sha256(source or ROOT / program.source),

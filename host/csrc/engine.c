@@ -238,7 +238,8 @@ static void apply(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t 
 }
 
 /* A leaf's RESULT or ACK from its root, for slot/set k: the answer of a round complete here and waiting for
- * it (a RESULT's sums and flag replace the partial), multicast to the leaf's servers; anything else is late. */
+ * it (a RESULT's sums replace the partial, either answer's flag the partial's: the whole round's), multicast
+ * to the leaf's servers; anything else is late. */
 static void answer(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t *packet, size_t k,
                    batch_output *o) {
     if (e->epoch[k] != j->epoch || e->tag[k] != h->psn || e->bitmap[k] != j->full || e->phase[k] != 0) {
@@ -246,9 +247,9 @@ static void answer(pn_engine *e, job_entry *j, const pn_header *h, const uint8_t
         return;
     }
     count(e, j, PN_C_ANSWERED, 1);
+    e->overflow[k] = (h->flags & PN_FLAG_OVERFLOW) != 0;
     if (h->type == PN_RESULT) {
         lanes_load(e->acc + k * e->lanes, packet, j->lanes);
-        e->overflow[k] = (h->flags & PN_FLAG_OVERFLOW) != 0;
         e->phase[k] = 1;
     } else {
         e->phase[k] = 2;

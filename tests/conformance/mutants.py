@@ -28,7 +28,7 @@ from pathlib import Path
 
 from passing.aggregator import engine as engine_module
 
-from . import testgen, vector_tool
+from . import testgen, tree_sequences, tree_vectors, vector_tool
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 tool = vector_tool.load()
@@ -128,6 +128,36 @@ ENGINE_MUTANTS = (
            'key = slot[idx] * 2 + (hdr["set"][idx] & 1)'),
     Mutant("a new round adds onto the slot's old sums", "set/slot addressing",
            "acc[fk] = payload[fresh]", "acc[fk] = acc[fk] + payload[fresh]"),
+    # the tree's roles (docs/protocol.md, "Trees across racks"): a leaf's partial up and its re-sending, what
+    # comes down from the root and what it leaves, a root's answers (the v1model tree sequences)
+    Mutant("a leaf's completed round not sent up", "tree",
+           "up_i = np.flatnonzero((done & leaf) | pending)", "up_i = np.flatnonzero(pending)"),
+    Mutant("a retransmission to a leaf's unanswered round answered with the partial", "tree",
+           "pending = answered & leaf & (phase == 0)", "pending = answered & leaf & (phase == 0) & False"),
+    Mutant("a re-sent partial not flagged RETRANSMIT", "tree", "| resent * wire.FLAG_RETRANSMIT)", ")"),
+    Mutant("a partial up without its OWNER_ONLY", "tree", '| (hdr["flags"][up_i] & wire.FLAG_OWNER_ONLY)', ""),
+    Mutant("a partial up with the leaf's job and generation", "tree",
+           'uh["job"], uh["generation"], uh["worker"] = jobs.up_job[du], jobs.up_generation[du], jobs.up_worker[du]',
+           'uh["job"], uh["generation"], uh["worker"] = jobs.job_id[du], jobs.generation[du], jobs.up_worker[du]'),
+    Mutant("the root's RESULT not written over the partial", "tree",
+           "acc[k[result]] = payload[result]", "acc[k[result]] = acc[k[result]]"),
+    Mutant("the root's answer's OVERFLOW flag not kept", "tree",
+           "self.overflow[k[down]] = flagged[down]", "self.overflow[k[down]] = self.overflow[k[down]]"),
+    Mutant("a root's ACK recorded as a RESULT", "tree",
+           "self.phase[k[down]] = np.where(result[down], 1, 2)", "self.phase[k[down]] = np.where(result[down], 1, 1)"),
+    Mutant("a second answer from the root taken again", "tree",
+           "down = ~data & same_round & (bitmap == jobs.full[d]) & (phase == 0)",
+           "down = ~data & same_round & (bitmap == jobs.full[d])"),
+    Mutant("an answer from the root for a round not complete here taken", "tree",
+           "down = ~data & same_round & (bitmap == jobs.full[d]) & (phase == 0)",
+           "down = ~data & same_round & (phase == 0)"),
+    Mutant("the root's answer taken from any origin", "tree", "& (jobs.up_source[dc] == sources)", ""),
+    Mutant("the root's answer of another generation taken", "tree",
+           '(hdr["generation"] == jobs.up_generation[dc])', '(hdr["generation"] >= 0)'),
+    Mutant("a NACK to another rack's server not sent up", "tree",
+           "goes_up = ~down & jobs.leaf[d] & (gather | (owner == UP))", "goes_up = ~down & jobs.leaf[d] & gather"),
+    Mutant("a root's answers without OWNER_ONLY", "tree",
+           'rh["flags"] |= jobs.root[d[src]] * (hdr["flags"][src] & wire.FLAG_OWNER_ONLY)', 'rh["flags"] |= 0'),
     # batches: what only several packets in one engine call reach (testgen.check_batches)
     Mutant("a batch's packets of one slot/set in one wave", "batches",
            "rank[order] = position - np.maximum.accumulate(np.where(first, position, 0))", "rank[order] = 0"),
@@ -185,18 +215,18 @@ def engine_with(mutant: Mutant) -> Iterator[None]:
     sys.modules[module.__name__] = module  # its dataclasses look their module up
     exec(compile(mutated(path.read_text(), mutant), str(path), "exec"), module.__dict__)
     saved = testgen.reference
-    testgen.reference = module
+    testgen.reference = tree_vectors.reference = module
     try:
         yield
     finally:
-        testgen.reference = saved
+        testgen.reference = tree_vectors.reference = saved
         del sys.modules[module.__name__]
 
 
-def first_failure(tofino: list[dict], v1model: dict | None) -> str | None:
+def first_failure(tofino: list[dict], v1model: dict | None, v1model_tree: dict | None = None) -> str | None:
     """The first vector check that fails (a divergence, or the checker failing on a mutated engine), or None:
     the vectors of each Tofino program one by one, their sequences as chains and as batches, then the v1model
-    ones."""
+    ones, then the v1model tree sequences as chains."""
     for vectors in tofino:
         lanes, chip = int(vectors["defines"]["PASSING_LANES"]), vectors.get("target", "tofino")
         sequences: dict[str, list[dict]] = {}
@@ -220,13 +250,26 @@ def first_failure(tofino: list[dict], v1model: dict | None) -> str | None:
             testgen.check_batches(vectors, lanes)
         except Exception as e:  # noqa: BLE001
             return f"{chip} sequences as batches: {type(e).__name__}: {e}"
-    for vector in (v1model or {}).get("tests", []):
-        try:
-            testgen.v1model_check(vector, int(v1model["defines"]["PASSING_LANES"]))
-        except testgen.Outside:
+    for vectors in (v1model, v1model_tree):
+        if vectors is None:
             continue
-        except Exception as e:  # noqa: BLE001
-            return f"v1model test {vector['id']}: {type(e).__name__}: {e}"
+        lanes = int(vectors["defines"]["PASSING_LANES"])
+        chains: dict[str, list[dict]] = {}
+        for vector in vectors["tests"]:
+            if vector["run"] == "sequence":  # the tree sequences: checked as chains, below
+                chains.setdefault(vector["sequence"], []).append(vector)
+                continue
+            try:
+                testgen.v1model_check(vector, lanes)
+            except testgen.Outside:
+                continue
+            except Exception as e:  # noqa: BLE001
+                return f"v1model test {vector['id']}: {type(e).__name__}: {e}"
+        for name, chain in chains.items():
+            try:
+                tree_sequences.check_tree_sequence(sorted(chain, key=lambda v: v["step"]), lanes)
+            except Exception as e:  # noqa: BLE001
+                return f"v1model sequence {name}: {type(e).__name__}: {e}"
     return None
 
 
@@ -234,15 +277,15 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def engine_score(tofino: list[dict], v1model: dict | None) -> list[dict]:
+def engine_score(tofino: list[dict], v1model: dict | None, v1model_tree: dict | None = None) -> list[dict]:
     """Each engine mutant against the vectors; first the engine as it is, which must pass them (the control)."""
-    control = first_failure(tofino, v1model)
+    control = first_failure(tofino, v1model, v1model_tree)
     if control is not None:
         raise SystemExit(f"the vectors fail with the engine as it is: {control}")
     results = []
     for mutant in ENGINE_MUTANTS:
         with engine_with(mutant):
-            failure = first_failure(tofino, v1model)
+            failure = first_failure(tofino, v1model, v1model_tree)
         results.append({"mutant": mutant.name, "area": mutant.area, "killed": failure is not None,
                         "by": failure})
     return results
@@ -323,11 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_engine:
         tofino = [_load(ROOT / tool.PROGRAMS[name].vectors) for name in ("tna", "t2na")]
         v1model = _load(ROOT / tool.PROGRAMS["v1model"].vectors)
-        rates.append(report("Reference engine mutants against the TNA, T2NA and v1model vectors",
-                            engine_score(tofino, v1model)))
+        tree = _load(ROOT / tool.PROGRAMS["v1model_tree"].vectors)
+        rates.append(report("Reference engine mutants against the TNA, T2NA, v1model and v1model tree vectors",
+                            engine_score(tofino, v1model, tree)))
         for name, vectors in zip(("TNA", "T2NA"), tofino):
             report(f"Reference engine mutants against the {name} vectors alone", engine_score([vectors], None))
         report("Reference engine mutants against the v1model vectors alone", engine_score([], v1model))
+        report("Reference engine mutants against the v1model tree sequences alone", engine_score([], None, tree))
     if args.p4:
         results = p4_score(args.lanes, 2, args.max_tests, args.only, not args.no_control)
         rates.append(report(f"TNA program mutants ({args.lanes} lanes)", results))

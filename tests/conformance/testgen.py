@@ -42,7 +42,7 @@ from passing import wire
 from passing.aggregator import engine as reference
 from passing.aggregator.engine import JobSpec
 
-from . import vector_tool
+from . import tree_vectors, vector_tool
 
 tool = vector_tool.load()  # p4/testgen_vectors.py: the P4 header layout is defined there once (testgen_programs.py)
 
@@ -55,12 +55,9 @@ DROP_PORT = 511  # both targets (and their P4Testgen models) drop a packet sent 
 FLOOD_GROUP = 1  # PASSING_FLOOD_GROUP
 
 
-class Outside(Exception):
-    """The vector's state is none the protocol reaches."""
-
-
-class Divergence(AssertionError):
-    """The program does what no protocol rule says."""
+# Outside: the vector's state is none the protocol reaches; Divergence: the program does what no protocol rule
+# says (defined with the tree's reading of the vectors, which raises them too)
+Outside, Divergence = tree_vectors.Outside, tree_vectors.Divergence
 
 
 # ---- the input, as the shared parser sees it -----------------------------------------------------------------
@@ -715,31 +712,12 @@ def _header_only(raw: bytes) -> dict[str, int] | None:
     return unpack("passing_h", raw[at:])
 
 
-def _from_uplink_shaped(vector: dict, hdr: dict | None, port: int) -> None:
-    """What comes down from a root to a leaf job (docs/protocol.md, "Trees across racks"): a RESULT or ACK of the
-    job id an ``uplink`` entry holds, or a GATHER or NACK of it on that entry's port, which the v1model program
-    admits by that entry, not by admission. The controller writes the entry (tree_roles.leaf_entries) with the
-    leaf job's allocation, as admission's: raise Outside for an entry no controller writes."""
-    if hdr is None or hdr["version"] != wire.VERSION or \
-            hdr["type"] not in (wire.RESULT, wire.ACK, wire.GATHER, wire.NACK):
-        return
-    entry = _table_hit(vector, "uplink", "job", hdr["job"])
-    if entry is None or entry["action"].split(".")[-1] != "from_uplink":
-        return
-    u = _params(entry)
-    if hdr["type"] in (wire.GATHER, wire.NACK) and port != u["port"]:
-        return  # a server's own GATHER or NACK of that job id: the flat path
-    workers = u["full"].bit_length()
-    if not 1 <= u["leaf_job"] < MAX_JOBS or u["epoch"] != u["leaf_job"] << 16 | u["leaf_generation"] \
-            or u["group"] != u["leaf_job"] + 1 or workers == 0 or u["full"] != (1 << workers) - 1 \
-            or not 1 <= u["pool"] or u["base"] + u["pool"] > SLOTS:
-        raise Outside(f"uplink of job {hdr['job']} {u}: no controller writes it")
-
-
-def v1model_expect(vector: dict, lanes: int) -> tuple[str, int | None, bytes | None]:
+def v1model_expect(vector: dict, lanes: int,
+                   engine: reference.AggregationEngine | None = None) -> tuple[str, int | None, bytes | None]:
     """What p4/v1model/passing.p4 sends for a vector of P4Testgen's bmv2 target: (rule, port, packet), or a drop
     (None, None). That model starts every register at 0 (a slot of no allocation: a round there is new) and
-    drops a multicast (a completed round, a relayed kind, a flood), as its Tofino model does."""
+    drops a multicast (a completed round, a relayed kind, a flood), as its Tofino model does. A job with a tree
+    role, and what comes down from a root, go through the reference's roles (tree_vectors)."""
     raw = bytes.fromhex(vector["input"]["packet"])
     port = int(vector["input"]["port"])
     p = parse(raw, lanes)
@@ -754,39 +732,68 @@ def v1model_expect(vector: dict, lanes: int) -> tuple[str, int | None, bytes | N
             header = raw[ETH:ETH + IPV4]
             packet = raw[:ETH + 10] + struct.pack(">H", tool.ipv4_checksum(header)) + raw[ETH + 12:]
         return "l2: forwarded", out, packet
-    _from_uplink_shaped(vector, p.headers.get("passing_h") or _header_only(raw), port)
+    at = ETH + IPV4 + UDP
     hdr = p.headers.get("passing_h")
+    header_only = _header_only(raw)
+    down = tree_vectors.down_job(vector, hdr or header_only, port)
+    if down is not None:  # the root's answer or relay to a leaf job
+        datagram = raw[at:at + (wire.HEADER_SIZE if hdr is None else wire.packet_size(lanes))]
+        return v1model_outcome(vector, raw, down, datagram, port, lanes, "down: ", engine)
     if not _aggregated_kind(hdr):
         return "malformed: dropped", None, None
     job = job_view(vector, hdr["job"], hdr["generation"], hdr["worker"], port)
-    # v1model multicasts in the pass that decides: with group 0 a relay or a completion goes to port 0
-    no_group = Outside(f"admission group {job.group if job else None}: no job's multicast group (job id + 1 >= 2)")
-    if hdr["type"] != wire.DATA:
-        datagram = raw[ETH + IPV4 + UDP:ETH + IPV4 + UDP + wire.packet_size(lanes)]
-        relayed = relay(job, hdr, {}, None, port, datagram, lanes)
-        if relayed.to == "multicast" and job is not None and job.group <= FLOOD_GROUP:
-            raise no_group
-        return relayed.rule + " (no unicast port)", None, None
     if job is None:
         return "rejected: not admitted", None, None
-    if job.epoch == 0:
+    if hdr["type"] == wire.DATA and job.epoch == 0:
         raise Outside("admission epoch 0 is the registers' initial value: a round of this allocation with no "
                       "contributor, which the protocol never holds")
-    datagram = raw[ETH + IPV4 + UDP:ETH + IPV4 + UDP + wire.packet_size(lanes)]
-    index = (hdr["set"] & 1) * SLOTS + job.spec.base + hdr["slot"]
-    empty = SlotView(-1, 0, 0, False, np.zeros(lanes, np.int32))
-    results, verdict, _ = run_reference(job, index, empty, datagram, port, lanes)
-    if any(not multicast for _, _, multicast in results):
-        raise Divergence("a round new at every slot answered a retransmission")
-    if results and job.group <= FLOOD_GROUP:
-        raise no_group
-    return ("a completed round: multicast, no unicast port" if results else
-            f"the state machine drops it ({', '.join(verdict)})"), None, None
+    tree = tree_vectors.tree_job(vector, job.spec, job.group)
+    return v1model_outcome(vector, raw, tree, raw[at:at + wire.packet_size(lanes)], port, lanes,
+                           "" if tree.spec.role == "flat" else f"{tree.spec.role}: ", engine)
 
 
-def v1model_check(vector: dict, lanes: int) -> str:
-    """The rule that decides a v1model vector, after comparing P4Testgen's output with it."""
-    rule, port, packet = v1model_expect(vector, lanes)
+def v1model_outcome(vector: dict, raw: bytes, tree: tree_vectors.TreeJob, datagram: bytes, port: int, lanes: int,
+                    role: str, engine: reference.AggregationEngine | None = None) -> tuple[str, int | None,
+                                                                                        bytes | None]:
+    """The reference's verdict on one packet of a (flat or tree) job as what the v1model program sends: a
+    multicast (a completion, a relay, a leaf's GATHER with its uplink replica) is a drop in P4Testgen's model; a
+    packet up leaves by the uplink's port; an answer by the worker's. ``engine``: one that holds the job and the
+    registers the earlier packets of a sequence left (default: a fresh one, every slot/set unused)."""
+    hdr = unpack("passing_h", datagram)
+    if engine is None:
+        engine = tree_vectors.engine_of([tree.spec], lanes)
+    before = engine.counters(tree.spec.job)
+    emitted = tree_vectors.run(engine, datagram, port, lanes)
+    verdict = tree_vectors.verdict(engine, tree.spec.job, before)
+    kind = {wire.DATA: "DATA", wire.RESULT: "RESULT", wire.ACK: "ACK", wire.GATHER: "GATHER",
+            wire.NACK: "NACK"}.get(hdr["type"], "?")
+    if any(multicast for _, _, multicast in emitted):
+        if tree.group <= FLOOD_GROUP:  # v1model multicasts in the pass that decides: group 0 goes to port 0
+            raise Outside(f"group {tree.group}: no job's multicast group (job id + 1 >= 2)")
+        rule = "a completed round: multicast" if "completed" in verdict or "answered" in verdict else "relayed"
+        return f"{role}{rule} ({kind}; {', '.join(verdict)}), no unicast port", None, None
+    if not emitted:
+        if hdr["type"] != wire.DATA and not role.startswith("down") and "rejected" in verdict:
+            return f"{role}rejected: a relayed kind not admitted or not addressed to the job", None, None
+        return f"{role}the state machine drops it ({', '.join(verdict)})", None, None
+    if len(emitted) != 1:
+        raise Divergence(f"{role}the reference sends {len(emitted)} unicast packets for one")
+    dest, packet, _ = emitted[0]
+    spec = tree.spec
+    if spec.up is not None and dest == spec.up.source and tree.up is not None:
+        rule = "a leaf's partial up" if hdr["type"] == wire.DATA else f"a leaf's {kind} up"
+        return f"{role}{rule} ({', '.join(verdict)}): to the uplink's port", tree.up.port, \
+            tree_vectors.up_frame(raw, packet, tree.up)
+    if dest != port:
+        raise Divergence(f"{role}the reference answers origin {dest}, not the sender's port {port}")
+    return f"{role}a retransmission to a completed round: answered ({', '.join(verdict)})", port, \
+        tree_vectors.answer_frame(raw, packet)
+
+
+def v1model_check(vector: dict, lanes: int, engine: reference.AggregationEngine | None = None) -> str:
+    """The rule that decides a v1model vector, after comparing P4Testgen's output with it (``engine``: as
+    v1model_expect's)."""
+    rule, port, packet = v1model_expect(vector, lanes, engine)
     got = vector["expect"]
     if packet is None:
         if got is not None:

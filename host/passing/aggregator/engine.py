@@ -327,10 +327,11 @@ class AggregationEngine:
         self.bitmap[ck] |= wbit[contrib]
         self.overflow[ck] |= lane_overflow
 
-        if tree:  # the root's answer: a RESULT's sums and flag replace the partial; after an ACK only ACKs go out
+        if tree:  # the root's answer: a RESULT's sums replace the partial, either answer's flag the partial's (the
+            # whole round's, which the rack's RESULTs and ACKs carry); after an ACK only ACKs go out
             result = down & (hdr["type"] == wire.RESULT)
             acc[k[result]] = payload[result]
-            self.overflow[k[result]] = flagged[result]
+            self.overflow[k[down]] = flagged[down]
             self.phase[k[down]] = np.where(result[down], 1, 2)
             tally.jobs("answered", d[down])
             tally.jobs("late_answer", d[~data & ~down])
