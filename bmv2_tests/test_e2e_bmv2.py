@@ -360,6 +360,7 @@ def test_reduce_scatter_and_all_gather_through_bmv2(network, controller, tmp_pat
           f"{counted['results_sent']} sent")
 
 
+@pytest.mark.slow  # 8 training steps through BMv2: make test-all's
 @pytest.mark.timeout(600)
 def test_fsdp2_through_bmv2_trains_as_on_gloo(network, controller):
     """An unmodified FSDP2 (fully_shard) training on backend "passing", 2 single-rank servers h1 and h2:

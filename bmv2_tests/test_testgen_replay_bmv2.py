@@ -152,9 +152,14 @@ def test_the_vectors_are_those_of_the_program():
     assert VECTORS, f"{PROGRAM.vectors} has no tests"
 
 
+QUICK_EVERY = 4  # `make test` replays every fourth vector; make test-all (CI) every one
+
+
 def _param(vector: dict):
     reason = KNOWN_DIFFERENCES.get(vector["id"])
     marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    if vector["id"] % QUICK_EVERY:
+        marks.append(pytest.mark.slow)
     return pytest.param(vector, id=f"test{vector['id']}", marks=marks)
 
 
