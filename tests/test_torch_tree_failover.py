@@ -29,11 +29,21 @@ WORKER = [sys.executable, "-m", "tests.torch_worker"]
 EPOCHS, SERVERS = 24, 4  # long enough for two moves (each about 3 s) after the fifth step
 
 
+def why_it_ended(stderr: str) -> str:
+    """A rank's stderr where it says why it ended: from faulthandler's "Fatal Python error" (its threads' stacks;
+    the list of extension modules after them is cut) when it crashed, else the tail."""
+    fatal = stderr.find("Fatal Python error")
+    if fatal < 0:
+        return stderr[-3000:]
+    modules = stderr.find("Extension modules:", fatal)
+    return stderr[fatal:modules if modules > 0 else None][:8000]
+
+
 def running(procs: list) -> bool:
     """True while every rank runs; a rank that ended says why."""
     for rank, p in enumerate(procs):
         if p.poll() is not None:
-            raise AssertionError(f"rank {rank} ended ({p.returncode}) too soon:\n{p.communicate()[1][-3000:]}")
+            raise AssertionError(f"rank {rank} ended ({p.returncode}) too soon:\n{why_it_ended(p.communicate()[1])}")
     return True
 
 
