@@ -80,13 +80,13 @@ def test_ddp_across_two_racks_survives_a_leaf_and_the_root_killed(tmp_path):
     for rank, (rc, report, stderr) in enumerate(gloo):
         assert rc == 0 and report is not None, f"gloo rank {rank} failed ({rc}):\n{stderr[-3000:]}"
     services = Services(tmp_path, spares=2)
-    marker = tmp_path / "training"
+    marker, hold = tmp_path / "training", tmp_path / "checked"
     leaf, root, spares = services.ready[0]["control"], services.ready[2]["control"], services.ready[3:]
     try:
         procs = launch_ranks([*WORKER, "ddp_fault", str(EPOCHS)], SERVERS, 1,
                              {"PASSING_CONTROLLER": services.endpoint, "PASSING_TIMEOUT": "60",
                               "PASSING_FAILOVER_AFTER": "1", "PASSING_TEST_MARKER": str(marker),
-                              "PYTHONFAULTHANDLER": "1"}, **hosts)
+                              "PASSING_TEST_HOLD": str(hold), "PYTHONFAULTHANDLER": "1"}, **hosts)
         try:
             while not marker.exists():  # rank 0 is past its fifth training step
                 assert running(procs)
@@ -106,8 +106,10 @@ def test_ddp_across_two_racks_survives_a_leaf_and_the_root_killed(tmp_path):
                 time.sleep(0.05)
             moved.append(time.time())
             trees = [j for j in ask(services.endpoint, "status")["jobs"] if j["mode"] == "tree"]
+            hold.touch()  # the training may end now
             outcomes = collect(procs, 300)
         finally:
+            hold.touch()
             for p in procs:
                 if p.poll() is None:
                     p.kill()
