@@ -58,8 +58,9 @@ lint: $(STAMP)
 
 # The main job: a multi-host run on BMv2 in Mininet when BMv2, p4c and Mininet are here
 # (as root), else on the software aggregator with worker processes on loopback; it says which.
+# DEMO=tree: on BMv2, a tree across two racks with the switch as one rack's leaf (needs BMv2).
 demo: $(STAMP)
-	$(PY) demo/run.py
+	$(PY) demo/run.py $(if $(DEMO),--$(DEMO))
 
 # The emulated-cluster comparison of the schemes of docs/torch.md ("Schemes") (root: network namespaces;
 # docs/benchmarks.md). bench-quick: under 10 minutes; bench: every configuration. SWITCH_KIND: the switch the
@@ -152,7 +153,7 @@ p4-tofino2: $(T2NA_SOURCES)
 TESTGEN_MAX_TESTS ?= 600
 TESTGEN_SEED ?= 2
 TESTGEN_V1MODEL_MAX_TESTS ?= 300
-TESTGEN_V1MODEL_SEED ?= 2
+TESTGEN_V1MODEL_SEED ?= 3
 p4-testgen:
 	@command -v p4testgen >/dev/null || { echo "make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)" >&2; exit 1; }
 	$(PYTHON) p4/testgen_vectors.py generate tna --max-tests $(TESTGEN_MAX_TESTS) --seed $(TESTGEN_SEED)
@@ -163,9 +164,11 @@ p4-testgen:
 # The mutation score of the vector checks (docs/tofino.md, "Mutation score"): bugs planted one at a time in the
 # reference engine (the vectors in the repository checked against each; seconds, no P4 tool) and, with
 # P4MUTANTS=1, in the TNA program (P4Testgen makes each mutant's vectors at 4 lanes, minutes each; results
-# recorded in p4/tna/mutants.json). Fails below 90 % killed. It runs the project's code: the venv's Python.
+# recorded in p4/tna/mutants.json) and in the v1model program's tree rules (its tree sequences made again on
+# each; p4/v1model/tree_mutants.json). Fails below 90 % killed. It runs the project's code: the venv's Python.
 p4-mutants: $(STAMP)
 	$(PY) -m tests.conformance.mutants $(if $(P4MUTANTS),--p4 --record p4/tna/mutants.json)
+	$(if $(P4MUTANTS),$(PY) -m tests.conformance.tree_mutants --record p4/v1model/tree_mutants.json)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

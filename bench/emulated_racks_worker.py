@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import emulated_worker  # noqa: E402  (bench/: the other schemes, and the timed loop)
 
 
 class Hierarchy:
@@ -62,18 +63,6 @@ class Hierarchy:
         tensor.copy_(flat[:n])
 
 
-def timed(h: Hierarchy, tensor: torch.Tensor, iterations: int, barrier: dist.ProcessGroup) -> tuple[list, list]:
-    seconds, starts = [], []
-    for _ in range(iterations):
-        work = tensor.clone()
-        dist.barrier(group=barrier)
-        starts.append(time.time())
-        start = time.perf_counter()
-        h.all_reduce(work)
-        seconds.append(time.perf_counter() - start)
-    return seconds, starts
-
-
 def hierarchical(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     barrier = dist.new_group(backend="gloo")
@@ -96,11 +85,12 @@ def hierarchical(args: argparse.Namespace) -> None:
             raise SystemExit(f"hring: the hierarchical sum differs from the exact one by "
                              f"{(work - expected).abs().max().item():g}")
         cpu = time.process_time()
-        seconds, starts = timed(h, tensor, args.iterations, barrier)
+        seconds, starts = emulated_worker.timed_all_reduces(tensor, args.iterations, barrier, h.all_reduce)
         out["workloads"][name] = {"elements": int(elements), "seconds": seconds, "starts": starts,
                                   "median_s": statistics.median(seconds), "warmup_s": warmup,
                                   "cpu_s": time.process_time() - cpu, "transport": {}, "in_host_s": None}
-    out["fixed_s"] = statistics.median(timed(h, torch.ones(64), args.probes, barrier)[0])
+    probes = emulated_worker.timed_all_reduces(torch.ones(64), args.probes, barrier, h.all_reduce)[0]
+    out["fixed_s"] = statistics.median(probes)
     dist.barrier(group=barrier)
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
@@ -108,8 +98,6 @@ def hierarchical(args: argparse.Namespace) -> None:
 
 def main() -> None:
     if os.environ.get("PASSING_SCHEME") != "hring":
-        import emulated_worker
-
         emulated_worker.main()
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,9 +26,9 @@ import passing.torch  # registers backend "passing"
 from passing import wire
 
 
-def timed_all_reduces(tensor: torch.Tensor, iterations: int,
-                      barrier: dist.ProcessGroup) -> tuple[list[float], list[float]]:
-    """Seconds of each all_reduce, and the wall-clock time each started (all ranks share one
+def timed_all_reduces(tensor: torch.Tensor, iterations: int, barrier: dist.ProcessGroup,
+                      all_reduce: Callable[[torch.Tensor], Any] = dist.all_reduce) -> tuple[list[float], list[float]]:
+    """Seconds of each ``all_reduce``, and the wall-clock time each started (all ranks share one
     machine's clock, so the harness can see how far apart the ranks left the barrier)."""
     seconds, starts = [], []
     for _ in range(iterations):
@@ -35,7 +36,7 @@ def timed_all_reduces(tensor: torch.Tensor, iterations: int,
         dist.barrier(group=barrier)
         starts.append(time.time())
         start = time.perf_counter()
-        dist.all_reduce(work)
+        all_reduce(work)
         seconds.append(time.perf_counter() - start)
     return seconds, starts
 

@@ -11,6 +11,7 @@ Thrift is BMv2's own runtime API: it resets registers, which BMv2's P4Runtime se
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import select
 import shutil
@@ -119,13 +120,18 @@ class ThriftRuntime:
         self.sock.close()
 
 
+_SWITCHES = itertools.count()  # this process's switches, for their namespaces' names
+
+
 class NamespacedSwitch:
     """simple_switch_grpc with ports 0..ports-1, each a veth pair ``sw<i>`` (the switch's) / ``pk<i>`` (the
     test's), no program loaded: push one over P4Runtime at ``p4runtime_address``."""
 
     def __init__(self, ports: int) -> None:
         self.ports = ports
-        self.name = f"passing-replay-{os.getpid()}"
+        # unique per switch of this process (a module's may still be up when another starts); the pid last, for
+        # remove_leftovers
+        self.name = f"passing-replay-{next(_SWITCHES)}-{os.getpid()}"
         self.dir = tempfile.mkdtemp(prefix="passing-replay-")
         self.p4runtime_address = f"unix:{self.dir}/p4runtime.sock"
         self.process: subprocess.Popen | None = None

@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build" / "v1model"
@@ -182,7 +183,42 @@ def prepare_hosts(net, hosts: list[HostInfo], arp: dict[str, dict[str, str]]) ->
                 h.setARP(other.ip, other.mac)
 
 
-class Bmv2Network:
+def start_ps(node, ip: str) -> subprocess.Popen:
+    """A software aggregator (PS) on Mininet host ``node``: data at ``ip``:9877, control at tcp://``ip``:9878;
+    returns once it says it is ready."""
+    proc = node.popen([sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", f"{ip}:9877",
+                       "--control", f"tcp://{ip}:9878"], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line or json.loads(line).get("event") != "ready":
+        proc.kill()
+        raise RuntimeError(f"the PS at {ip} did not start: {line!r}")
+    return proc
+
+
+class MininetWithAgents:
+    """What a Mininet network of these tests shares: ``net``, ``log_dir`` and each host's packet agent, made on
+    first use and closed with the network."""
+
+    net: Any
+    log_dir: str
+    agents: dict[str, Agent]
+
+    def agent(self, host: str) -> Agent:
+        if host not in self.agents:
+            self.agents[host] = Agent(self.net.get(host))
+        return self.agents[host]
+
+    def stop(self) -> None:
+        for a in self.agents.values():
+            try:
+                a.close()
+            except Exception:  # best effort on the way out
+                a.proc.kill()
+        self.net.stop()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+class Bmv2Network(MininetWithAgents):
     """n hosts h1..hn on switch ports 1..n, all in 10.0.0.0/24, and the switch.
 
     ``extra`` adds named hosts after them, e.g. a PS host, or a host in the root
@@ -234,16 +270,3 @@ class Bmv2Network:
             "hosts": [{"name": h.name, "mac": h.mac, "ip": h.ip, "port": h.port} for h in self.hosts],
         }
 
-    def agent(self, host: str) -> Agent:
-        if host not in self.agents:
-            self.agents[host] = Agent(self.net.get(host))
-        return self.agents[host]
-
-    def stop(self) -> None:
-        for a in self.agents.values():
-            try:
-                a.close()
-            except Exception:  # best effort on the way out
-                a.proc.kill()
-        self.net.stop()
-        shutil.rmtree(self.log_dir, ignore_errors=True)

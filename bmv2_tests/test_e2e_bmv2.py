@@ -39,10 +39,9 @@ def network():
 
 @pytest.fixture(scope="module")
 def ps(network):
-    proc = network.net.get("ps").popen(
-        [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", "10.0.0.100:9877",
-         "--control", "tcp://10.0.0.100:9878"], stdout=subprocess.PIPE, text=True)
-    assert json.loads(proc.stdout.readline())["event"] == "ready"
+    from .network import start_ps
+
+    proc = start_ps(network.net.get("ps"), "10.0.0.100")
     yield proc
     proc.terminate()
     proc.wait(10)
@@ -135,6 +134,38 @@ def test_allreduce_through_bmv2_matches_the_software_aggregator(network, control
     finally:
         c.close()
     for (_, r), s in zip(results, software):
+        assert np.array_equal(r, s)
+
+
+@pytest.mark.slow  # 9 s (make test-all)
+@pytest.mark.timeout(600)
+def test_streams_through_bmv2_are_a_job_each_and_give_one_streams_bits(network, controller, tmp_path):
+    """--streams 3: the controller admits a job per stream on the switch (each its own slots, admission and
+    rewrite entries from the worker's port + s), and the sums are the bits of one stream (docs/control.md)."""
+    size = 20_000
+    procs = run_workers(network, tmp_path, "striped", ["h1", "h2"], size, extra=["--streams", "3", "--engine",
+                                                                                 "native"], wait=False)
+    deadline = time.monotonic() + 60
+    while not (jobs := [j for j in controller.ctl("jobs")["jobs"] if j["job"] == "striped"]):
+        assert time.monotonic() < deadline, "the striped group did not join"
+        time.sleep(0.2)
+    (job,) = jobs
+    assert job["mode"] == "switch" and len(job["stripes"]) == 2, job
+    ranges = sorted([(job["base"], job["pool"])] + [(s["base"], job["pool"]) for s in job["stripes"]])
+    assert all(a + n <= b for (a, n), (b, _) in zip(ranges, ranges[1:])), ranges  # disjoint slots
+    results = finish(procs, tmp_path, "striped")
+    counts = controller.ctl("stats", "--job-id", str(job["job_id"]))[str(job["job_id"])]
+    controller.ctl("leave", "striped")
+    # every stream's counters moved (the switch's per-job counters: the job's own, and each stream's)
+    assert counts["completed"] > 0 and len(counts["streams"]) == 2, counts
+    assert all(stream["completed"] > 0 for stream in counts["streams"]), counts
+    c = LocalCluster(tmp_path, workers=2, pool=64)
+    try:
+        software = c.results(size)
+    finally:
+        c.close()
+    for (report, r), s in zip(results, software):
+        assert report["mode"] == "switch" and report["streams"] == 3, report
         assert np.array_equal(r, s)
 
 
@@ -329,6 +360,7 @@ def test_reduce_scatter_and_all_gather_through_bmv2(network, controller, tmp_pat
           f"{counted['results_sent']} sent")
 
 
+@pytest.mark.slow  # 8 training steps through BMv2: make test-all's
 @pytest.mark.timeout(600)
 def test_fsdp2_through_bmv2_trains_as_on_gloo(network, controller):
     """An unmodified FSDP2 (fully_shard) training on backend "passing", 2 single-rank servers h1 and h2:

@@ -152,9 +152,14 @@ def test_the_vectors_are_those_of_the_program():
     assert VECTORS, f"{PROGRAM.vectors} has no tests"
 
 
+QUICK_EVERY = 4  # `make test` replays every fourth vector; make test-all (CI) every one
+
+
 def _param(vector: dict):
     reason = KNOWN_DIFFERENCES.get(vector["id"])
     marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    if vector["id"] % QUICK_EVERY:
+        marks.append(pytest.mark.slow)
     return pytest.param(vector, id=f"test{vector['id']}", marks=marks)
 
 
@@ -178,6 +183,7 @@ TREE = testgen_vectors.PROGRAMS["v1model_tree"]
 TREE_VECTORS = testgen_vectors.load_vectors(TREE)["tests"] if (REPO / TREE.vectors).exists() else []
 
 
+@pytest.mark.slow  # a second compile of the program (at the sequences' lanes) and a second switch
 @pytest.mark.parametrize("name", sorted({v["sequence"] for v in TREE_VECTORS}))
 def test_bmv2_runs_each_tree_sequence_as_p4testgen_expected(tree_replay, name):
     """A tree sequence's packets in order on one switch, from registers at 0 (the first step's): each does what

@@ -9,11 +9,14 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from .network import REPO
+from .network import REPO, start_ps
 from .test_e2e_bmv2 import CONTROLLER, ControllerProcess, expected, finish, run_workers
 
 pytestmark = pytest.mark.slow  # three BMv2 switches or a controller's tree: make test-all's (~1 min each file)
@@ -38,17 +41,24 @@ def network():
     net.stop()
 
 
-@pytest.fixture(scope="module")
-def aggregators(network):
+@contextmanager
+def tree_services(network, pipeline, tmp: Path) -> Iterator[ControllerProcess]:
+    """The three PSs (ps, ps2 and the spare ps3) and the controller with FABRIC, on ``network``'s hosts."""
     procs = []
     try:
         for host, ip in PS.items():
-            proc = network.net.get(host).popen(
-                [sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen", f"{ip}:9877", "--control",
-                 f"tcp://{ip}:9878"], stdout=subprocess.PIPE, text=True)
-            procs.append(proc)
-            assert json.loads(proc.stdout.readline())["event"] == "ready"
-        yield procs
+            procs.append(start_ps(network.net.get(host), ip))
+        c = ControllerProcess(network, pipeline, tmp)
+        topo = json.loads(c.topology.read_text())
+        topo["ps"] = [{"data": f"{ip}:9877", "control": f"tcp://{ip}:9878"} for ip in PS.values()]
+        topo["fabric"] = FABRIC
+        c.topology.write_text(json.dumps(topo))
+        ready = c.start()
+        assert ready["switch"] == "connected", ready
+        try:
+            yield c
+        finally:
+            c.stop()
     finally:
         for proc in procs:
             proc.terminate()
@@ -56,16 +66,9 @@ def aggregators(network):
 
 
 @pytest.fixture(scope="module")
-def controller(network, pipeline, aggregators, tmp_path_factory):
-    c = ControllerProcess(network, pipeline, tmp_path_factory.mktemp("controller"))
-    topo = json.loads(c.topology.read_text())
-    topo["ps"] = [{"data": f"{ip}:9877", "control": f"tcp://{ip}:9878"} for ip in PS.values()]
-    topo["fabric"] = FABRIC
-    c.topology.write_text(json.dumps(topo))
-    ready = c.start()
-    assert ready["switch"] == "connected", ready
-    yield c
-    c.stop()
+def controller(network, pipeline, tmp_path_factory):
+    with tree_services(network, pipeline, tmp_path_factory.mktemp("controller")) as c:
+        yield c
 
 
 @pytest.mark.timeout(600)

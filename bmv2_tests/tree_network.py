@@ -3,8 +3,9 @@
     h1 h2 ... (rack 1)        h3 h4 ... (rack 2)
        |  |                      |  |
       s1 (leaf) port k+1 --- 1 s3 (spine) 2 --- port k+1 s2 (leaf)
-                                  | 3
-                                 hs (a server on the spine: the stranger the root admits nothing from)
+                                  | 3    | 4 (``controller_ip`` given)
+                                 hs      ctl (in the root namespace: the controller, as in bmv2_tests/network.py)
+hs is a server on the spine: the stranger the root admits nothing from.
 
 Every switch runs the same program; its entries make it a leaf or the root (passing_controller.tree_roles).
 Plain traffic crosses the tree by L2 forwarding; no switch forwards to another switch's aggregation MAC,
@@ -13,12 +14,12 @@ so a server's datagram never reaches the root but through its leaf's program.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from dataclasses import dataclass
 
 from .network import (
     HostInfo,
+    MininetWithAgents,
     free_tcp_port,
     host_mac,
     import_mininet,
@@ -40,15 +41,18 @@ class SwitchInfo:
     uplink: int | None  # a leaf's port toward the spine
 
 
-class TreeNetwork:
+class TreeNetwork(MininetWithAgents):
     """``per_rack`` hosts under each of the leaves s1 and s2 (ports 1..per_rack, uplink port per_rack + 1),
-    the spine s3 (port r + 1 to leaf r + 1, port 3 to the stranger hs)."""
+    the spine s3 (port r + 1 to leaf r + 1, port 3 to the stranger hs, port 4 to the controller's host ctl
+    when ``controller_ip`` is given: a host in the root namespace, where passing-controller reaches every
+    switch's gRPC port on localhost and the servers through the switches)."""
 
-    def __init__(self, per_rack: int = 2) -> None:
+    def __init__(self, per_rack: int = 2, controller_ip: str | None = None) -> None:
         import_mininet()
         from mininet.net import Mininet
 
         self.per_rack = per_rack
+        self.ctl = None if controller_ip is None else HostInfo("ctl", host_mac(0x65), controller_ip, 4)
         self.log_dir = tempfile.mkdtemp(prefix="passing-bmv2-tree-")
         self.net = Mininet(controller=None, build=False, autoSetMacs=False, autoStaticArp=False)
         self.agents: dict = {}
@@ -83,12 +87,17 @@ class TreeNetwork:
         self.stranger = HostInfo(STRANGER, host_mac(0x64), "10.0.0.100", 3)
         self.net.addHost(STRANGER, ip=f"{self.stranger.ip}/24", mac=self.stranger.mac)
         self.net.addLink(STRANGER, SPINE, port2=3)
+        if self.ctl is not None:
+            self.net.addHost(self.ctl.name, ip=f"{self.ctl.ip}/24", mac=self.ctl.mac, inNamespace=False)
+            self.net.addLink(self.ctl.name, SPINE, port2=self.ctl.port)
         self.net.build()
         self.net.start()
         arp = {h.name: {self.switches[leaf].ip: self.switches[leaf].mac}
                for leaf, rack in zip(("s1", "s2"), self.racks, strict=True) for h in rack}
         arp[STRANGER] = {self.switches[SPINE].ip: self.switches[SPINE].mac}
-        prepare_hosts(self.net, self.hosts, arp)
+        if self.ctl is not None:  # a PS there (a spare taking a leaf's place) sends its partials to the spine
+            arp[self.ctl.name] = {self.switches[SPINE].ip: self.switches[SPINE].mac}
+        prepare_hosts(self.net, self.hosts + ([self.ctl] if self.ctl is not None else []), arp)
         for s in self.switches.values():
             wait_for_grpc(self.net.get(s.name), s.grpc_port, self.log_dir)
 
@@ -96,38 +105,32 @@ class TreeNetwork:
     def hosts(self) -> list[HostInfo]:
         return [h for rack in self.racks for h in rack] + [self.stranger]
 
-    def port_at(self, switch: str, host: HostInfo) -> int:
-        """The port of ``switch`` that reaches ``host``."""
-        if switch == SPINE:
-            if host is self.stranger:
-                return 3
-            return next(r + 1 for r, rack in enumerate(self.racks) if host in rack)
-        leaf = int(switch[1:]) - 1
-        return host.port if host in self.racks[leaf] else self.switches[switch].uplink
+    def topology(self) -> dict:
+        """The controller's topology file for this network (docs/bmv2.md, "A tree of three switches"): the
+        three switches by name with their links, every host on its switch, and the fabric's racks: rack1 on
+        s1, rack2 on s2, the spine on s3."""
+        k = self.per_rack
+        switches = {
+            name: {"p4runtime": f"127.0.0.1:{s.grpc_port}", "aggregation_mac": s.mac, "aggregation_ip": s.ip,
+                   "chip": "bmv2", "links": {SPINE: k + 1} if s.uplink else {"s1": 1, "s2": 2}}
+            for name, s in self.switches.items()}
+        on = [(h, leaf) for leaf, rack in zip(("s1", "s2"), self.racks, strict=True) for h in rack]
+        on += [(self.stranger, SPINE)] + ([(self.ctl, SPINE)] if self.ctl is not None else [])
+        return {
+            "switches": switches,
+            "hosts": [{"name": h.name, "mac": h.mac, "ip": h.ip, "port": h.port, "switch": s} for h, s in on],
+            "fabric": [{"name": f"rack{r + 1}", "switch": leaf, "hosts": [h.name for h in rack], "uplink": "spine"}
+                       for r, (leaf, rack) in enumerate(zip(("s1", "s2"), self.racks, strict=True))]
+            + [{"name": "spine", "switch": SPINE}],
+        }
 
     def program_plain(self, switch: str, session) -> None:
-        """L2 forwarding of every host's MAC, and the switch's aggregation address."""
+        """What the controller writes on a switch from the topology alone: L2 forwarding (every host's MAC
+        toward it, broadcasts to the switch's own hosts) and the switch's aggregation address, from the
+        switch's view of ``topology()`` (passing_controller.topology, docs/control.md, Several switches)."""
         from passing_controller import aggregator_address, l2_forward
-        from passing_controller.topology import ip_to_int, mac_to_int
+        from passing_controller.topology import Topology
 
-        entries = [session.table_entry(l2_forward.TABLE, {"dst_addr": mac_to_int(h.mac)}, l2_forward.FORWARD,
-                                       {"port": self.port_at(switch, h)}) for h in self.hosts]
-        entries.append(session.table_entry(aggregator_address.TABLE, {"ip": ip_to_int(self.switches[switch].ip)},
-                                           "NoAction"))
-        session.write([session.update("insert", e) for e in entries])
-
-    def agent(self, host: str):
-        from .network import Agent
-
-        if host not in self.agents:
-            self.agents[host] = Agent(self.net.get(host))
-        return self.agents[host]
-
-    def stop(self) -> None:
-        for a in self.agents.values():
-            try:
-                a.close()
-            except Exception:  # best effort on the way out
-                a.proc.kill()
-        self.net.stop()
-        shutil.rmtree(self.log_dir, ignore_errors=True)
+        view = Topology.from_dict(self.topology()).view(f"switch:{switch}")
+        l2_forward.install(session, view)
+        aggregator_address.install(session, view)

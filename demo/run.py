@@ -13,6 +13,7 @@ each server sent to the aggregator in PASSING vs flat mode.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bmv2_tests.network import Bmv2Network, compile_p4, missing_requirements  # noqa: E402
+from bmv2_tests.network import Bmv2Network, compile_p4, missing_requirements, start_ps  # noqa: E402
 from cluster import netns  # noqa: E402
 from cluster.local import LocalServices, ensure_keys, launch_ranks, start_controller  # noqa: E402
 
@@ -31,8 +32,9 @@ SERVERS, RANKS = 2, 2
 TRAIN = [sys.executable, str(REPO / "demo" / "train.py")]
 
 
-def finish(procs: list[subprocess.Popen], timeout: float = 1800) -> int:
-    """Wait for every rank (killing all after ``timeout``), showing rank 0's progress lines."""
+def finish(procs: list[subprocess.Popen], timeout: float = 1800, expect_mode: str | None = None) -> int:
+    """Wait for every rank (killing all after ``timeout``), showing rank 0's progress lines; with
+    ``expect_mode``, every rank's group must have run in that mode (e.g. "tree")."""
     errors: list[list[str]] = [[] for _ in procs]
 
     def drain(rank: int) -> None:
@@ -61,12 +63,16 @@ def finish(procs: list[subprocess.Popen], timeout: float = 1800) -> int:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return summarize(results)
+    return summarize(results, expect_mode)
 
 
-def summarize(results: list[dict]) -> int:
+def summarize(results: list[dict], expect_mode: str | None = None) -> int:
     r0 = results[0]
     print(f"demo: aggregation on {r0['mode']} ({r0['reason']})")
+    modes = {r["mode"] for r in results}
+    if expect_mode is not None and modes != {expect_mode}:
+        print(f"demo: the ranks ran in mode {sorted(modes)}, not {expect_mode}\nFAILED", flush=True)
+        return 1
     for name in ("passing", "gloo", "flat"):
         r = r0[name]
         print(f"demo: {name:8s} test accuracy {r['accuracy']:.3f}, train loss {r['loss']:.4f} "
@@ -113,19 +119,35 @@ def on_namespaces(reason: str) -> int:
         return finish(procs)
 
 
-def on_bmv2() -> int:
-    print("demo: on BMv2 in Mininet: the switch aggregates (2 server hosts, a controller host, a PS host)",
-          flush=True)
+# The demo's tree on BMv2 (`make demo DEMO=tree`): server 0 (h1) in rack1 under the switch as its leaf, server 1
+# (h2) in rack2 under a PS leaf, and a PS root joining the racks (docs/control.md, Fabric).
+TREE_PS = {"ps": "10.0.0.100", "ps2": "10.0.0.101"}
+TREE_FABRIC = [
+    {"name": "rack1", "switch": True, "hosts": ["h1"], "uplink": "spine"},
+    {"name": "rack2", "ps": f"{TREE_PS['ps']}:9877", "hosts": ["h2"], "uplink": "spine"},
+    {"name": "spine", "ps": f"{TREE_PS['ps2']}:9877"},
+]
+
+
+def on_bmv2(tree: bool) -> int:
+    if tree:
+        print("demo: on BMv2 in Mininet as a tree across two racks: rack1's leaf is the switch (server 0), rack2's a "
+              "PS (server 1), the root a PS", flush=True)
+    else:
+        print("demo: on BMv2 in Mininet: the switch aggregates (2 server hosts, a controller host, a PS host)",
+              flush=True)
     p4info, device_config = compile_p4()
-    net = Bmv2Network(SERVERS, extra=(("ps", "10.0.0.100", False), ("ctl", "10.0.0.253", True)))
-    ps = None
+    ps_hosts = TREE_PS if tree else {"ps": TREE_PS["ps"]}
+    net = Bmv2Network(SERVERS, extra=(*((h, ip, False) for h, ip in ps_hosts.items()), ("ctl", "10.0.0.253", True)))
+    services: list[subprocess.Popen] = []
     try:
         with tempfile.TemporaryDirectory(prefix="passing-demo-") as tmp:
-            ps = net.net.get("ps").popen([sys.executable, "-m", "passing.cli", "aggregator", "serve", "--listen",
-                                          "10.0.0.100:9877", "--control", "tcp://10.0.0.100:9878"],
-                                         stdout=subprocess.PIPE, text=True)
-            ps.stdout.readline()
-            topo = {**net.topology(), "ps": [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878"}]}
+            for host, ip in ps_hosts.items():
+                services.append(start_ps(net.net.get(host), ip))
+            topo = {**net.topology(),
+                    "ps": [{"data": f"{ip}:9877", "control": f"tcp://{ip}:9878"} for ip in ps_hosts.values()]}
+            if tree:
+                topo["fabric"] = TREE_FABRIC
             controller = "tcp://10.0.0.253:9090"
             ctl, ready = start_controller(topo, Path(tmp), controller, ["--p4info", str(p4info), "--device-config",
                                                                          str(device_config)])
@@ -140,24 +162,41 @@ def on_bmv2() -> int:
                     popen_for_server=lambda s: net.net.get(net.hosts[s].name).popen,
                     env_for_server=lambda s: {"GLOO_SOCKET_IFNAME": f"{net.hosts[s].name}-eth0"},
                     master_host=net.hosts[0].ip)
-                return finish(procs)
+                return finish(procs, expect_mode="tree" if tree else None)
             finally:
                 ctl.terminate()
                 ctl.wait(10)
     finally:
-        if ps is not None:
-            ps.terminate()
-            ps.wait(10)
+        for service in services:
+            service.terminate()
+            service.wait(10)
         net.stop()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tree", action="store_true",
+                        help="on BMv2: a tree across two racks, the switch as one rack's leaf (needs BMv2)")
+    parser.add_argument("--on", choices=("auto", "bmv2", "namespaces", "loopback"), default="auto",
+                        help="where to run: the best this machine has (auto), or that one")
+    args = parser.parse_args(argv)
     missing = missing_requirements()
-    if not missing:
-        return on_bmv2()
+    if (args.tree or args.on == "bmv2") and missing:
+        print(f"demo: BMv2 in Mininet is needed: {missing}", file=sys.stderr)
+        return 2
+    if args.tree and args.on not in ("auto", "bmv2"):
+        print("demo: --tree runs on BMv2 only", file=sys.stderr)
+        return 2
+    if args.on in ("auto", "bmv2") and not missing:
+        return on_bmv2(args.tree)
     why_not_netns = netns.available()
-    if not why_not_netns:
-        return on_namespaces(f"no BMv2: {missing}")
+    if args.on == "namespaces" and why_not_netns:
+        print(f"demo: network namespaces are needed: {why_not_netns}", file=sys.stderr)
+        return 2
+    if args.on in ("auto", "namespaces") and not why_not_netns:
+        return on_namespaces(f"no BMv2: {missing}" if args.on == "auto" else "asked for")
+    if args.on == "loopback":
+        return on_loopback("asked for")
     return on_loopback(f"no BMv2: {missing}; no namespaces: {why_not_netns}")
 
 

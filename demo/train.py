@@ -136,8 +136,10 @@ def main() -> None:
         before = passing.torch.transport_stats(group) if name != "gloo" else {}
         runs[name] = train(data, group, args.epochs, check_group=gloo, check_every=50, label=f"[{name}] ",
                            hidden=args.hidden)
-        for key, value in before.items():
-            runs[name][key] = passing.torch.transport_stats(group)[key] - value
+        after = passing.torch.transport_stats(group) if name != "gloo" else {}
+        for key, value in before.items():  # the counters; what names a path (a string) is not counted
+            if isinstance(value, int | float):
+                runs[name][key] = after[key] - value
     pg = dist.distributed_c10d._get_default_group()
     report = {"rank": dist.get_rank(), "server": pg.layout.server, "mode": pg.mode, "reason": pg.reason, **runs}
     dist.destroy_process_group()

@@ -22,6 +22,7 @@ from passing.aggregator.control_channel import ControlClient
 from passing.cli import worker_inputs
 from passing.control import ControllerError, join, leave
 from passing.launch import free_udp_ports
+from passing.stripes import bind_streams, sized
 from passing_controller.top import render
 from passing_controller.topology import Topology
 from tests.cluster import run_threads, start_aggregator, start_controller
@@ -75,6 +76,23 @@ class Services:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def allreduce_once(endpoint: str, job: str, data: list[np.ndarray]) -> list:
+    """Worker w (of len(data), host_ip(w % 2, w // 2): the racks alternate) joins ``job``, allreduces data[w]
+    once and leaves; per worker (the join's answer, the result), or what it raised."""
+    ports = free_udp_ports(len(data))
+
+    def work(w: int) -> tuple[dict, np.ndarray]:
+        ip = host_ip(w % 2, w // 2)
+        answer = join(endpoint, job, w, len(data), host=ip, udp_port=ports[w], pool=4, timeout=30)
+        try:
+            with Group.from_answer(answer, bind=(ip, ports[w]), timeout=10) as g:
+                return answer, g.allreduce(data[w])
+        finally:
+            leave(endpoint, job, 0, w, answer["token"])
+
+    return run_threads(work, len(data))
 
 
 @pytest.fixture
@@ -212,19 +230,8 @@ def test_a_tree_that_cannot_be_placed_falls_back_to_one_aggregator_and_says_why(
     endpoint, ready, services = fabric
     services.procs[0].terminate()
     services.procs[0].wait(10)
-    ports = free_udp_ports(4)
     data = [np.full(100, w + 1, dtype=np.int32) for w in range(4)]
-
-    def work(w: int) -> tuple[dict, np.ndarray]:
-        ip = host_ip(w % 2, w // 2)
-        answer = join(endpoint, "fallback", w, 4, host=ip, udp_port=ports[w], pool=4, timeout=30)
-        try:
-            with Group.from_answer(answer, bind=(ip, ports[w]), timeout=10) as g:
-                return answer, g.allreduce(data[w])
-        finally:
-            leave(endpoint, "fallback", 0, w, answer["token"])
-
-    results = run_threads(work, 4)
+    results = allreduce_once(endpoint, "fallback", data)
     for w, result in enumerate(results):
         assert isinstance(result, tuple), result
         answer, got = result
@@ -232,6 +239,35 @@ def test_a_tree_that_cannot_be_placed_falls_back_to_one_aggregator_and_says_why(
         assert f"no tree across racks: leaf 'rack0' (PS {ready[0]['control']})" in answer["reason"], answer["reason"]
         assert f"{answer['aggregators'][0]['host']}:{answer['aggregators'][0]['port']}" != ready[0]["data"]
         assert np.array_equal(got, np.full(100, 10, dtype=np.int32))
+
+
+@pytest.mark.timeout(60)
+def test_a_group_of_several_streams_across_racks_runs_on_one_aggregator_and_says_why(fabric):
+    """A tree carries one stream a group: a group of two streams across the racks is placed flat, every stream
+    on one PS, the reason saying so; the sums are exact (docs/control.md, join's streams)."""
+    endpoint, ready, _ = fabric
+    data = [np.full(5000, w + 1, dtype=np.int32) for w in range(4)]
+
+    def work(w: int) -> tuple[dict, np.ndarray]:
+        ip = host_ip(w % 2, w // 2)
+        socks = bind_streams(ip, 2)
+        answer = join(endpoint, "striped", w, 4, host=ip, udp_port=socks[0].address[1], pool=4, timeout=30,
+                      streams=2)
+        socks = sized(socks, int(answer["lanes"]))
+        try:
+            with Group.from_answer(answer, bind=socks[0], stream_sockets=socks[1:], engine="native", io="udp",
+                                   timeout=10) as g:
+                return answer, g.allreduce(data[w])
+        finally:
+            leave(endpoint, "striped", 0, w, answer["token"])
+
+    for result in run_threads(work, 4):
+        assert isinstance(result, tuple), result
+        answer, got = result
+        assert answer["mode"] == "ps" and answer["streams"] == 2 and len(answer["stream_jobs"]) == 1, answer
+        assert "no tree across racks: a group of 2 streams is placed on one aggregator" in answer["reason"]
+        assert np.array_equal(got, np.full(5000, 10, dtype=np.int32))
+    assert_freed(ready)
 
 
 @pytest.mark.timeout(60)
@@ -431,19 +467,8 @@ def test_a_spare_ps_takes_an_unreachable_switch_leafs_place(tmp_path):
         services.restart_controller()
         endpoint = services.endpoint
         spares = {services.ready[0]["data"], services.ready[3]["data"]}  # the PSs no node of the fabric names now
-        ports = free_udp_ports(4)
         data = [np.full(100, w + 1, dtype=np.int32) for w in range(4)]
-
-        def work(w: int) -> tuple[dict, np.ndarray]:
-            ip = host_ip(w % 2, w // 2)
-            answer = join(endpoint, "spare-for-switch", w, 4, host=ip, udp_port=ports[w], pool=4, timeout=30)
-            try:
-                with Group.from_answer(answer, bind=(ip, ports[w]), timeout=10) as g:
-                    return answer, g.allreduce(data[w])
-            finally:
-                leave(endpoint, "spare-for-switch", 0, w, answer["token"])
-
-        for w, result in enumerate(run_threads(work, 4)):
+        for w, result in enumerate(allreduce_once(endpoint, "spare-for-switch", data)):
             assert isinstance(result, tuple), result
             answer, got = result
             assert answer["mode"] == "tree", answer["reason"]

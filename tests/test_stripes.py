@@ -76,7 +76,7 @@ def test_striped_streams_under_loss():
         assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-def test_streams_need_the_native_engine_and_no_failover():
+def test_streams_need_the_native_engine_and_a_job_per_stream():
     (port,) = free_udp_ports(1)
     with pytest.raises(ValueError, match="streams=2"):
         Group(1, 0, 1, ["127.0.0.1:9"], bind=f"127.0.0.1:{port}", engine="numpy", streams=2)
@@ -91,3 +91,14 @@ def test_default_streams_from_the_per_core_rate():
     assert default_streams(12.5, 64) >= 2  # the measured 64-lane rate is below 12.5 Gbit/s
     with pytest.raises(ValueError):
         default_streams(0, 64)
+
+
+def test_an_answer_must_admit_the_streams_the_caller_asked_for():
+    """A controller that knows no streams answers none: a caller that asked for two is told, not given one."""
+    from passing.stripes import answer_options
+
+    answer = {"job_id": 1, "generation": 3, "streams": 3, "stream_jobs": [[7, 1], [9, 0]]}
+    assert answer_options(answer, {"streams": 3})["stream_jobs"] == [(7, 1), (9, 0)]
+    assert answer_options({"job_id": 1}, {}) == {}
+    with pytest.raises(ValueError, match="streams=2, but the controller admitted 1"):
+        answer_options({"job_id": 1}, {"streams": 2})

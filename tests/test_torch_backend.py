@@ -57,6 +57,19 @@ def test_all_reduce_equals_gloo_within_the_scale_bound(services, servers, ranks)
                 assert c["identical_to_gloo"], c
 
 
+@pytest.mark.slow  # 4 s of four rank processes (make test-all)
+@pytest.mark.timeout(300)
+def test_all_reduce_over_two_streams_equals_gloo_within_the_scale_bound(services):
+    """PASSING_STREAMS=2: each rank's group striped over two streams, a job each at the controller's PS."""
+    reports = run(services, "allreduce", 2, 2, *SIZES, PASSING_STREAMS="2")
+    for r in reports:
+        assert r["streams"] == 2 and r["mode"] == "ps", r
+        assert len(r["checks"]) == len(SIZES) * 4
+        for c in r["checks"]:
+            assert c["streamed"] and c["identical"], c
+            assert c["error"] <= c["bound"], c
+
+
 @pytest.mark.timeout(300)
 def test_torchrun_launch(services):
     """Two torchrun invocations (one per server) of 2 ranks each."""

@@ -75,6 +75,16 @@ def test_an_overflow_in_reduce_scatter_fails_every_ranks_call(services, mode):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["embedded", "ps"])
+def test_a_collective_error_under_ddp_raises_in_backward_on_every_rank(services, mode):
+    """The error reaches DDP's reducer, which reads the future in C++: torch's set_exception left the exception
+    as the future's value, which the reducer took for the gradients (a SIGSEGV, or "Unable to cast")."""
+    for rank, r in enumerate(reports(run("ddp_overflow", {**modes(services)[mode], "PASSING_SCALE": "1e8"}))):
+        assert r["raised"] is not None, f"rank {rank} returned normally"
+        assert "verflow" in r["raised"] or "a collective failed on local rank 0" in r["raised"], (rank, r)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["embedded", "ps"])
 def test_a_new_group_after_a_failed_collective_forms_and_sums(services, mode):
     """The overflow above fails every rank's call; destroy_process_group, init_process_group again and an
     all_reduce, three times: each new group forms and sums right within the pg timeout (the fuzzer's rank

@@ -29,11 +29,21 @@ WORKER = [sys.executable, "-m", "tests.torch_worker"]
 EPOCHS, SERVERS = 24, 4  # long enough for two moves (each about 3 s) after the fifth step
 
 
+def why_it_ended(stderr: str) -> str:
+    """A rank's stderr where it says why it ended: from faulthandler's "Fatal Python error" (its threads' stacks;
+    the list of extension modules after them is cut) when it crashed, else the tail."""
+    fatal = stderr.find("Fatal Python error")
+    if fatal < 0:
+        return stderr[-3000:]
+    modules = stderr.find("Extension modules:", fatal)
+    return stderr[fatal:modules if modules > 0 else None][:8000]
+
+
 def running(procs: list) -> bool:
     """True while every rank runs; a rank that ended says why."""
     for rank, p in enumerate(procs):
         if p.poll() is not None:
-            raise AssertionError(f"rank {rank} ended ({p.returncode}) too soon:\n{p.communicate()[1][-3000:]}")
+            raise AssertionError(f"rank {rank} ended ({p.returncode}) too soon:\n{why_it_ended(p.communicate()[1])}")
     return True
 
 
@@ -70,13 +80,13 @@ def test_ddp_across_two_racks_survives_a_leaf_and_the_root_killed(tmp_path):
     for rank, (rc, report, stderr) in enumerate(gloo):
         assert rc == 0 and report is not None, f"gloo rank {rank} failed ({rc}):\n{stderr[-3000:]}"
     services = Services(tmp_path, spares=2)
-    marker = tmp_path / "training"
+    marker, hold = tmp_path / "training", tmp_path / "checked"
     leaf, root, spares = services.ready[0]["control"], services.ready[2]["control"], services.ready[3:]
     try:
         procs = launch_ranks([*WORKER, "ddp_fault", str(EPOCHS)], SERVERS, 1,
                              {"PASSING_CONTROLLER": services.endpoint, "PASSING_TIMEOUT": "60",
                               "PASSING_FAILOVER_AFTER": "1", "PASSING_TEST_MARKER": str(marker),
-                              "PYTHONFAULTHANDLER": "1"}, **hosts)
+                              "PASSING_TEST_HOLD": str(hold), "PYTHONFAULTHANDLER": "1"}, **hosts)
         try:
             while not marker.exists():  # rank 0 is past its fifth training step
                 assert running(procs)
@@ -96,8 +106,10 @@ def test_ddp_across_two_racks_survives_a_leaf_and_the_root_killed(tmp_path):
                 time.sleep(0.05)
             moved.append(time.time())
             trees = [j for j in ask(services.endpoint, "status")["jobs"] if j["mode"] == "tree"]
+            hold.touch()  # the training may end now
             outcomes = collect(procs, 300)
         finally:
+            hold.touch()
             for p in procs:
                 if p.poll() is None:
                     p.kill()

@@ -117,11 +117,11 @@ def test_ddp_across_racks_in_network_namespaces_survives_a_leaf_and_the_root_kil
     gloo = collect(racks.launch([*WORKER, "ddp_gloo", str(EPOCHS)], {"PASSING_CONTROLLER": ""}), 400)
     for rank, (rc, report, stderr) in enumerate(gloo):
         assert rc == 0 and report is not None, f"gloo rank {rank} failed ({rc}):\n{stderr[-3000:]}"
-    marker = tmp_path / "training"
+    marker, hold = tmp_path / "training", tmp_path / "checked"
     leaf, root, spares = racks.ready[0]["control"], racks.ready[2]["control"], racks.ready[3:]
     procs = racks.launch([*WORKER, "ddp_fault", str(EPOCHS)],
                          {"PASSING_TIMEOUT": "60", "PASSING_FAILOVER_AFTER": "1", "PASSING_TEST_MARKER": str(marker),
-                          "PYTHONFAULTHANDLER": "1"})
+                          "PASSING_TEST_HOLD": str(hold), "PYTHONFAULTHANDLER": "1"})
     try:
         while not marker.exists():  # rank 0 is past its fifth training step
             assert running(procs)
@@ -138,8 +138,10 @@ def test_ddp_across_racks_in_network_namespaces_survives_a_leaf_and_the_root_kil
         racks.wait_on_node(spares[1]["control"], procs)  # and the other spare the root
         moved.append(time.time())
         trees = [j for j in racks.status()["jobs"] if j["mode"] == "tree"]
+        hold.touch()  # the training may end now (rank 0 held its last step until the test saw both moves)
         outcomes = collect(procs, 400)
     finally:
+        hold.touch()
         kill_all(procs)
     check_ddp_across_racks(outcomes, gloo, kills, moved, trees,
                            [spares[0]["data"], racks.ready[1]["data"], spares[1]["data"]], "in namespaces: ")

@@ -39,10 +39,28 @@ def test_host_defaults_to_the_route_toward_the_controller():
     ({"PASSING_EMBEDDED": "ps", "PASSING_CONTROLLER": "tcp://127.0.0.1:9090"}, "set one or the other"),
     ({"PASSING_SHARED_MEMORY": "shm"}, "shared_memory must be 'off' or an absolute directory"),
     ({"PASSING_DEVICE_BACKEND": "mpi"}, "device_backend must be one of auto, nccl, gloo"),
+    ({"PASSING_STREAMS": "17"}, "streams must be 1..16; got 17"),
+    ({"PASSING_STREAMS": "two"}, "not a number"),
+    ({"PASSING_STREAMS": "2", "PASSING_ENGINE": "numpy"}, "streams=2 needs the native engine"),
+    ({"PASSING_LINK_GBIT": "-5"}, "link_gbit must be positive"),
 ])
 def test_bad_values_are_refused_with_the_reason(env, message):
     with pytest.raises(OptionError, match=message):
         Options().resolve({"PASSING_HOST": "127.0.0.1", **env})
+
+
+def test_streams_default_from_the_link_speed_only_where_it_is_given():
+    from passing import native
+    from passing.stripes import default_streams
+
+    env = {"PASSING_HOST": "127.0.0.1"}
+    assert Options().resolve(env).streams == 1  # no link speed: one stream
+    assert Options().resolve({**env, "PASSING_STREAMS": "3"}).streams == 3
+    link = Options().resolve({**env, "PASSING_LINK_GBIT": "12.5"})
+    assert link.link_gbit == 12.5
+    assert link.streams == (default_streams(12.5, 64) if native.available() else 1) >= (2 if native.available() else 1)
+    assert Options(streams=1).resolve({**env, "PASSING_LINK_GBIT": "100"}).streams == 1  # given beats the default
+    assert Options().resolve({**env, "PASSING_LINK_GBIT": "12.5", "PASSING_ENGINE": "numpy"}).streams == 1
 
 
 def test_the_embedded_aggregator_takes_its_interface_mtu():

@@ -57,6 +57,20 @@ def overflow_in_reduce_scatter(_: list[str]) -> dict:
         return {"raised": f"{type(e).__name__}: {e}", "after": time.monotonic() - start}
 
 
+def ddp_overflow(_: list[str]) -> dict:
+    """DDP's backward whose gradients overflow a fixed scale: the error must reach DDP's reducer (C++), which
+    reads the future's value: it raises there, on every rank, and nothing crashes."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(torch.nn.Linear(1000, 1, bias=False))
+    start = time.monotonic()
+    try:
+        model(torch.full((1, 1000), 100.0)).sum().backward()  # gradients of 100 x scale 1e8: past int32
+        return {"raised": None}
+    except Exception as e:  # noqa: BLE001  (the test reads it)
+        return {"raised": f"{type(e).__name__}: {e}", "after": time.monotonic() - start}
+
+
 def reinit_after_a_failure(args: list[str]) -> dict:
     """A collective that fails on every rank (the overflow above), then destroy_process_group and
     init_process_group again, ``args[0]`` times (the fuzzer's rank does so after a program with an error):
@@ -289,7 +303,7 @@ SCENARIOS = {"barrier_reads": barrier_reads, "overflow_in_reduce_scatter": overf
              "skip_a_call": skip_a_call, "rank0_dies": rank0_dies, "cycles": cycles, "strided": strided,
              "keep_all_gather_on_gloo": keep_all_gather_on_gloo, "coalesced_future": coalesced_future,
              "works_kept": works_kept, "reinit_after_a_failure": reinit_after_a_failure,
-             "subgroup_ends_alone": subgroup_ends_alone}
+             "subgroup_ends_alone": subgroup_ends_alone, "ddp_overflow": ddp_overflow}
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ def allreduce(sizes: list[int]) -> dict:
                                "identical_to_gloo": bool(torch.equal(mine, expected))})
     return {"checks": checks, "mode": pg.mode, "reason": pg.reason, "servers": servers,
             "ranks_per_server": pg.layout.ranks_per_server, "stream": pg.stream is not None,
-            "embedded": pg.embedded is not None,
+            "embedded": pg.embedded is not None, "streams": pg.stream.streams if pg.stream else None,
             "in_host": type(pg.in_host["cpu"]).__name__ if pg.in_host else None}
 
 
@@ -180,12 +180,13 @@ def ddp(epochs: int) -> dict:
             "gloo": train(data, gloo, epochs, check_group=gloo, check_every=10)}
 
 
-def ddp_fault(epochs: int, when: str = "training") -> dict:
+def ddp_fault(epochs: int, when: str = "training", hidden: int = 256) -> dict:
     """DDP training while the test kills an aggregator under it (tests/test_torch_failover.py): the
     parameters are compared across ranks every 10 steps. The same training on gloo, which the test
     compares it with, is scenario ddp_gloo. ``when``: "training" (rank 0 says so past its fifth step, and
     goes on) or "startup" (rank 0 says so before DistributedDataParallel(...), whose parameter check is an
-    all_gather through the aggregator, and waits until the test has struck: PASSING_TEST_MARKER.done)."""
+    all_gather through the aggregator, and waits until the test has struck: PASSING_TEST_MARKER.done).
+    ``hidden``: the MLP's width (narrower through BMv2, which adds ~1 k packets/s)."""
     from demo.train import digits, train
 
     data, gloo = digits(), dist.new_group(backend="gloo")
@@ -193,27 +194,35 @@ def ddp_fault(epochs: int, when: str = "training") -> dict:
     start = time.time()
     marker = Path(os.environ["PASSING_TEST_MARKER"])
 
+    # PASSING_TEST_HOLD: rank 0 waits at the last step until the test has made that file (or 120 s), so a test
+    # that strikes twice sees its second move while the training still runs, however fast the machine is
+    hold, last = os.environ.get("PASSING_TEST_HOLD"), len(data.x_train) // 64 * epochs
+
     def mid_training(step: int) -> None:  # the test kills the aggregator once rank 0 is past step 5
         if step == 5 and dist.get_rank() == 0 and when == "training":
             marker.touch()
+        if hold and step == last and dist.get_rank() == 0:
+            deadline = time.monotonic() + 120
+            while not Path(hold).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     if when == "startup" and dist.get_rank() == 0:
         marker.touch()
         deadline = time.monotonic() + 30
         while not marker.with_suffix(".done").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-    passing_run = train(data, None, epochs, check_group=gloo, check_every=10, after_step=mid_training)
+    passing_run = train(data, None, epochs, check_group=gloo, check_every=10, after_step=mid_training, hidden=hidden)
     passing_run.update(started=start, ended=time.time(), seconds=time.time() - start)
     return {"passing": passing_run, "moves": sum(lane.stream.moves for lane in pg.lanes()),
             "on_gloo": any(lane.gloo is not None for lane in pg.lanes()), "mode": pg.mode}
 
 
-def ddp_gloo(epochs: int) -> dict:
+def ddp_gloo(epochs: int, hidden: int = 256) -> dict:
     """ddp_fault's training on a gloo default group: the fault-free reference of the failover tests."""
     from demo.train import digits, train
 
     start = time.monotonic()
-    gloo_run = train(digits(), None, epochs, check_group=None, check_every=10)
+    gloo_run = train(digits(), None, epochs, check_group=None, check_every=10, hidden=hidden)
     gloo_run["seconds"] = time.monotonic() - start
     return {"gloo": gloo_run}
 
@@ -531,8 +540,8 @@ def cuda_streams(steps: int) -> dict:
 
 SCENARIOS = {"allreduce": lambda a: allreduce([int(s) for s in a]), "bytes": lambda a: bytes_per_allreduce(int(a[0])),
              "fallback": lambda a: fallback(), "dead_peer": lambda a: dead_peer(int(a[0])),
-             "ddp": lambda a: ddp(int(a[0])), "ddp_fault": lambda a: ddp_fault(int(a[0]), *a[1:]),
-             "ddp_gloo": lambda a: ddp_gloo(int(a[0])),
+             "ddp": lambda a: ddp(int(a[0])), "ddp_fault": lambda a: ddp_fault(int(a[0]), *a[1:2], *map(int, a[2:])),
+             "ddp_gloo": lambda a: ddp_gloo(*map(int, a)),
              "post_local_sgd": lambda a: post_local_sgd(int(a[0])),
              "hook": lambda a: hook(int(a[0])), "nonfinite": lambda a: nonfinite(),
              "gradscaler": lambda a: gradscaler(int(a[0])), "embedded": lambda a: embedded_run(),

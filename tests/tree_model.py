@@ -257,9 +257,9 @@ class Model:
             self.count(leaf, "late_answer")
             return
         self.count(leaf, "answered")
+        s.overflow = bool(h.flags & OVERFLOW)  # either answer's flag is the whole round's
         if h.type == RESULT:
             s.acc = list(struct.unpack(f">{lanes}i", data[16:]))
-            s.overflow = bool(h.flags & OVERFLOW)
             s.answered = 1
         else:
             s.answered = 2

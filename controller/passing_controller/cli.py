@@ -76,6 +76,7 @@ def controller_main(argv: list[str] | None = None) -> int:
     ctl.install_signal_handlers()
     status = ctl.status()
     print(json.dumps({"event": "ready", "endpoint": ctl.endpoint, "switch": status["switch"],
+                      **({"switches": status["switches"]} if "switches" in status else {}),
                       "jobs": len(status["jobs"]), "metrics": server.address if server else None}), flush=True)
     try:
         ctl.serve()

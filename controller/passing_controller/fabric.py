@@ -10,14 +10,15 @@ The topology file's optional "fabric" list::
     ]
 
 A node with hosts is a leaf; a node without is a root. A node's aggregator is a PS of the topology's "ps"
-list, named by its "data" address ("switch": true names the topology's switch instead). ``plan`` places a
+list, named by its "data" address ("switch": true names the topology's switch instead, and "switch": "s1"
+one of its named "switches": a leaf's hosts then on that switch, and no two nodes on one switch). ``plan`` places a
 group whose hosts sit under several leaves: a leaf job per rack, a root job over the leaves, and the owner
 maps that name each server by its number in the whole group; a group under one leaf stays flat there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ class FabricError(ValueError):
 @dataclass(frozen=True)
 class Node:
     name: str
-    aggregator: str  # a PS's data address, or "switch"
+    aggregator: str  # a PS's data address, "switch" (the topology's one), or "switch:NAME" (a named one)
     hosts: tuple[str, ...]  # empty: a root
     uplink: str | None
 
@@ -56,17 +57,23 @@ class Fabric:
         raise FabricError(f"fabric: host {host!r} is under no leaf")
 
     @classmethod
-    def from_list(cls, raw: Any, hosts: Sequence[str], ps_data: Sequence[str], has_switch: bool) -> Fabric:
+    def from_list(cls, raw: Any, hosts: Sequence[str], ps_data: Sequence[str], has_switch: bool,
+                  switches: Mapping[str, Sequence[str]] | None = None) -> Fabric:
         """Checked: names unique, each aggregator known, every host of the topology under at most one leaf, a
         leaf's uplink a root (two levels: no cycle, no chain), every leaf with an uplink when there is a root,
-        a root with 1..32 leaves, a leaf with 1..32 hosts."""
+        a root with 1..32 leaves, a leaf with 1..32 hosts. ``switches``: the topology's named switches, each
+        with the hosts on it (names and addresses): a leaf on one has its hosts there, one node a switch."""
         if not isinstance(raw, list) or not raw:
             raise FabricError('topology: "fabric" must be a non-empty list of nodes')
         nodes: dict[str, Node] = {}
         for entry in raw:
-            node = _node(entry, ps_data, has_switch)
+            node = _node(entry, ps_data, has_switch, switches or {})
             if node.name in nodes:
                 raise FabricError(f"fabric: two nodes named {node.name!r}")
+            same = [n.name for n in nodes.values() if n.aggregator == node.aggregator != "switch"]
+            if same and node.aggregator.startswith("switch:"):
+                raise FabricError(f"fabric nodes {same[0]!r} and {node.name!r} are both on switch "
+                                  f"{node.aggregator.split(':', 1)[1]!r}: a switch is one node of the fabric")
             nodes[node.name] = node
         owner: dict[str, str] = {}
         for node in nodes.values():
@@ -80,7 +87,7 @@ class Fabric:
         return cls(nodes)
 
 
-def _node(entry: Any, ps_data: Sequence[str], has_switch: bool) -> Node:
+def _node(entry: Any, ps_data: Sequence[str], has_switch: bool, switches: Mapping[str, Sequence[str]]) -> Node:
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"]:
         raise FabricError(f"fabric: a node must be an object with a \"name\", got {entry!r}"[:200])
     name = entry["name"]
@@ -88,10 +95,23 @@ def _node(entry: Any, ps_data: Sequence[str], has_switch: bool) -> Node:
     if unknown:
         raise FabricError(f"fabric node {name!r}: unknown keys {sorted(unknown)}")
     if ("ps" in entry) == bool(entry.get("switch")):
-        raise FabricError(f'fabric node {name!r}: name its aggregator, "ps" (a PS data address) or "switch": true')
-    if entry.get("switch"):
+        raise FabricError(f'fabric node {name!r}: name its aggregator, "ps" (a PS data address) or "switch" (true: '
+                          f'the topology\'s switch; a name: one of its "switches")')
+    switch = entry.get("switch")
+    if isinstance(switch, str):
+        if switch not in switches:
+            raise FabricError(f"fabric node {name!r}: no switch named {switch!r} in the topology's \"switches\""
+                              + (f" ({', '.join(map(repr, switches))})" if switches else ""))
+        away = [h for h in entry.get("hosts", []) if isinstance(h, str) and h not in switches[switch]]
+        if away:
+            raise FabricError(f"fabric leaf {name!r} on switch {switch!r}: hosts {away} are not on that switch")
+        aggregator = f"switch:{switch}"
+    elif switch not in (None, True, False):
+        raise FabricError(f'fabric node {name!r}: "switch" must be true or a switch\'s name, got {switch!r}')
+    elif switch:
         if not has_switch:
-            raise FabricError(f"fabric node {name!r}: the topology has no switch")
+            raise FabricError(f"fabric node {name!r}: the topology has no switch"
+                              + (' named by true (name one of its "switches")' if switches else ""))
         aggregator = "switch"
     else:
         aggregator = entry["ps"]

@@ -28,6 +28,7 @@ from .serve import InPool, Reply
 from .state import PendingGroup, State, allocation_key
 from .store import Record, StoreError
 from .switch import SWITCH_RETRY_SECONDS, SwitchLink
+from .topology import SWITCH, is_switch
 from .tree_placement import nodes_of, worker_answer
 
 log = logging.getLogger("passing_controller")
@@ -42,9 +43,11 @@ REPORT_FRESH_SECONDS = 3.0
 
 class Failover:
     def __init__(self, state: State, membership: Membership, placement: Placement, switch: SwitchLink,
-                 ps: PsControl, reply: Reply, in_pool: InPool) -> None:
+                 ps: PsControl, reply: Reply, in_pool: InPool, switches: dict[str, SwitchLink] | None = None) -> None:
+        """``switches``: every switch's session by control name (default: ``switch``, the one)."""
         self.state, self.membership, self.placement, self.switch, self.ps = state, membership, placement, switch, ps
         self.reply, self.in_pool = reply, in_pool
+        self.switches = switches if switches is not None else {SWITCH: switch}
 
     # ---- heartbeats ------------------------------------------------------------------------
 
@@ -185,20 +188,24 @@ class Failover:
             answers = list(pool.map(self._ping, [n["control"] for n in nodes]))
         return {n["control"]: why for n, why in zip(nodes, answers, strict=True) if why is not None}
 
-    def _switch_down(self) -> str | None:
-        with self.switch.lock:
-            if self.switch.session is None:
-                return f"switch unreachable: {self.switch.error}"
+    def _switch_down(self, control: str = SWITCH) -> str | None:
+        link = self.switches.get(control)
+        if link is None:
+            return f"{control}: no such switch in the topology"
+        what = "switch" if control == SWITCH else control
+        with link.lock:
+            if link.session is None:
+                return f"{what} unreachable: {link.error}"
             try:
-                counters.totals(self.switch.session)
+                counters.totals(link.session)
             except SwitchError as e:
-                self.switch.lost(str(e))
-                return f"switch unreachable: {e}"
+                link.lost(str(e))
+                return f"{what} unreachable: {e}"
         return None
 
     def _ping(self, control: str) -> str | None:
-        if control == "switch":  # a tree's leaf on the switch
-            return self._switch_down()
+        if is_switch(control):  # a tree's node on a switch
+            return self._switch_down(control)
         try:
             self.ps.request(control, "ping", timeout=self.ps.check_timeout)
         except (OSError, RequestError) as e:
@@ -223,9 +230,9 @@ class Failover:
         with s.lock:
             for name, reason in down.items():
                 s.store.mark_down(name, reason, time.time(),
-                                  SWITCH_RETRY_SECONDS if name == "switch" else AGGREGATOR_RETRY_SECONDS)
+                                  SWITCH_RETRY_SECONDS if is_switch(name) else AGGREGATOR_RETRY_SECONDS)
         self.placement.teardown(r, reachable=r.mode == "tree" or not down, down=frozenset(down))
-        pending = PendingGroup(len(r.workers), r.pool, 0.0, wanted)
+        pending = PendingGroup(len(r.workers), r.pool, 0.0, wanted, streams=r.streams)  # every stream moves
         label = "its tree's nodes" if r.mode == "tree" else names[0]
         why = "; ".join(down.values()) or f"{label} answer, but no RESULT reached any worker"
         try:

@@ -28,6 +28,7 @@ log = logging.getLogger("passing_controller")
 
 MAX_WORKERS = MAX_LEAVES * MAX_RACK  # a group: 32 on one aggregator (placement.MAX_FLAT), up to 1 024 across racks
 MAX_GROUP = 1023  # group indices (a server's local rank)
+MAX_STREAMS = 16  # a join's "streams": a job id and slots each (passing.stripes.default_streams' most)
 MAX_PENDING = 4096  # groups waiting for their workers at once
 AGGREGATOR_CHOICES = ("any", "ps")  # a join's "aggregator": the PS and PSRing baselines ask for "ps"
 REPORT_FIELDS = ("packets_sent", "bytes_sent", "packets_received", "bytes_received", "retransmissions",
@@ -51,9 +52,16 @@ class Membership:
         workers = schema.integer(req, "workers", 1, MAX_WORKERS if self.topo.fabric is not None else MAX_FLAT)
         worker = schema.integer(req, "worker", 0, workers - 1)
         host = schema.text(req, "host", schema.HOST, what="a host name or address")
-        schema.integer(req, "udp_port", 1, 65535)
+        udp_port = schema.integer(req, "udp_port", 1, 65535)
         pool = schema.integer(req, "pool", 1, self.placement.largest_pool(), default=None)
         aggregator = schema.choice(req, "aggregator", AGGREGATOR_CHOICES, "any")
+        streams = schema.integer(req, "streams", 1, MAX_STREAMS, default=1)
+        if udp_port + streams - 1 > 65535:
+            raise RequestError(f"{streams} streams from UDP port {udp_port}: stream s is sent from udp_port + s, "
+                               "past 65535")
+        if pool is not None and pool * streams > self.placement.largest_pool():
+            raise RequestError(f"{streams} streams of {pool} slots need {pool * streams} slots at one aggregator; "
+                               f"the largest of the topology has {self.placement.largest_pool()}")
         secret = schema.text(req, "secret", schema.SECRET, what="the job's secret (32 to 128 hex digits)")
         self.topo.host(host)  # a clear error for an unknown host, now
         key = (name, group)
@@ -63,7 +71,8 @@ class Membership:
         if pending is None:
             if len(s.pending) >= MAX_PENDING:
                 raise RequestError(f"{MAX_PENDING} groups are waiting for workers already; try again later")
-            pending = PendingGroup(workers, pool, time.monotonic() + self.join_timeout, aggregator, digest(secret))
+            pending = PendingGroup(workers, pool, time.monotonic() + self.join_timeout, aggregator, digest(secret),
+                                   streams)
         elif not matches(secret, pending.secret):
             raise RequestError(f"job {name!r} group {group}: wrong job secret")
         if pending.workers != workers:
@@ -71,6 +80,8 @@ class Membership:
         if pending.aggregator != aggregator:
             raise RequestError(f"job {name!r} group {group} asked for aggregator {pending.aggregator!r}, "
                                f"not {aggregator!r}")
+        if pending.streams != streams:
+            raise RequestError(f"job {name!r} group {group} has {pending.streams} streams, not {streams}")
         if pending.pool != pool:
             raise RequestError(f"job {name!r} group {group} has pool {pending.pool or 'default'}, "
                                f"not {pool or 'default'}")

@@ -22,7 +22,7 @@ from .readout import Readout
 from .schema import RequestError
 from .state import PS_SLOTS, PendingGroup, State, allocation_key
 from .store import Record
-from .switch import GROUP_CONTROLS, SWITCH_RETRY_SECONDS, SwitchLink, allocation
+from .switch import GROUP_CONTROLS, SWITCH_RETRY_SECONDS, SwitchLink, allocations
 from .topology import PsEndpoint, Topology, ps_pool
 from .tree_placement import TreePlacement, TreeRefused, tree_plan, worker_answer
 
@@ -40,14 +40,16 @@ class AggregatorFailed(RuntimeError):
 
 class Placement:
     def __init__(self, topo: Topology, state: State, switch: SwitchLink, ps: PsControl, readout: Readout,
-                 default_pool: int) -> None:
+                 default_pool: int, switches: dict[str, SwitchLink] | None = None) -> None:
+        """``switches``: every switch's session by control name, for trees (default: ``switch``, the one)."""
         self.topo, self.state, self.switch, self.ps, self.readout = topo, state, switch, ps, readout
         self.default_pool = default_pool
-        self.trees = TreePlacement(topo, state, ps, default_pool, switch)
+        self.trees = TreePlacement(topo, state, ps, default_pool, switch, switches)
 
     def largest_pool(self) -> int:
         """The largest pool any aggregator of the topology could give one group."""
-        return max([self.topo.slots if self.topo.p4runtime else 0] + ([PS_SLOTS] if self.topo.ps else []))
+        return max([self.topo.slots if self.topo.p4runtime else 0] + [v.slots for v in self.topo.switches.values()]
+                   + ([PS_SLOTS] if self.topo.ps else []))
 
     def allocate(self, name: str, group: int, pending: PendingGroup, tokens: dict[int, str] | None = None,
                  exclude: frozenset[str] = frozenset(), workers: list[dict] | None = None) -> tuple[Record, str]:
@@ -55,11 +57,14 @@ class Placement:
         (``exclude``: aggregators not to try, such as the one a move leaves for being down).
         Runs on a pool thread: the lock is taken for the state only."""
         s = self.state
-        with s.lock:
-            job_id, generation = s.store.claim_job_id(MAX_JOB_ID, busy=s.claimed | s.ending)
-            s.claimed.add(job_id)
-            order = self.candidates(job_id, pending.aggregator)
+        ids: list[tuple[int, int]] = []  # (job id, generation) of each stream, the group's own first
         try:
+            with s.lock:
+                for _ in range(pending.streams):
+                    ids.append(s.store.claim_job_id(MAX_JOB_ID, busy=s.claimed | s.ending))
+                    s.claimed.add(ids[-1][0])
+                (job_id, generation), extra = ids[0], ids[1:]
+                order = self.candidates(job_id, pending.aggregator)
             if workers is None:
                 assert tokens is not None
                 workers = [{"index": w, "host": self.topo.host(str(req["host"])).name,
@@ -80,10 +85,10 @@ class Placement:
                 try:
                     if aggregator == "switch":
                         record = self._allocate_switch(job_id, name, group, generation,
-                                                       pending.pool or self.default_pool, workers)
+                                                       pending.pool or self.default_pool, workers, extra)
                     else:
                         record = self._allocate_ps(self.ps.endpoint(aggregator), job_id, name, group, generation,
-                                                   pending.pool, workers)
+                                                   pending.pool, workers, extra)
                 except AggregatorFailed as e:
                     tried.append(str(e))
                     continue
@@ -101,7 +106,7 @@ class Placement:
             raise RequestError("no aggregator can take the group: " + "; ".join(tried))
         finally:
             with s.lock:
-                s.claimed.discard(job_id)
+                s.claimed.difference_update(i for i, _ in ids)
 
     def _tree(self, job_id: int, name: str, group: int, generation: int, pending: PendingGroup,
               workers: list[dict], exclude: frozenset[str], tried: list[str]) -> tuple[Record, str] | None:
@@ -111,6 +116,9 @@ class Placement:
             p = tree_plan(self.topo, workers)
             if p is None:
                 return None
+            if pending.streams > 1:
+                raise TreeRefused(f"a group of {pending.streams} streams is placed on one aggregator (a tree "
+                                  "carries one stream per group)")
             record = self.trees.allocate(p, job_id, name, group, generation, pending.pool, workers, exclude,
                                          switch_allowed=pending.aggregator != "ps")
         except (FabricError, TreeRefused) as e:
@@ -141,67 +149,73 @@ class Placement:
         return [a for a in order if a not in resting] + [a for a in order if a in resting]
 
     def _allocate_switch(self, job_id: int, name: str, group: int, generation: int, pool: int,
-                         workers: list[dict]) -> Record:
+                         workers: list[dict], extra: list[tuple[int, int]]) -> Record:
         s = self.state
         with self.switch.lock:
             self.switch.connect_if_due()
             if self.switch.session is None:
                 raise AggregatorFailed(f"switch unreachable: {self.switch.error}")
             with s.lock:
-                try:
-                    base = s.allocator.allocate(pool)
-                except SlotsExhausted as e:
-                    raise AggregatorFailed(f"switch slots exhausted: {e}") from None
+                bases = _take_ranges(s.allocator, pool, 1 + len(extra), "switch slots exhausted")
             # the lanes of the switch's program (its chip's, topology.CHIP_LANES), kept with the allocation
-            r = Record(job_id, name, group, "switch", generation, base, pool, workers,
-                       {"data": f"{self.topo.aggregation_ip}:{UDP_PORT}", "lanes": self.topo.lanes})
-            a = allocation(self.topo, r)
+            r = Record(job_id, name, group, "switch", generation, bases[0], pool, workers,
+                       {"data": f"{self.topo.aggregation_ip}:{UDP_PORT}", "lanes": self.topo.lanes,
+                        **_stripes(extra, bases)})
+            streams = allocations(self.topo, r)  # one per stream, each with its job id and slots
             try:
-                for control in GROUP_CONTROLS:
-                    control.install(self.switch.session, a)
+                for a in streams:
+                    for control in GROUP_CONTROLS:
+                        control.install(self.switch.session, a)
             except SwitchError as e:
-                for control in GROUP_CONTROLS:  # what went in of it
-                    try:
-                        control.remove(self.switch.session, a)
-                    except SwitchError:
-                        pass
+                for a in streams:  # what went in of it
+                    for control in GROUP_CONTROLS:
+                        try:
+                            control.remove(self.switch.session, a)
+                        except SwitchError:
+                            pass
                 with s.lock:
-                    s.allocator.release(base)
+                    for base in bases:
+                        s.allocator.release(base)
                     s.store.mark_down("switch", str(e), time.time(), SWITCH_RETRY_SECONDS)
                 raise AggregatorFailed(f"switch refused the group's entries: {e}") from None
         with s.lock:
             self._add(r)
             s.store.mark_up("switch")
-        log.info("job %s group %d -> switch slots %d..%d (job id %d generation %d)", name, group, base,
-                 base + pool - 1, job_id, generation)
+        log.info("job %s group %d -> switch slots %s (job ids %s generation %d)", name, group,
+                 ", ".join(f"{b}..{b + pool - 1}" for b in bases), [job_id] + [i for i, _ in extra], generation)
         return r
 
     def _allocate_ps(self, ps: PsEndpoint, job_id: int, name: str, group: int, generation: int,
-                     pool: int | None, workers: list[dict]) -> Record:
+                     pool: int | None, workers: list[dict], extra: list[tuple[int, int]]) -> Record:
         s = self.state
-        addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
-        base: int | None = None  # the slots, once allocated: released if the PS then fails
+        bases: list[int] = []  # each stream's slots, once allocated: released if the PS then fails
+        added: list[int] = []  # the streams' job ids the PS took: removed if a later one fails
         try:
             lanes = ps.lanes(self.ps.request(ps.control, "ping"))  # the largest the PS and the path MTU take
             pool = pool or ps_pool(lanes, len(workers), self.default_pool)
             with s.lock:
                 allocator = s.ps_allocators.setdefault(ps.control, SlotAllocator(PS_SLOTS))
-                try:
-                    base = allocator.allocate(pool)
-                except SlotsExhausted as e:
-                    raise AggregatorFailed(f"PS {ps.control}: {e}") from None
-            self.ps.request(ps.control, "add_job",
-                            job={"job": job_id, "base": base, "pool": pool, "workers": addresses,
-                                 "generation": generation, "lanes": lanes})
+                bases = _take_ranges(allocator, pool, 1 + len(extra), f"PS {ps.control}")
+            for stream, (stream_job, stream_generation) in enumerate([(job_id, generation)] + extra):
+                addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port'] + stream}" for w in workers]
+                self.ps.request(ps.control, "add_job",
+                                job={"job": stream_job, "base": bases[stream], "pool": pool, "workers": addresses,
+                                     "generation": stream_generation, "lanes": lanes})
+                added.append(stream_job)
         except (OSError, RequestError) as e:  # down (TimeoutError is an OSError), hanging, or refusing
+            for stream_job in added:
+                try:
+                    self.ps.request(ps.control, "remove_job", job=stream_job)
+                except (OSError, RequestError):
+                    pass  # down: it holds nothing anyway
             with s.lock:
-                if base is not None:
+                for base in bases:
                     allocator.release(base)
                 s.store.mark_down(ps.control, str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
             log.warning("PS %s failed to admit job %s group %d: %s", ps.control, name, group, e)
             raise AggregatorFailed(f"PS {ps.control}: {e}") from None
-        r = Record(job_id, name, group, "ps", generation, base, pool, workers,
-                   {"data": ps.data, "control": ps.control, "lanes": lanes})
+        r = Record(job_id, name, group, "ps", generation, bases[0], pool, workers,
+                   {"data": ps.data, "control": ps.control, "lanes": lanes, **_stripes(extra, bases)})
         with s.lock:
             s.store.mark_up(ps.control)
             self._add(r)
@@ -224,7 +238,9 @@ class Placement:
         return {"mode": record.mode, "reason": reason, "job": record.job_name, "group": record.group,
                 "job_id": record.job_id, "generation": record.generation, "workers": len(record.workers),
                 "pool": record.pool, "lanes": record.lanes(self.topo.lanes),
-                "aggregators": [{"host": host, "port": int(port), "pool": record.pool}]}
+                "aggregators": [{"host": host, "port": int(port), "pool": record.pool}],
+                "streams": record.streams,  # stream s (1..): its job id and generation, from udp_port + s
+                "stream_jobs": [[stripe["job_id"], stripe["generation"]] for stripe in record.stripes]}
 
     # ---- freeing an allocation -------------------------------------------------------------
 
@@ -259,15 +275,16 @@ class Placement:
         elif r.mode == "switch":
             with self.switch.lock:
                 if self.switch.session is not None and reachable:
-                    a = allocation(self.topo, r)
                     try:
-                        for control in GROUP_CONTROLS:
-                            control.remove(self.switch.session, a)
+                        for a in allocations(self.topo, r):  # every stream's
+                            for control in GROUP_CONTROLS:
+                                control.remove(self.switch.session, a)
                     except SwitchError as e:  # reconciliation removes them once the switch is back
                         log.warning("switch did not remove job id %d: %s", r.job_id, e)
         elif reachable:
             try:
-                self.ps.request(r.aggregator["control"], "remove_job", job=r.job_id)
+                for stream_job in [r.job_id] + [stripe["job_id"] for stripe in r.stripes]:
+                    self.ps.request(r.aggregator["control"], "remove_job", job=stream_job)
             except (OSError, RequestError) as e:  # a dead PS holds nothing: the group ends anyway
                 with s.lock:
                     s.store.mark_down(r.aggregator["control"], str(e), time.time(), AGGREGATOR_RETRY_SECONDS)
@@ -278,9 +295,34 @@ class Placement:
             if r.mode == "tree":
                 self.trees.release(r)
             else:
-                (s.allocator if r.mode == "switch" else s.ps_allocators[r.aggregator["control"]]).release(r.base)
+                allocator = s.allocator if r.mode == "switch" else s.ps_allocators[r.aggregator["control"]]
+                for base in [r.base] + [stripe["base"] for stripe in r.stripes]:
+                    allocator.release(base)
             s.store.remove(r.job_id)
             if s.records.get((r.job_name, r.group)) is r:
                 del s.records[(r.job_name, r.group)]
             s.ending.discard(r.job_id)
             s.finished.append({**metrics, "ended": time.time()})  # for `metrics`, a while
+
+
+def _take_ranges(allocator: SlotAllocator, pool: int, streams: int, who: str) -> list[int]:
+    """(lock held) ``streams`` ranges of ``pool`` slots, one per stream of a group, or AggregatorFailed with none
+    taken."""
+    bases: list[int] = []
+    try:
+        for _ in range(streams):
+            bases.append(allocator.allocate(pool))
+    except SlotsExhausted as e:
+        for base in bases:
+            allocator.release(base)
+        wanted = f" ({streams} streams of {pool} slots)" if streams > 1 else ""
+        raise AggregatorFailed(f"{who}: {e}{wanted}") from None
+    return bases
+
+
+def _stripes(extra: list[tuple[int, int]], bases: list[int]) -> dict[str, Any]:
+    """A record's ``stripes`` (store.Record.stripes): streams 1.. with their job ids, generations and slots."""
+    if not extra:
+        return {}
+    return {"stripes": [{"job_id": job_id, "generation": generation, "base": base}
+                        for (job_id, generation), base in zip(extra, bases[1:])]}

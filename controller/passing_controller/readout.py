@@ -16,7 +16,7 @@ from .schema import RequestError
 from .state import State
 from .store import Record
 from .switch import SwitchLink
-from .topology import Topology
+from .topology import SWITCH, Topology, is_switch
 from .tree_placement import nodes_of
 
 log = logging.getLogger("passing_controller")
@@ -25,8 +25,11 @@ FINISHED_RETENTION = 300.0  # s a finished group stays in `metrics`, so a scrape
 
 
 class Readout:
-    def __init__(self, topo: Topology, state: State, switch: SwitchLink, ps: PsControl) -> None:
+    def __init__(self, topo: Topology, state: State, switch: SwitchLink, ps: PsControl,
+                 switches: dict[str, SwitchLink] | None = None) -> None:
+        """``switches``: every switch's session by control name (default: ``switch``, the one)."""
         self.topo, self.state, self.switch, self.ps = topo, state, switch, ps
+        self.switches = switches if switches is not None else {SWITCH: switch}
 
     def idle(self) -> bool:
         """No group is running, being placed or ended, or waiting for workers."""
@@ -44,14 +47,24 @@ class Readout:
                 "jobs": [{"job": r.job_name, "group": r.group, "job_id": r.job_id, "mode": r.mode, "base": r.base,
                           "pool": r.pool, "generation": r.generation, "workers": len(r.workers),
                           "aggregator": r.aggregator["data"], "lanes": r.lanes(self.topo.lanes),
-                          **({"tree": r.aggregator["tree"]} if r.mode == "tree" else {})}
+                          **({"tree": r.aggregator["tree"]} if r.mode == "tree" else {}),
+                          **({"stripes": r.stripes} if r.stripes else {})}
                          for r in self._running_records()],
                 "pending": [{"job": k[0], "group": k[1], "joined": sorted(p.members), "workers": p.workers}
                             for k, p in s.pending.items()],
                 "aggregators": self.aggregators(),
                 "refused": dict(s.refused),
                 "fabric": self.fabric(),
+                **({"switches": self.named_switches()} if self.topo.switches else {}),
             }
+
+    def named_switches(self) -> dict[str, str]:
+        """Each named switch (topology "switches"): "connected", or "unavailable: " and why."""
+        out = {}
+        for name in self.topo.switches:
+            link = self.switches[self.topo.switches[name].name]
+            out[name] = "connected" if link.session is not None else f"unavailable: {link.error}"
+        return out
 
     def trees_running(self) -> bool:
         with self.state.lock:
@@ -87,13 +100,14 @@ class Readout:
         with self.state.lock:
             down = self.state.store.down()
         out = []
-        names = (["switch"] if self.topo.p4runtime is not None else []) + [p.control for p in self.topo.ps]
+        names = (["switch"] if self.topo.p4runtime is not None else []) \
+            + [view.name for view in self.topo.switches.values()] + [p.control for p in self.topo.ps]
         for name in names:
             entry: dict[str, Any] = {"aggregator": name, "state": "up"}
-            if name == "switch":  # what its program is: the lanes every group on it gets
-                entry.update(chip=self.topo.chip, lanes=self.topo.lanes)
-            if name == "switch" and self.switch.session is None:
-                entry.update(state="down", reason=self.switch.error)
+            if is_switch(name):  # what its program is: the lanes every group on it gets
+                entry.update(chip=self.topo.view(name).chip, lanes=self.topo.view(name).lanes)
+            if is_switch(name) and self.switches[name].session is None:
+                entry.update(state="down", reason=self.switches[name].error)
             if name in down:
                 since, retry_at, reason = down[name]
                 entry.update(state="down", since=since, retry_at=retry_at, reason=reason)
@@ -120,16 +134,23 @@ class Readout:
                 out[str(r.job_id)] = ps_jobs[r.aggregator["control"]].get(str(r.job_id), {})
             if r.mode == "tree":  # each node's: the leaves' and the root's (the job's own are the root's)
                 out[str(r.job_id)] = {**out[str(r.job_id)], "nodes": node_counters(r, ps_jobs, ps_errors)}
+            if r.stripes and "error" not in out.get(str(r.job_id), {"error": ""}):  # streams 1..: their own jobs'
+                out[str(r.job_id)]["streams"] = [
+                    counters.job_counters(switch_read, s["job_id"]) if r.mode == "switch" and switch_read is not None
+                    else ps_jobs.get(r.aggregator.get("control", ""), {}).get(str(s["job_id"]), {}) for s in r.stripes]
         return out
 
-    def _read_switch(self) -> dict[str, dict[int, int]] | None:
-        with self.switch.lock:
-            if self.switch.session is None:
+    def _read_switch(self, control: str = SWITCH) -> dict[str, dict[int, int]] | None:
+        link = self.switches.get(control)
+        if link is None:
+            return None
+        with link.lock:
+            if link.session is None:
                 return None
             try:
-                return counters.read_all(self.switch.session)
+                return counters.read_all(link.session)
             except SwitchError as e:
-                log.warning("reading the switch's counters: %s", e)
+                log.warning("reading the counters of %s: %s", control, e)
                 return None
 
     def _read_ps(self, records: list[Record]) -> tuple[dict[str, dict], dict[str, str]]:
@@ -143,15 +164,15 @@ class Readout:
                     **fields: Any) -> tuple[dict[str, dict], dict[str, str]]:
         """Each aggregator's ``stats`` (``fields``: the request's), all asked at once, so that nodes that do
         not answer cost one ``timeout`` however many they are: (answers, errors) by control endpoint. The
-        switch (a tree's leaf) answers with its counters of ``job_ids``, as a PS's stats would."""
+        switches (a tree's nodes) answer with their counters of ``job_ids``, as a PS's stats would."""
         answers: dict[str, dict] = {}
         errors: dict[str, str] = {}
 
         def read(control: str) -> None:
-            if control == "switch":
-                switch_read = self._read_switch()
+            if is_switch(control):
+                switch_read = self._read_switch(control)
                 if switch_read is None:
-                    errors[control] = "the switch's counters could not be read (unreachable)"
+                    errors[control] = f"the counters of {control} could not be read (unreachable)"
                 else:
                     answers[control] = {str(j): counters.job_counters(switch_read, j) for j in job_ids}
                 return
@@ -180,17 +201,22 @@ class Readout:
         with s.lock:
             groups = []
             for r in records:
-                if r.mode == "switch":
-                    job_counters = counters.job_counters(switch_read, r.job_id) if switch_read is not None else {}
-                else:
-                    job_counters = ps_jobs.get(r.aggregator["control"], {}).get(str(r.job_id), {})
+                job_counters: dict[str, int] = {}
+                for job_id in [r.job_id] + [stripe["job_id"] for stripe in r.stripes]:  # every stream's, added up
+                    if r.mode == "switch":
+                        read = counters.job_counters(switch_read, job_id) if switch_read is not None else {}
+                    else:
+                        read = ps_jobs.get(r.aggregator["control"], {}).get(str(job_id), {})
+                    for name, value in read.items():
+                        if isinstance(value, int):
+                            job_counters[name] = job_counters.get(name, 0) + value
                 nodes = node_counters(r, ps_jobs, ps_errors) if r.mode == "tree" else None
                 groups.append(self.group_metrics(r, job_counters, running=True, nodes=nodes))
             slots = []
             for entry in self.aggregators():
                 name = entry["aggregator"]
-                allocator = s.allocator if name == "switch" else s.ps_allocators[name]
-                slots.append({**entry, "kind": "switch" if name == "switch" else "ps", "slots": allocator.slots,
+                allocator = s.allocator_for(name)
+                slots.append({**entry, "kind": "switch" if is_switch(name) else "ps", "slots": allocator.slots,
                               "free_slots": allocator.free()})
             out: dict[str, Any] = {
                 "time": now, "aggregators": slots, "groups": groups + s.finished,

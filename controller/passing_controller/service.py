@@ -36,7 +36,7 @@ from .schema import RequestError, Unauthorized
 from .serve import Server
 from .state import PendingGroup, State
 from .switch import SwitchLink
-from .topology import Topology, TopologyError
+from .topology import SWITCH, Topology, TopologyError
 
 __all__ = ["CHECK_TIMEOUT", "Controller"]
 
@@ -69,23 +69,30 @@ class Controller:
         group or a counter read (docs/control.md)."""
         if not 1 <= default_pool <= MAX_POOL:
             raise ValueError(f"default pool {default_pool} outside 1..{MAX_POOL}")
-        self.state = State(store, topology.slots, [ps.control for ps in topology.ps])
+        self.state = State(store, topology.slots, [ps.control for ps in topology.ps],
+                           {view.name: view.slots for view in topology.switches.values()})
         try:
             check_switch_lanes(self.state, topology)
         except TopologyError:
             self.state.close()
             raise
         self.switch = SwitchLink(topology, pipeline, switch_timeout, self.state)
+        # every switch's own P4Runtime session, by control name: the one, and each of the named "switches"
+        self.switches = {SWITCH: self.switch, **{view.name: SwitchLink(view, pipeline, switch_timeout, self.state,
+                                                                        view.name)
+                                                 for view in topology.switches.values()}}
         self.ps = PsControl(topology, keys, aggregator_key, ps_timeout, check_timeout)
-        self.readout = Readout(topology, self.state, self.switch, self.ps)
-        self.placement = Placement(topology, self.state, self.switch, self.ps, self.readout, default_pool)
-        self.switch.connect()
+        self.readout = Readout(topology, self.state, self.switch, self.ps, self.switches)
+        self.placement = Placement(topology, self.state, self.switch, self.ps, self.readout, default_pool,
+                                   self.switches)
+        for link in self.switches.values():
+            link.connect()
         self.server = Server(listen, keys, self._handle, self._tick, self._stalled, self.state.refused)
         self.endpoint = self.server.endpoint
         self.membership = Membership(topology, self.state, self.placement, self.server.reply, self.server.in_pool,
                                      join_timeout)
         self.failover = Failover(self.state, self.membership, self.placement, self.switch, self.ps,
-                                 self.server.reply, self.server.in_pool)
+                                 self.server.reply, self.server.in_pool, self.switches)
 
     def _handle(self, identity: bytes, req: dict, role: str) -> None:
         """(serving thread) A request from a client of ``role``: to the part that answers it."""
@@ -143,7 +150,8 @@ class Controller:
 
     def close(self) -> None:
         self.server.close()
-        self.switch.close()
+        for link in self.switches.values():
+            link.close()
         self.state.close()
 
     # ---- what operators and the embedded mode read -------------------------------------------

@@ -34,17 +34,21 @@ class PendingGroup:
     deadline: float
     aggregator: str  # "any": the switch when it can serve, else a PS; "ps": a PS in any case
     secret: str = ""  # digest of the job secret the first joiner gave: the others must know it
+    streams: int = 1  # the group's streams (a join's "streams"): a job id and slots each, on one aggregator
     members: dict[int, tuple[bytes, dict]] = field(default_factory=dict)  # worker -> (identity, request)
 
 
 class State:
-    def __init__(self, store: str | Path, switch_slots: int, ps_controls: list[str]) -> None:
-        """Opens the store and restores the running groups it holds, with their slots."""
+    def __init__(self, store: str | Path, switch_slots: int, ps_controls: list[str],
+                 named_switches: dict[str, int] | None = None) -> None:
+        """Opens the store and restores the running groups it holds, with their slots. ``named_switches``:
+        the slots of each named switch (topology "switches"), by its control name ("switch:NAME")."""
         self.lock = threading.RLock()  # the state below and the store; never held while waiting on I/O
         self.store = Store(store)
         # placement: the slots of every aggregator, and the running groups (the store's, in memory)
         self.allocator = SlotAllocator(switch_slots)
         self.ps_allocators = {control: SlotAllocator(PS_SLOTS) for control in ps_controls}
+        self.ps_allocators.update({control: SlotAllocator(slots) for control, slots in (named_switches or {}).items()})
         self.records: dict[tuple[str, int], Record] = {}
         self.claimed: set[int] = set()  # job ids of groups being placed, not in the store yet
         self.ending: set[int] = set()  # job ids being torn down
@@ -72,12 +76,20 @@ class State:
             self.records[(r.job_name, r.group)] = r
             if r.mode == "tree":  # slots at every node of a tree across racks (tree_placement.nodes_of)
                 for node in r.aggregator["tree"]:
-                    self.ps_allocators.setdefault(node["control"], SlotAllocator(PS_SLOTS)).reserve(node["base"],
-                                                                                                    r.pool)
+                    self.allocator_for(node["control"]).reserve(node["base"], r.pool)
                 continue
-            (self.allocator if r.mode == "switch" else self.ps_allocators.setdefault(
-                r.aggregator["control"], SlotAllocator(PS_SLOTS))).reserve(r.base, r.pool)
+            allocator = self.allocator if r.mode == "switch" else self.ps_allocators.setdefault(
+                r.aggregator["control"], SlotAllocator(PS_SLOTS))
+            for base in [r.base] + [stripe["base"] for stripe in r.stripes]:  # each stream's slots
+                allocator.reserve(base, r.pool)
 
     def close(self) -> None:
         with self.lock:
             self.store.close()
+
+    def allocator_for(self, control: str) -> SlotAllocator:
+        """(lock held) The slots of an aggregator by its control name: the one switch's, a named switch's, a
+        PS's (one the topology no longer names gets a PS's slots: a group the store still holds there)."""
+        if control == "switch":
+            return self.allocator
+        return self.ps_allocators.setdefault(control, SlotAllocator(PS_SLOTS))

@@ -33,6 +33,10 @@ CREATE TABLE IF NOT EXISTS job_id (
     generation INTEGER NOT NULL,     -- of its latest allocation
     used       INTEGER NOT NULL      -- when it was last handed out (the 'use' counter): LRU order
 );
+CREATE TABLE IF NOT EXISTS stripe (
+    job_id   INTEGER PRIMARY KEY,   -- the wire's job id of one extra stream of a group (Record.stripes)
+    owner    INTEGER NOT NULL       -- the group's own job id (its allocation row)
+);
 CREATE TABLE IF NOT EXISTS counter (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS down (
     aggregator TEXT PRIMARY KEY,    -- 'switch' or a PS's control endpoint
@@ -58,6 +62,16 @@ class Record:
     pool: int
     workers: list[dict]
     aggregator: dict
+
+    @property
+    def stripes(self) -> list[dict]:
+        """The group's streams beyond its first (a join's ``streams``), each with its own job id, generation and
+        slots at the same aggregator (base; its ``pool`` is the group's): [{"job_id", "generation", "base"}]."""
+        return list(self.aggregator.get("stripes", []))
+
+    @property
+    def streams(self) -> int:
+        return 1 + len(self.stripes)
 
     def lanes(self, switch_lanes: int) -> int:
         """The group's int32 lanes per packet, as allocated: a PS's, or the switch program's
@@ -107,7 +121,7 @@ class Store:
             self.db.execute("INSERT INTO job_id VALUES (?, 0, ?)", (fresh, used))
             return fresh, 0
         rows = self.db.execute("SELECT id, generation FROM job_id WHERE id NOT IN (SELECT job_id FROM allocation) "
-                               "ORDER BY used")
+                               "AND id NOT IN (SELECT job_id FROM stripe) ORDER BY used")
         row = next((r for r in rows if r[0] not in busy), None)
         if row is None:
             raise StoreError(f"all {max_id} job ids are in use")
@@ -128,14 +142,21 @@ class Store:
         return {r[0]: (r[1], r[2], r[3]) for r in self.db.execute("SELECT * FROM down")}
 
     def add(self, r: Record) -> None:
-        self.db.execute(
-            "INSERT INTO allocation VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (r.job_id, r.job_name, r.group, r.mode, r.generation, r.base, r.pool, json.dumps(r.workers),
-             json.dumps(r.aggregator)),
-        )
+        with self.db:  # one transaction: the group and its streams' job ids
+            self.db.execute("BEGIN")
+            self.db.execute(
+                "INSERT INTO allocation VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (r.job_id, r.job_name, r.group, r.mode, r.generation, r.base, r.pool, json.dumps(r.workers),
+                 json.dumps(r.aggregator)),
+            )
+            for stripe in r.stripes:
+                self.db.execute("INSERT INTO stripe VALUES (?, ?)", (stripe["job_id"], r.job_id))
 
     def remove(self, job_id: int) -> None:
-        self.db.execute("DELETE FROM allocation WHERE job_id = ?", (job_id,))
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute("DELETE FROM allocation WHERE job_id = ?", (job_id,))
+            self.db.execute("DELETE FROM stripe WHERE owner = ?", (job_id,))
 
     def all(self) -> list[Record]:
         rows = self.db.execute("SELECT * FROM allocation ORDER BY job_id").fetchall()

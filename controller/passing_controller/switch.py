@@ -55,16 +55,28 @@ def connect(address: str, device_id: int = 0, timeout: float = 5.0, tls: Tls | N
 
 
 def allocation(topo: Topology, r: Record) -> Allocation:
-    """A group's record as the per-group P4 controls take it."""
-    workers = tuple(Worker(w["index"], topo.host(w["host"]), w["udp_port"]) for w in r.workers)
-    return Allocation(r.job_id, r.generation, r.base, r.pool, workers)
+    """A group's record as the per-group P4 controls take it (its first stream)."""
+    return allocations(topo, r)[0]
+
+
+def allocations(topo: Topology, r: Record) -> list[Allocation]:
+    """Every stream of a group as the per-group P4 controls take it: its first, then each of ``r.stripes``,
+    stream s with its own job id, generation and slots, from each worker's UDP port + s."""
+    out = []
+    for s, (job_id, generation, base) in enumerate([(r.job_id, r.generation, r.base)] + [
+            (stripe["job_id"], stripe["generation"], stripe["base"]) for stripe in r.stripes]):
+        workers = tuple(Worker(w["index"], topo.host(w["host"]), w["udp_port"] + s) for w in r.workers)
+        out.append(Allocation(job_id, generation, base, r.pool, workers))
+    return out
 
 
 class SwitchLink:
-    """The session with the topology's switch (None while it is unavailable, with the reason)."""
+    """The session with one switch (None while it is unavailable, with the reason): the topology's switch, or
+    a named one of its "switches" (``topo`` then that switch's view, ``name`` its control name "switch:NAME")."""
 
-    def __init__(self, topo: Topology, pipeline: Pipeline | None, timeout: float, state: State) -> None:
-        self.topo, self.pipeline, self.timeout, self.state = topo, pipeline, timeout, state
+    def __init__(self, topo: Topology, pipeline: Pipeline | None, timeout: float, state: State,
+                 name: str = "switch") -> None:
+        self.topo, self.pipeline, self.timeout, self.state, self.name = topo, pipeline, timeout, state, name
         self.lock = threading.Lock()  # the P4Runtime session: one request at a time
         self.session: Switch | None = None
         self.error: str | None = None
@@ -81,7 +93,7 @@ class SwitchLink:
             sw = connect(self.topo.p4runtime, self.topo.device_id, timeout=self.timeout, tls=tls)
         except SwitchError as e:
             self._down(str(e))
-            log.warning("switch unavailable, PS fallback only: %s", e)
+            log.warning("%s unavailable, PS fallback only: %s", self.name, e)
             return
         try:
             try:
@@ -93,16 +105,16 @@ class SwitchLink:
                 if self.pipeline is None:
                     raise SwitchError("the switch runs no PASSING pipeline and none was given (--p4info/--bmv2-json)")
                 sw.set_pipeline(self.pipeline)
-                log.info("pipeline loaded on %s", self.topo.p4runtime)
+                log.info("pipeline loaded on %s (%s)", self.topo.p4runtime, self.name)
             self._reconcile(sw)
         except SwitchError as e:
             sw.close()
             self._down(str(e))
-            log.warning("switch unusable, PS fallback only: %s", e)
+            log.warning("%s unusable, PS fallback only: %s", self.name, e)
             return
         self.session, self.error = sw, None
         with self.state.lock:
-            self.state.store.mark_up("switch")
+            self.state.store.mark_up(self.name)
 
     def connect_if_due(self) -> None:
         """(self.lock held) Try a switch that was unavailable again once its retry time has come."""
@@ -120,7 +132,7 @@ class SwitchLink:
         self.session, self.error = None, error
         self.retry_at = time.monotonic() + SWITCH_RETRY_SECONDS
         with self.state.lock:
-            self.state.store.mark_down("switch", error, time.time(), SWITCH_RETRY_SECONDS)
+            self.state.store.mark_down(self.name, error, time.time(), SWITCH_RETRY_SECONDS)
 
     def _reconcile(self, sw: Switch) -> None:
         """Make the switch's tables exactly what the store says (registers stay as they are)."""
@@ -135,16 +147,16 @@ class SwitchLink:
         for control in TOPOLOGY_CONTROLS:
             control.install(sw, self.topo)
         with self.state.lock:
-            records = [r for r in self.state.records.values() if r.mode == "switch"]
+            records = [r for r in self.state.records.values() if r.mode == "switch" and self.name == "switch"]
             nodes = [node["object"] for r in self.state.records.values() if r.mode == "tree"
-                     for node in r.aggregator.get("tree", []) if node["control"] == "switch"]
+                     for node in r.aggregator.get("tree", []) if node["control"] == self.name]
         for r in records:
-            a = allocation(self.topo, r)
-            for control in GROUP_CONTROLS:
-                control.install(sw, a)
+            for a in allocations(self.topo, r):
+                for control in GROUP_CONTROLS:
+                    control.install(sw, a)
         for obj in nodes:  # the tree nodes on the switch, from the job objects their records keep
             tree_switch.install(sw, self.topo, obj)
-        log.info("switch reconciled: %d switch allocations, %d tree nodes", len(records), len(nodes))
+        log.info("%s reconciled: %d switch allocations, %d tree nodes", self.name, len(records), len(nodes))
 
     def close(self) -> None:
         with self.lock:

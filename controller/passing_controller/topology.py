@@ -45,6 +45,15 @@ class TopologyError(ValueError):
     """A topology file that cannot be used, with the reason."""
 
 
+SWITCH = "switch"  # the one switch's control name (a flat group's, a fabric node's "switch": true)
+SWITCH_PREFIX = "switch:"  # a named switch's control name: "switch:" + its name in "switches"
+
+
+def is_switch(control: str) -> bool:
+    """Whether an aggregator's control name is a switch's (the one, or a named one) rather than a PS's."""
+    return control == SWITCH or control.startswith(SWITCH_PREFIX)
+
+
 # The lane count (int32 values per packet) of each switch chip's PASSING program, the one place the
 # controller knows them; a switch entry's "chip" picks one. Each is a compile-time constant of its
 # program, changed only by rebuilding it (then say so with "lanes" and "lanes_override"):
@@ -154,6 +163,7 @@ class Host:
     mac: str
     ip: str
     port: int
+    switch: str | None = None  # the named switch it is on ("switches"); None: the one "switch" (or none)
 
 
 @dataclass(frozen=True)
@@ -189,12 +199,19 @@ class Topology:
     tls: dict[str, str] | None = None  # P4Runtime over TLS: {"ca", "cert"?, "key"?} (file paths)
     chip: str | None = None  # the switch's chip (a CHIP_LANES key); None: no switch
     fabric: Fabric | None = None  # racks of leaves under roots, for trees (passing_controller.fabric); None: one level
+    # several switches ("switches", docs/control.md, "Several switches"): each one's view, by name. A view is
+    # a Topology of that switch: its own hosts in ``hosts``, the hosts on other switches in ``remote`` and the
+    # other switches' aggregation addresses in ``neighbours``, each at this switch's port toward it
+    switches: dict[str, Topology] = field(default_factory=dict)
+    remote: list[Host] = field(default_factory=list)
+    neighbours: list[Host] = field(default_factory=list)
+    name: str = SWITCH  # a view's: its control name, "switch:NAME"
 
     def host(self, name_or_ip: str) -> Host:
-        for h in self.hosts:
+        for h in [*self.hosts, *self.remote, *self.neighbours]:
             if name_or_ip in (h.name, h.ip):
                 return h
-        if self.p4runtime is None:  # PS only: an address is all a software aggregator needs
+        if self.p4runtime is None and not self.switches:  # PS only: an address is all a software aggregator needs
             ip_to_int(name_or_ip)
             return Host(name_or_ip, "00:00:00:00:00:00", name_or_ip, 0)
         raise TopologyError(f"no host {name_or_ip!r} in the topology")
@@ -216,7 +233,12 @@ class Topology:
             ps = [PsEndpoint(str(p["data"]), str(p["control"]),
                              mtu=int(p.get("mtu", PsEndpoint.default_mtu(str(p["data"])))),
                              public_key=_public_key(p.get("public_key"))) for p in raw.get("ps", [])]
-            if "switch" not in raw:
+            if "switches" in raw:
+                if "switch" in raw:
+                    raise TopologyError('topology: "switch" and "switches" together: name the one switch in '
+                                        '"switches" too (a topology has one switch, or several named ones)')
+                topo = multi_switch(cls, raw, ps)
+            elif "switch" not in raw:
                 if not ps:
                     raise TopologyError("topology: neither a switch nor a PS to aggregate on")
                 hosts = [Host(str(h["name"]), str(h.get("mac", "00:00:00:00:00:00")), str(h["ip"]),
@@ -225,6 +247,8 @@ class Topology:
                            aggregation_ip="0.0.0.0", slots=0, lanes=int(raw.get("lanes", 64)), hosts=hosts, ps=ps)
             else:
                 sw = raw["switch"]
+                if any("switch" in h for h in raw["hosts"]):
+                    raise TopologyError('topology: a host names its "switch", but only "switches" names switches')
                 hosts = [Host(str(h["name"]), str(h["mac"]), str(h["ip"]), int(h["port"])) for h in raw["hosts"]]
                 chip, lanes = switch_lanes(sw)
                 topo = cls(
@@ -248,13 +272,114 @@ class Topology:
         mac_to_int(topo.aggregation_mac)
         ip_to_int(topo.aggregation_ip)
         for attr in ("name", "mac", "ip", "port"):
-            values = [getattr(h, attr) for h in topo.hosts]
+            values = [getattr(h, attr) if attr != "port" else (h.switch, h.port) for h in topo.hosts]
             if len(set(values)) != len(values):
-                raise TopologyError(f"two hosts share a {attr}")
+                raise TopologyError(f"two hosts share a {attr}" + (" on one switch" if attr == "port" else ""))
         if "fabric" in raw:
+            on = {name: [n for h in view.hosts for n in (h.name, h.ip)] for name, view in topo.switches.items()}
             try:
                 topo.fabric = Fabric.from_list(raw["fabric"], [n for h in topo.hosts for n in (h.name, h.ip)],
-                                               [p.data for p in topo.ps], topo.p4runtime is not None)
+                                               [p.data for p in topo.ps], topo.p4runtime is not None, on)
             except FabricError as e:
                 raise TopologyError(str(e)) from None
+            tree_lanes(topo)
         return topo
+
+    def view(self, control: str) -> Topology:
+        """The topology of the switch whose control name is ``control``: this one's for SWITCH, a named
+        switch's view for "switch:NAME"."""
+        if control == SWITCH:
+            return self
+        return self.switches[control.removeprefix(SWITCH_PREFIX)]
+
+
+SWITCH_KEYS = {"p4runtime", "device_id", "aggregation_mac", "aggregation_ip", "slots", "chip", "lanes",
+               "lanes_override", "tls", "links"}
+
+
+def multi_switch(cls: type[Topology], raw: dict[str, Any], ps: list[PsEndpoint]) -> Topology:
+    """A topology of several named switches ("switches": {name: switch entry with its "links"}; every host
+    names the switch it is on): the whole, with no switch of its own (flat groups go to a PS), and each
+    switch's view in ``switches`` (docs/control.md, "Several switches")."""
+    named = raw["switches"]
+    if not isinstance(named, dict) or not named:
+        raise TopologyError('topology: "switches" must be an object of named switch entries')
+    hosts = []
+    for h in raw["hosts"]:
+        if h.get("switch") not in named:
+            raise TopologyError(f"host {h.get('name')!r}: \"switch\" {h.get('switch')!r} is none of the topology's "
+                                f"switches ({', '.join(map(repr, named))})")
+        hosts.append(Host(str(h["name"]), str(h["mac"]), str(h["ip"]), int(h["port"]), str(h["switch"])))
+    links: dict[str, dict[str, int]] = {}
+    views: dict[str, Topology] = {}
+    for name, sw in named.items():
+        if not name or not isinstance(sw, dict):
+            raise TopologyError(f"switch {name!r}: a named switch must be an object (and its name not empty)")
+        if set(sw) - SWITCH_KEYS:
+            raise TopologyError(f"switch {name!r}: unknown keys {sorted(set(sw) - SWITCH_KEYS)}")
+        try:
+            chip, lanes = switch_lanes(sw)
+        except TopologyError as e:
+            raise TopologyError(f"switch {name!r}: {e}") from None
+        links[name] = _links(name, sw.get("links", {}), named, [h.port for h in hosts if h.switch == name])
+        views[name] = cls(p4runtime=str(sw["p4runtime"]), device_id=int(sw.get("device_id", 0)),
+                          aggregation_mac=str(sw["aggregation_mac"]), aggregation_ip=str(sw["aggregation_ip"]),
+                          slots=int(sw.get("slots", 1024)), lanes=lanes, chip=chip, tls=_tls(sw.get("tls")),
+                          hosts=[h for h in hosts if h.switch == name], name=SWITCH_PREFIX + name)
+    for name, to in links.items():
+        for other in to:
+            if name not in links[other]:
+                raise TopologyError(f"switch {name!r} links to {other!r}, which names no link back to it")
+    for attr in ("aggregation_mac", "aggregation_ip"):
+        values = [getattr(v, attr) for v in views.values()] + [getattr(h, attr.split("_")[1]) for h in hosts]
+        if len(set(values)) != len(values):
+            raise TopologyError(f"two switches, or a switch and a host, share an address ({attr})")
+    sessions = [(v.p4runtime, v.device_id) for v in views.values()]
+    if len(set(sessions)) != len(sessions):
+        raise TopologyError("two switches share a P4Runtime address and device_id: each needs its own session")
+    for name, view in views.items():
+        ports = _next_hops(name, links)
+        view.remote = [Host(h.name, h.mac, h.ip, ports[h.switch], h.switch) for h in hosts
+                       if h.switch != name and h.switch in ports]
+        view.neighbours = [Host(other, v.aggregation_mac, v.aggregation_ip, ports[other], other)
+                           for other, v in views.items() if other in ports]
+    return cls(p4runtime=None, device_id=0, aggregation_mac="00:00:00:00:00:00", aggregation_ip="0.0.0.0", slots=0,
+               lanes=int(raw.get("lanes", 64)), hosts=hosts, ps=ps, switches=views)
+
+
+def _links(name: str, raw: Any, named: dict[str, Any], host_ports: list[int]) -> dict[str, int]:
+    """A switch's "links": {other switch: this switch's port toward it}."""
+    if not isinstance(raw, dict) or any(o not in named or o == name for o in raw) \
+            or any(isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < 512 for p in raw.values()):
+        raise TopologyError(f"switch {name!r}: \"links\" must map other switches of the topology to ports 0..511, "
+                            f"got {raw!r}")
+    ports = list(raw.values()) + host_ports
+    if len(set(ports)) != len(ports):
+        raise TopologyError(f"switch {name!r}: a port is named twice among its links and hosts")
+    return dict(raw)
+
+
+def _next_hops(start: str, links: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Every switch reachable from ``start`` over the links -> ``start``'s port toward it (breadth first)."""
+    out: dict[str, int] = {}
+    frontier = [(other, port) for other, port in links[start].items()]
+    while frontier:
+        other, port = frontier.pop(0)
+        if other in out or other == start:
+            continue
+        out[other] = port
+        frontier += [(nxt, port) for nxt in links[other]]
+    return out
+
+
+def tree_lanes(topo: Topology) -> None:
+    """The switches of one tree (a root and its leaves) take one lane count: a packet keeps its lanes on every
+    hop, and a switch parses its program's alone."""
+    assert topo.fabric is not None
+    for root in (n for n in topo.fabric.nodes.values() if not n.leaf):
+        members = [root, *(n for n in topo.fabric.nodes.values() if n.uplink == root.name)]
+        lanes = {n.name: topo.view(n.aggregator).lanes for n in members if is_switch(n.aggregator)}
+        if len(set(lanes.values())) > 1:
+            raise TopologyError(f"fabric root {root.name!r}: its switches take different lane counts "
+                                + ", ".join(f"{n} {v}" for n, v in lanes.items())
+                                + ": one tree's switches must run programs of one lane count")

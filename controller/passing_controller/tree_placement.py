@@ -2,8 +2,10 @@
 root, every node programmed over its control channel with the fabric plan's job objects (fabric.py, the
 one place that says what each node's job is), the per-worker part of the join answer, and freeing it all.
 
-A node is a software aggregator, or the topology's switch as a leaf when its program takes the roles (the
-v1model program; tree_switch.py writes its entries from the node's job object). Every node gets the same
+A node is a software aggregator, or a switch whose program takes the roles (the v1model program;
+tree_switch.py writes its entries from the node's job object over that switch's own session), as a leaf or
+as the root: the topology's one switch, or one of its named "switches" (docs/control.md, "Several
+switches"). Every node gets the same
 job id and generation (the plan needs the root on an aggregator of its own), and the same ``pool`` and
 ``lanes``, so a packet keeps its slot and set on every hop. Runs on a pool thread: the lock is taken for
 the state only, never while an aggregator is asked (the switch's lock while the switch is).
@@ -23,9 +25,9 @@ from .fabric import Fabric, FabricError, TreePlan, plan
 from .p4runtime import SwitchError
 from .ps_control import PsControl
 from .schema import RequestError
-from .state import PS_SLOTS, State
+from .state import State
 from .store import Record
-from .topology import PsEndpoint, Topology, TopologyError, ps_pool
+from .topology import SWITCH, PsEndpoint, Topology, TopologyError, is_switch, ps_pool
 
 if TYPE_CHECKING:
     from .switch import SwitchLink
@@ -40,25 +42,25 @@ class TreeRefused(RuntimeError):
     to one aggregator, a larger one is refused with it."""
 
 
-SWITCH = "switch"  # a node's control when it is the topology's switch
-
-
 @dataclass
 class _Node:
     name: str
     role: str  # "leaf" or "root"
-    ps: PsEndpoint | None  # None: the switch
+    ps: PsEndpoint | None  # None: its switch
     data: str  # where its workers send
     lanes: int = 0
     base: int | None = None
+    switch: str = SWITCH  # the fabric's switch of the node (its control name), taken while ``ps`` is None
 
     @property
     def control(self) -> str:
-        return SWITCH if self.ps is None else self.ps.control
+        return self.switch if self.ps is None else self.ps.control
 
 
 def _what(n: _Node) -> str:
-    return "the switch" if n.ps is None else f"PS {n.ps.control}"
+    if n.ps is not None:
+        return f"PS {n.ps.control}"
+    return "the switch" if n.switch == SWITCH else f"switch {n.switch.split(':', 1)[1]!r}"
 
 
 def tree_plan(topo: Topology, workers: list[dict]) -> TreePlan | None:
@@ -110,8 +112,10 @@ def worker_answer(record: Record, worker: int) -> dict[str, Any]:
 
 class TreePlacement:
     def __init__(self, topo: Topology, state: State, ps: PsControl, default_pool: int,
-                 switch: SwitchLink | None = None) -> None:
-        self.topo, self.state, self.ps, self.default_pool, self.switch = topo, state, ps, default_pool, switch
+                 switch: SwitchLink | None = None, switches: dict[str, SwitchLink] | None = None) -> None:
+        """``switches``: the session of every switch by its control name (default: ``switch``, the one)."""
+        self.topo, self.state, self.ps, self.default_pool = topo, state, ps, default_pool
+        self.switches = switches if switches is not None else {SWITCH: switch} if switch is not None else {}
 
     def allocate(self, p: TreePlan, job_id: int, name: str, group: int, generation: int, pool: int | None,
                  workers: list[dict], exclude: frozenset[str], switch_allowed: bool = True) -> Record:
@@ -128,15 +132,17 @@ class TreePlacement:
             asked_pool = pool
             while True:  # a switch out of slots is taken by a spare PS too, and the slots asked again
                 lanes = min(n.lanes for n in nodes)
-                if any(n.ps is None for n in nodes) and lanes != self.topo.lanes:  # a switch takes its program's
-                    raise TreeRefused(f"the tree's nodes take {lanes} lanes, the switch's program {self.topo.lanes}")
+                for n in nodes:  # a switch takes its program's
+                    if n.ps is None and lanes != self.topo.view(n.switch).lanes:
+                        raise TreeRefused(f"the tree's nodes take {lanes} lanes, {_what(n)}'s program "
+                                          f"{self.topo.view(n.switch).lanes}")
                 # the most workers any node of the tree has: a leaf's rack, or the root's leaves
                 pool = asked_pool or ps_pool(lanes, max([len(r.hosts) for r in p.racks] + [len(p.racks)]),
                                              self.default_pool)
                 full = self._take_slots(nodes, pool)
                 if full is None:
                     break
-                full.lanes = self._check_or_substitute(full, nodes, exclude | {SWITCH}, "is out of slots")
+                full.lanes = self._check_or_substitute(full, nodes, exclude | {full.switch}, "is out of slots")
             addresses = [f"{self.topo.host(w['host']).ip}:{w['udp_port']}" for w in workers]
             data = {n.name: n.data for n in nodes}
             objects = p.job_objects(job_id, generation, pool, lanes, addresses, data,
@@ -144,9 +150,9 @@ class TreePlacement:
             for n in nodes:
                 if n.ps is None:
                     try:
-                        tree_switch.check(self.topo, objects[n.name])
+                        tree_switch.check(self.topo.view(n.switch), objects[n.name])
                     except (tree_switch.TreeSwitchError, TopologyError) as e:
-                        raise TreeRefused(f"{n.role} {n.name!r} (the switch): {e}") from None
+                        raise TreeRefused(f"{n.role} {n.name!r} ({_what(n)}): {e}") from None
             for n in [nodes[-1], *nodes[:-1]]:  # the root first: the leaves' partials find their job there
                 if n.ps is None:
                     self._switch_install(n, objects[n.name])
@@ -176,21 +182,17 @@ class TreePlacement:
         return r
 
     def _node(self, name: str, role: str, aggregator: str, switch_allowed: bool) -> _Node:
-        if aggregator == "switch" and not switch_allowed:
-            raise TreeRefused(f"fabric {role} {name!r} is the switch, and the job asked for a software aggregator")
-        if aggregator == "switch":
-            if role == "root":  # the group's record names its root's control: a PS's, read by readout.py
-                raise TreeRefused(f"fabric root {name!r} is the switch: a switch takes a tree's leaf role only "
-                                  f"in this placement (docs/control.md, Fabric)")
-            return _Node(name, role, None, f"{self.topo.aggregation_ip}:{tree_switch.UDP_PORT}")
+        if is_switch(aggregator) and not switch_allowed:
+            raise TreeRefused(f"fabric {role} {name!r} is a switch, and the job asked for a software aggregator")
+        if is_switch(aggregator):
+            view = self.topo.view(aggregator)
+            return _Node(name, role, None, f"{view.aggregation_ip}:{tree_switch.UDP_PORT}", switch=aggregator)
         ps = next(ps for ps in self.topo.ps if ps.data == aggregator)  # the fabric names PSs of the topology
         return _Node(name, role, ps, ps.data)
 
     def _allocator(self, control: str) -> SlotAllocator:
         """(lock held) The slots of a node's aggregator."""
-        if control == SWITCH:
-            return self.state.allocator
-        return self.state.ps_allocators.setdefault(control, SlotAllocator(PS_SLOTS))
+        return self.state.allocator_for(control)
 
     def _take_slots(self, nodes: list[_Node], pool: int) -> _Node | None:
         """Slots of ``pool`` at every node; a switch node that has not enough: returned, with none taken
@@ -228,7 +230,7 @@ class TreePlacement:
                 continue
             if ps is not own:
                 log.info("tree node %s (%s): PS %s instead of %s", n.name, n.role, n.control,
-                         "the switch" if own is None else own.control)
+                         n.switch if own is None else own.control)
             return lanes
         n.ps, n.data = own, own_data
         raise TreeRefused("; ".join(tried) + ("" if spares else ", and no spare PS is left"))
@@ -251,16 +253,17 @@ class TreePlacement:
     def _check(self, n: _Node) -> int:
         """The node's lanes, once its `ping` states the role it is to take (a switch: its program's tables)."""
         if n.ps is None:
-            if self.switch is None:
-                raise TreeRefused(f"{n.role} {n.name!r} is the switch, and the controller has no switch link")
-            with self.switch.lock:
-                self.switch.connect_if_due()
-                if self.switch.session is None:
-                    raise TreeRefused(f"{n.role} {n.name!r}: switch unreachable: {self.switch.error}")
-                if not tree_switch.supported(self.switch.session):
-                    raise TreeRefused(f"{n.role} {n.name!r}: the switch's program takes no tree roles (no table "
+            link = self.switches.get(n.switch)
+            if link is None:
+                raise TreeRefused(f"{n.role} {n.name!r} is {_what(n)}, and the controller has no link to it")
+            with link.lock:
+                link.connect_if_due()
+                if link.session is None:
+                    raise TreeRefused(f"{n.role} {n.name!r}: {_what(n)} unreachable: {link.error}")
+                if not tree_switch.supported(link.session):
+                    raise TreeRefused(f"{n.role} {n.name!r}: {_what(n)}'s program takes no tree roles (no table "
                                       f"{tree_switch.TABLES[0]})")
-            return self.topo.lanes
+            return self.topo.view(n.switch).lanes
         ping = self._request(n, "ping")
         roles = ping.get("roles")
         if not isinstance(roles, list) or n.role not in roles:
@@ -269,30 +272,31 @@ class TreePlacement:
         return n.ps.lanes(ping)
 
     def _switch_install(self, n: _Node, obj: dict[str, Any]) -> None:
-        assert self.switch is not None
-        with self.switch.lock:
+        link, view = self.switches[n.switch], self.topo.view(n.switch)
+        with link.lock:
             try:
-                if self.switch.session is None:
-                    raise SwitchError(f"switch unreachable: {self.switch.error}")
-                tree_switch.install(self.switch.session, self.topo, obj)
+                if link.session is None:
+                    raise SwitchError(f"switch unreachable: {link.error}")
+                tree_switch.install(link.session, view, obj)
             except SwitchError as e:
                 try:  # what went in of it
-                    if self.switch.session is not None:
-                        tree_switch.remove(self.switch.session, self.topo, obj)
+                    if link.session is not None:
+                        tree_switch.remove(link.session, view, obj)
                 except SwitchError:
                     pass
-                raise TreeRefused(f"{n.role} {n.name!r} (the switch) refused the tree's entries: {e}") from None
+                raise TreeRefused(f"{n.role} {n.name!r} ({_what(n)}) refused the tree's entries: {e}") from None
 
-    def _switch_remove(self, obj: dict[str, Any], job_id: int) -> None:
-        if self.switch is None:
+    def _switch_remove(self, control: str, obj: dict[str, Any], job_id: int) -> None:
+        link = self.switches.get(control)
+        if link is None:
             return
-        with self.switch.lock:
-            if self.switch.session is None:  # a reconciliation removes them once the switch is back
+        with link.lock:
+            if link.session is None:  # a reconciliation removes them once the switch is back
                 return
             try:
-                tree_switch.remove(self.switch.session, self.topo, obj)
+                tree_switch.remove(link.session, self.topo.view(control), obj)
             except SwitchError as e:
-                log.warning("switch did not remove tree job id %d: %s", job_id, e)
+                log.warning("%s did not remove tree job id %d: %s", control, job_id, e)
 
     def _request(self, n: _Node, cmd: str, **fields: Any) -> dict:
         assert n.ps is not None
@@ -308,7 +312,7 @@ class TreePlacement:
         """What a failed placement had taken: the jobs some nodes admitted, every node's slots."""
         for n in added:
             if n.ps is None:
-                self._switch_remove(objects[n.name], job_id)
+                self._switch_remove(n.switch, objects[n.name], job_id)
                 continue
             try:
                 self.ps.request(n.ps.control, "remove_job", job=job_id)
@@ -330,8 +334,8 @@ class TreePlacement:
                 list(pool.map(lambda node: self._remove(node, r.job_id), nodes))
 
     def _remove(self, node: dict[str, Any], job_id: int) -> None:
-        if node["control"] == SWITCH:
-            self._switch_remove(node["object"], job_id)
+        if is_switch(node["control"]):
+            self._switch_remove(node["control"], node["object"], job_id)
             return
         try:
             self.ps.request(node["control"], "remove_job", job=job_id)

@@ -95,7 +95,7 @@ static const uint8_t *emit(pn_engine *e, batch_output *o, const job_entry *j, co
     r.flags = (uint8_t)((e->overflow[k] ? PN_FLAG_OVERFLOW : 0) |
                         (j->role == PN_ROLE_ROOT && owner_only ? PN_FLAG_OWNER_ONLY : 0));  /* down to a leaf: kept */
     r.worker = (uint8_t)w;
-    pn_header_write(p, &r);
+    pn_header_encode(p, &r);
     if (ack)
         ;  /* the header alone */
     else if (same)
@@ -132,7 +132,7 @@ static void send_up(pn_engine *e, batch_output *o, job_entry *j, const pn_header
     r.worker = (uint8_t)j->up_worker;
     r.flags = (uint8_t)((e->overflow[k] ? PN_FLAG_OVERFLOW : 0) | (h->flags & PN_FLAG_OWNER_ONLY) |
                         (resent ? PN_FLAG_RETRANSMIT : 0));
-    pn_header_write(p, &r);
+    pn_header_encode(p, &r);
     lanes_store(p, e->acc + k * e->lanes, j->lanes);
     o->dest[o->count] = j->up_source;
     o->multicast[o->count] = 0;
@@ -295,7 +295,7 @@ static size_t run(pn_engine *e, const batch_input *in, size_t n, batch_output *o
         if (length >= PN_HEADER_SIZE && length <= e->packet_size && readable >= length) {
             /* a whole packet of 1 .. the engine's lanes */
             int whole = length >= PN_HEADER_SIZE + 4 && (length - PN_HEADER_SIZE) % 4 == 0;
-            pn_header_read(packet, &h);
+            pn_header_decode(packet, &h);
             uint32_t up = e->up_dense[h.job];
             job_entry *leaf = up != NO_JOB ? &e->jobs[up - 1] : NULL;
             int relayed = h.type == PN_GATHER || h.type == PN_NACK;

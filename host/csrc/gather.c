@@ -67,7 +67,7 @@ static void gather_nack(gather_state *g) {
         pn_header h = {.version = PN_VERSION, .type = PN_NACK, .job = (uint16_t)c->job, .slot = (uint16_t)run,
                        .worker = (uint8_t)c->worker, .owner = (uint8_t)o, .generation = (uint16_t)c->generation,
                        .psn = (uint32_t)(c->start + first)};
-        pn_header_write(p, &h);
+        pn_header_encode(p, &h);
         gather_queue(g, p);
     }
 }
@@ -78,7 +78,7 @@ static int gather_datagram(gather_state *g, const pn_datagram *d, double now, do
     pn_gather_call *c = g->c;
     if (d->length != g->packet_size || d->source != c->aggregator) return 0;
     pn_header h;
-    pn_header_read(d->data, &h);
+    pn_header_decode(d->data, &h);
     if (h.version != PN_VERSION || h.job != c->job || h.generation != c->generation || h.worker != c->worker)
         return 0;
     uint32_t offset = h.psn - (uint32_t)c->start;

@@ -47,19 +47,16 @@ static uint32_t float_bits(float f) {
     return u;
 }
 
-/* Adding and taking away 2^23 rounds |v| < 2^23 in the default rounding mode (IEEE: no compiler may fold
- * it); from 2^23 on every float32 is an integer. The selects are on bits, so the loop has no control flow to
- * keep it from vectorizing. */
+/* rintf rounds half to even in the default rounding mode (numpy's rint, bit for bit), and compiles to one
+ * vector instruction where SSE4.1 is there (the AVX2 and AVX-512 clones; the baseline gets the same rounding
+ * inline, scalar). A lane that does not fit int32 (or is NaN) is converted as 0, never out of range, and makes
+ * the call return 0. The select is on bits, so the loop has no control flow to keep it from vectorizing. */
 PN_LANE_LOOP int pn_quantize_f32_fast(const float *restrict x, uint32_t n, float scale, uint8_t *restrict packet) {
     uint32_t bad = 0;
     for (uint32_t i = 0; i < n; i++) {
         float v = x[i] * scale;
-        float a = fabsf(v);
-        float rounded = (a + 8388608.0f) - 8388608.0f;
-        uint32_t small = -(uint32_t)(a < 8388608.0f);
-        uint32_t fits = -(uint32_t)(a < 2147483648.0f); /* 0 for NaN too */
-        uint32_t magnitude = (float_bits(rounded) & small) | (float_bits(a) & ~small);
-        uint32_t bits = (magnitude | (float_bits(v) & 0x80000000u)) & fits;
+        uint32_t fits = -(uint32_t)(fabsf(v) < 2147483648.0f); /* 0 for NaN too */
+        uint32_t bits = float_bits(rintf(v)) & fits;
         float r;
         memcpy(&r, &bits, sizeof r);
         bad |= ~fits;
@@ -85,35 +82,40 @@ PN_LANE_LOOP uint32_t pn_max_abs_bits(const float *x, size_t n, int finite_only)
     return most > 0x7F800000u ? 0x7FC00000u : most;
 }
 
+/* The bound is told from the lanes' least and greatest values (two vector instructions a vector, where testing
+ * each lane for either bound takes four). */
 PN_LANE_LOOP int pn_read_result(const uint8_t *restrict packet, uint32_t n, uint32_t lanes, int kind,
                                 const pn_scale *s, void *restrict out) {
-    int32_t bound = 0;
+    int32_t least = 0, most = 0;
     if (kind == PN_IN_I32) {
         int32_t *o = out;
         for (uint32_t i = 0; i < n; i++) {
             int32_t v = pn_lane_get(packet, i);
-            bound |= -((v == INT32_MAX) | (v == INT32_MIN));
+            least = v < least ? v : least;
+            most = v > most ? v : most;
             o[i] = v;
         }
     } else if (s->f32) {
         float *o = out;
         for (uint32_t i = 0; i < n; i++) {
             int32_t v = pn_lane_get(packet, i);
-            bound |= -((v == INT32_MAX) | (v == INT32_MIN));
+            least = v < least ? v : least;
+            most = v > most ? v : most;
             o[i] = (float)v * s->inverse;
         }
     } else {
         float *o = out;
         for (uint32_t i = 0; i < n; i++) {
             int32_t v = pn_lane_get(packet, i);
-            bound |= -((v == INT32_MAX) | (v == INT32_MIN));
+            least = v < least ? v : least;
+            most = v > most ? v : most;
             o[i] = (float)((double)v / s->scale);
         }
     }
     for (uint32_t i = n; i < lanes; i++) { /* the last packet's padding: read for the bound alone */
         int32_t v = pn_lane_get(packet, i);
-        bound |= -((v == INT32_MAX) | (v == INT32_MIN));
+        least = v < least ? v : least;
+        most = v > most ? v : most;
     }
-    return bound != 0;
+    return least == INT32_MIN || most == INT32_MAX;
 }
-

@@ -61,6 +61,8 @@ typedef struct {
     uint32_t probes;           /* probes since the last answer: each doubles the next wait */
     double rack_rtt;           /* that packet's round trip */
     uint64_t base;             /* stream position of the shard's first packet in this call */
+    uint64_t base_round;       /* base / pool and base % pool: a packet's slot and set follow from its offset's */
+    uint32_t base_slot;
     int64_t aggregator;
     uint8_t *packets;          /* pool packets */
     window_slot *slots;
@@ -82,14 +84,31 @@ static int flush_sends(stream_state *st) {
     return pn_send_queue_flush(&st->sends, &st->udp, st->packet_size, st->c->drop, st->c->rng, st->r);
 }
 
-/* Build packet `offset` of shard s into its window slot. */
-static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) {
+/* Rows of the caller's array (input or output: same element size) are read and written in order, a packet at a
+ * time between system calls that evict them from the caches: ask for those PREFETCH_ROWS ahead of the one at
+ * hand (the hardware's prefetcher loses the stream among the kernel's copies). */
+#define PREFETCH_ROWS 4
+static inline void prefetch_row(const void *array, uint64_t row, const pn_stream_call *c, int write) {
+    uint64_t first = (row + PREFETCH_ROWS) * c->lanes;
+    if (first >= c->elements) return;
+    const uint8_t *p = (const uint8_t *)array + 4 * first;
+    size_t bytes = 4 * (size_t)(first + c->lanes <= c->elements ? c->lanes : c->elements - first);
+    for (size_t b = 0; b < bytes; b += 64) {
+        if (write) __builtin_prefetch(p + b, 1, 3);
+        else __builtin_prefetch(p + b, 0, 3);
+    }
+}
+
+/* Build packet `offset` of shard s into its window slot `index` (offset % pool; offsets fit 32 bits: validate). The
+ * stream position's slot and round come from the offset's and base's, with no 64-bit division per packet. */
+static uint8_t *build_packet(stream_state *st, shard_state *s, uint32_t offset, uint32_t index) {
     const pn_stream_call *c = st->c;
-    uint8_t *p = s->packets + (size_t)(offset % s->pool) * st->packet_size;
+    uint8_t *p = s->packets + (size_t)index * st->packet_size;
     uint64_t row = s->start + offset;
     uint64_t first = row * c->lanes;
     uint32_t full = first + c->lanes <= c->elements ? c->lanes : (uint32_t)(c->elements - first);
     int saturated = 0;
+    prefetch_row(c->input, row, c, 0);
     if (c->kind != PN_IN_F32 || !s->scale.f32 ||
         !pn_quantize_f32_fast((const float *)c->input + first, full, s->scale.f, p)) {
         for (uint32_t i = 0; i < full; i++) {
@@ -99,33 +118,39 @@ static uint8_t *build_packet(stream_state *st, shard_state *s, uint64_t offset) 
             pn_lane_set(p, i, q);
         }
     }
-    memset(p + PN_HEADER_SIZE + 4 * (size_t)full, 0, 4 * (size_t)(c->lanes - full)); /* the last packet's padding */
-    uint64_t position = s->base + offset;
+    if (full < c->lanes) memset(p + PN_HEADER_SIZE + 4 * (size_t)full, 0, 4 * (size_t)(c->lanes - full)); /* padding */
+    uint32_t slot = s->base_slot + index;  /* (base + offset) % pool and / pool */
+    uint64_t round = s->base_round + offset / s->pool;
+    if (slot >= s->pool) {
+        slot -= s->pool;
+        round++;
+    }
     pn_header h = {
         .version = PN_VERSION, .type = PN_DATA, .op = (uint8_t)c->op,
         .flags = (uint8_t)((saturated ? PN_FLAG_OVERFLOW : 0) | (c->owner_packets ? PN_FLAG_OWNER_ONLY : 0)),
-        .job = (uint16_t)c->job, .slot = (uint16_t)(position % s->pool), .worker = (uint8_t)c->worker,
+        .job = (uint16_t)c->job, .slot = (uint16_t)slot, .worker = (uint8_t)c->worker,
         .owner = (uint8_t)(c->owner_packets ? row / c->owner_packets : 0),
-        .set = (uint8_t)((position / s->pool) % 2), .generation = (uint16_t)c->generation, .psn = (uint32_t)position,
+        .set = (uint8_t)(round % 2), .generation = (uint16_t)c->generation, .psn = (uint32_t)(s->base + offset),
     };
-    pn_header_write(p, &h);
+    pn_header_encode(p, &h);
     return p;
 }
 
-/* First transmission of packet `offset` of the shard (its window slot is free), if it exists. */
-static void send_first(stream_state *st, shard_state *s, uint64_t offset, double now) {
+/* First transmission of packet `offset` of the shard (its window slot `index`, offset % pool, is free), if it
+ * exists. */
+static void send_first(stream_state *st, shard_state *s, uint64_t offset, uint32_t index, double now) {
     if (offset >= s->count) return;
     s->sent++;
     s->last_activity = now;
-    window_slot *w = &s->slots[offset % s->pool];
+    window_slot *w = &s->slots[index];
     *w = (window_slot){.offset = offset, .xmit = ++st->xmit, .first_sent = now, .last_sent = now, .inflight = 1};
-    pn_send_queue_add(&st->sends, build_packet(st, s, offset), s->aggregator);
+    pn_send_queue_add(&st->sends, build_packet(st, s, (uint32_t)offset, index), s->aggregator);
 }
 
 /* Resend a packet: early (RACK: a later packet was answered, evidence of loss) or as a probe (silence). */
 static void retransmit(stream_state *st, shard_state *s, window_slot *w, double now, int early) {
     if (early) st->rec.last_loss = now;
-    uint8_t *p = s->packets + (size_t)(w->offset % s->pool) * st->packet_size;
+    uint8_t *p = s->packets + (size_t)(w - s->slots) * st->packet_size;
     p[3] |= PN_FLAG_RETRANSMIT;
     w->retries++;
     w->last_sent = now;
@@ -143,7 +168,7 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
     const pn_stream_call *c = st->c;
     if (d->length != st->packet_size && d->length != PN_HEADER_SIZE) return 0;
     pn_header h;
-    pn_header_read(d->data, &h);
+    pn_header_decode(d->data, &h);
     int ack = d->length == PN_HEADER_SIZE;
     if (h.version == PN_VERSION && h.type == PN_GATHER && !ack && h.job == c->job && h.generation == c->generation &&
         h.worker == c->worker) {  /* a faster peer's next all_gather: kept for it */
@@ -163,9 +188,10 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
     for (uint32_t k = 0; k < c->shards; k++) {
         shard_state *s = &st->shards[k];
         if (s->aggregator != d->source || s->count == 0) continue;
-        uint64_t offset = (uint32_t)(h.psn - (uint32_t)s->base);
+        uint32_t offset = h.psn - (uint32_t)s->base;
         if (offset >= s->count) return 0; /* another call's, or from the future */
-        window_slot *w = &s->slots[offset % s->pool];
+        uint32_t index = offset % s->pool;
+        window_slot *w = &s->slots[index];
         if (!w->inflight || w->offset != offset) return 0; /* answered already */
         w->inflight = 0;
         /* answered right after a resend: the resend was (most likely) needed, evidence of loss */
@@ -186,11 +212,12 @@ static int process_datagram(stream_state *st, const pn_datagram *d, double now) 
              * (docs/tofino.md), so every target's is read as overflow (padding lanes too). Not in
              * OWNER_ONLY rounds: only the owner sees the sums, and the workers must agree on an
              * overflow, so there the flag alone tells (as in passing/reduce_stream.py). */
+            prefetch_row(c->output, s->start + offset, c, 1);
             void *out = c->kind == PN_IN_F32 ? (void *)((float *)c->output + first) : (void *)((int32_t *)c->output + first);
             int bound = pn_read_result(d->data, n, c->lanes, c->kind, &s->scale, out); /* one pass: values, bound */
             if (c->op == PN_OP_SUM && !c->owner_packets && bound) st->r->overflow[k] = 1;
         }
-        send_first(st, s, offset + s->pool, now); /* self-clocking: this answer releases offset + pool */
+        send_first(st, s, (uint64_t)offset + s->pool, index, now); /* self-clocking: the answer releases offset + pool */
         return 1;
     }
     return 0;
@@ -298,6 +325,8 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
         s->count = c->count[k];
         s->base = c->next_psn[k];
         s->aggregator = c->aggregator[k];
+        s->base_round = s->base / s->pool;
+        s->base_slot = (uint32_t)(s->base % s->pool);
         if (c->kind == PN_IN_F32) s->scale = pn_scale_of(c->scale[k]);
         if (s->count == 0) continue;
         s->packets = malloc((size_t)s->pool * st.packet_size);
@@ -322,7 +351,7 @@ int pn_stream_run(pn_stream_call *c, pn_stream_report *r) {
     for (uint32_t k = 0; k < c->shards; k++) {
         shard_state *s = &st.shards[k];
         remaining += s->count;
-        for (uint32_t i = 0; i < s->pool; i++) send_first(&st, s, i, now);
+        for (uint32_t i = 0; i < s->pool; i++) send_first(&st, s, i, i, now);
     }
     rc = flush_sends(&st);
     uint32_t capacity = pn_udp_capacity(&st.udp);

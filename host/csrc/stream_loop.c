@@ -75,12 +75,15 @@ void pn_send_queue_add(pn_send_queue *q, const uint8_t *packet, int64_t dest) {
 
 int pn_send_queue_flush(pn_send_queue *q, pn_udp *udp, size_t packet_size, double drop, uint64_t *rng,
                         pn_stream_report *r) {
-    uint32_t n = 0;
-    for (uint32_t i = 0; i < q->count; i++) {
-        if (drop > 0 && pn_uniform(rng) < drop) continue;
-        q->packets[n] = q->packets[i];
-        q->dest[n] = q->dest[i];
-        n++;
+    uint32_t n = q->count;
+    if (drop > 0) { /* the test impairment: what it loses is left out */
+        n = 0;
+        for (uint32_t i = 0; i < q->count; i++) {
+            if (pn_uniform(rng) < drop) continue;
+            q->packets[n] = q->packets[i];
+            q->dest[n] = q->dest[i];
+            n++;
+        }
     }
     q->count = 0;
     if (n == 0) return PN_OK;
@@ -97,16 +100,6 @@ int pn_send_queue_flush(pn_send_queue *q, pn_udp *udp, size_t packet_size, doubl
 }
 
 /* ---- loss recovery's estimates and waits ------------------------------------------------------------------ */
-
-void pn_smooth(pn_recovery *rec, double sample) {
-    if (rec->srtt < 0) {
-        rec->srtt = sample;
-        rec->rttvar = sample / 2;
-        return;
-    }
-    rec->rttvar = 0.75 * rec->rttvar + 0.25 * fabs(rec->srtt - sample);
-    rec->srtt = 0.875 * rec->srtt + 0.125 * sample;
-}
 
 double pn_probe_timeout(const pn_recovery *rec) {
     double pto = rec->srtt < 0 ? rec->rto_min : 2.0 * rec->srtt;

@@ -64,8 +64,18 @@ typedef struct {
     double rto_min, max_rto;
 } pn_recovery;
 
-/* RFC 6298 smoothing of the round-trip estimate; the first sample (srtt < 0: none yet) sets it. */
-void pn_smooth(pn_recovery *rec, double sample);
+/* RFC 6298 smoothing of the round-trip estimate; the first sample (srtt < 0: none yet) sets it. Inline: the
+ * streams take a sample per answered packet. */
+static inline void pn_smooth(pn_recovery *rec, double sample) {
+    if (rec->srtt < 0) {
+        rec->srtt = sample;
+        rec->rttvar = sample / 2;
+        return;
+    }
+    double deviation = rec->srtt - sample;
+    rec->rttvar = 0.75 * rec->rttvar + 0.25 * (deviation < 0 ? -deviation : deviation);
+    rec->srtt = 0.875 * rec->srtt + 0.125 * sample;
+}
 /* Two smoothed round trips (RFC 8985's PTO; rto_min before one is measured), 1 ms at least. */
 double pn_probe_timeout(const pn_recovery *rec);
 /* How long a stream may stay silent before a probe, after `probes` unanswered ones: a probe's wait where the

@@ -36,6 +36,7 @@ int pn_udp_init(pn_udp *u, int fd, uint32_t packet_size, uint32_t batch, int gso
     u->fd = fd;
     u->packet_size = packet_size;
     u->gso = gso ? 1 : 0;
+    u->max_segments = PN_UDP_MAX_SEGMENTS;
     u->batch = batch;
     /* A buffer holds a whole GRO-coalesced datagram (up to 64 KiB) as packet rows. */
     u->msg_bytes = (65536 / packet_size + 2) * packet_size;
@@ -197,19 +198,28 @@ int pn_udp_wait(pn_udp *u, int timeout_ms, int extra_fd) {
 }
 
 /* Messages for packets [from, from + n) of `size` bytes: runs of one destination, at most
- * max_segments packets each (one packet each without GSO). Returns the number of messages. */
+ * max_segments packets each (one packet each without GSO). Packets that lie back to back in memory (a
+ * window's consecutive slots) share one iovec: the kernel copies a GSO message iovec by iovec, and one of
+ * 128 packets costs it less than 128 of one. Returns the number of messages. */
 static uint32_t build_messages(pn_udp *u, const uint8_t *const *packet, const int64_t *dest, uint32_t n,
                                uint32_t size, uint32_t *packets_in) {
     uint32_t max_segments = u->gso ? PN_UDP_GSO_MAX_BYTES / size : 1;
-    if (max_segments > PN_UDP_MAX_SEGMENTS) max_segments = PN_UDP_MAX_SEGMENTS;
+    if (max_segments > u->max_segments) max_segments = u->max_segments;
     if (max_segments == 0) max_segments = 1;
-    uint32_t m = 0;
+    uint32_t m = 0, v = 0;  /* messages, iovecs */
     for (uint32_t i = 0; i < n;) {
         uint32_t run = 1;
         while (i + run < n && run < max_segments && dest[i + run] == dest[i]) run++;
+        uint32_t first = v;
         for (uint32_t k = 0; k < run; k++) {
-            u->tx_iov[i + k].iov_base = (void *)packet[i + k];
-            u->tx_iov[i + k].iov_len = size;
+            struct iovec *last = v > first ? &u->tx_iov[v - 1] : NULL;
+            if (last && (const uint8_t *)last->iov_base + last->iov_len == packet[i + k]) {
+                last->iov_len += size;
+                continue;
+            }
+            u->tx_iov[v].iov_base = (void *)packet[i + k];
+            u->tx_iov[v].iov_len = size;
+            v++;
         }
         struct sockaddr_in *a = &u->tx_names[m];
         memset(a, 0, sizeof *a);
@@ -220,8 +230,8 @@ static uint32_t build_messages(pn_udp *u, const uint8_t *const *packet, const in
         memset(h, 0, sizeof *h);
         h->msg_name = a;
         h->msg_namelen = sizeof *a;
-        h->msg_iov = &u->tx_iov[i];
-        h->msg_iovlen = run;
+        h->msg_iov = &u->tx_iov[first];
+        h->msg_iovlen = v - first;
         if (u->gso && run > 1) {
             h->msg_control = u->tx_control;
             h->msg_controllen = CMSG_SPACE(sizeof(uint16_t));
@@ -240,18 +250,20 @@ static int wait_writable(int fd, int timeout_ms) {
     return w == 0 ? -ETIMEDOUT : 0;
 }
 
-/* The packets of one GSO message the kernel refused, one plain datagram each. Returns 0 or
+/* The `count` packets of one GSO message the kernel refused, one plain datagram each. Returns 0 or
  * -errno of the first that failed; *handled: the packets before it (sent, or refused by an
  * ICMP error; bytes_sent counts the sent ones). */
-static int send_plain(pn_udp *u, const struct msghdr *refused, uint32_t size, int timeout_ms,
-                      uint64_t *bytes_sent, uint32_t *handled) {
+static int send_plain(pn_udp *u, const struct msghdr *refused, const uint8_t *const *packet, uint32_t count,
+                      uint32_t size, int timeout_ms, uint64_t *bytes_sent, uint32_t *handled) {
     struct mmsghdr plain[PN_UDP_MAX_SEGMENTS];
-    uint32_t count = (uint32_t)refused->msg_iovlen;
+    struct iovec iov[PN_UDP_MAX_SEGMENTS];
     memset(plain, 0, count * sizeof *plain);
     for (uint32_t k = 0; k < count; k++) {
+        iov[k].iov_base = (void *)packet[k];
+        iov[k].iov_len = size;
         plain[k].msg_hdr.msg_name = refused->msg_name;
         plain[k].msg_hdr.msg_namelen = refused->msg_namelen;
-        plain[k].msg_hdr.msg_iov = &refused->msg_iov[k];
+        plain[k].msg_hdr.msg_iov = &iov[k];
         plain[k].msg_hdr.msg_iovlen = 1;
     }
     uint32_t done = 0;
@@ -335,13 +347,19 @@ static int send_socket(pn_udp *u, const uint8_t *const *packet, const int64_t *d
             if (err == EAGAIN || err == EWOULDBLOCK || err == ENOBUFS) {
                 int w = wait_writable(u->fd, timeout_ms);
                 if (w < 0) return w;
+            } else if (err == EINVAL && h->msg_controllen > 0 && packets_in[sent_msgs] > PN_UDP_OLD_MAX_SEGMENTS &&
+                       u->max_segments > PN_UDP_OLD_MAX_SEGMENTS) {
+                /* a kernel older than 6.9 takes at most 64 segments a message: the rest of the send, and every
+                 * later one, is cut into messages of 64 (nothing of this message left) */
+                u->max_segments = PN_UDP_OLD_MAX_SEGMENTS;
+                break;
             } else if ((err == EIO || err == EINVAL || err == EMSGSIZE) && h->msg_controllen > 0) {
                 /* the kernel refused this one GSO message: a path that cannot segment (EIO), an
                  * MTU below the segment size (EMSGSIZE), a destination it refuses anyway, such as
                  * port 0 (EINVAL). Its packets go as plain datagrams; GSO stays on for the others. */
                 u->gso_fallbacks++;
                 uint32_t plain = 0;
-                int p = send_plain(u, h, size, timeout_ms, bytes_sent, &plain);
+                int p = send_plain(u, h, packet + done, packets_in[sent_msgs], size, timeout_ms, bytes_sent, &plain);
                 if (p < 0) {
                     *handled = done + plain;
                     return p;

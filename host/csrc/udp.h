@@ -10,7 +10,8 @@
 #include <sys/socket.h>
 #include <netinet/in.h>
 
-#define PN_UDP_MAX_SEGMENTS 64      /* the kernel's UDP_MAX_SEGMENTS on older kernels */
+#define PN_UDP_MAX_SEGMENTS 128     /* the kernel's UDP_MAX_SEGMENTS since Linux 6.9: tried first */
+#define PN_UDP_OLD_MAX_SEGMENTS 64  /* ... and before: where a kernel refuses more, the socket keeps to this */
 #define PN_UDP_GSO_MAX_BYTES 65000  /* one GSO message is one UDP datagram before segmentation */
 #define PN_UDP_SEND_CHUNK 1024      /* packets per sendmmsg call (UIO_MAXIOV iovecs) */
 
@@ -24,6 +25,7 @@ typedef struct {
     int64_t *spill_dest;
     uint32_t packet_size;     /* the largest datagram received (and sent) */
     int gso;                  /* 1: consecutive packets to one destination leave as one GSO message */
+    uint32_t max_segments;    /* of one GSO message: PN_UDP_MAX_SEGMENTS, or the older kernels' 64 once refused */
     uint64_t gso_fallbacks;   /* GSO messages the kernel refused, resent as plain datagrams */
     /* receive side: `batch` message buffers of `msg_bytes` each */
     uint32_t batch;

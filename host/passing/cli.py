@@ -197,6 +197,9 @@ def allreduce_main(argv: list[str] | None = None) -> int:
                    help="host streaming engine: native (C), numpy, or auto (native where it loads)")
     p.add_argument("--io", choices=("auto", "udp", "xdp"), default="auto",
                    help="I/O path: AF_XDP beside the UDP socket where it can run (auto, the default), or forced")
+    p.add_argument("--streams", type=int, default=1,
+                   help="stripe the reduce passes over this many streams, stream s from --bind's port + s and a job "
+                        "of its own (--job + s; with --controller, the controller's): passing.stripes")
     args = p.parse_args(argv)
     if (args.controller is None) == (args.aggregator is None):
         p.error("give either --aggregator or --controller")
@@ -209,14 +212,15 @@ def allreduce_main(argv: list[str] | None = None) -> int:
         if args.controller:
             host, port = parse_endpoint(args.bind, 0)
             answer = control.join(args.controller, args.job_name, args.worker, args.workers, host, port,
-                                  group=args.group, pool=args.pool, timeout=args.timeout)
+                                  group=args.group, pool=args.pool, timeout=args.timeout, streams=args.streams)
             mode, token = answer["mode"], str(answer["token"])
             line = (control.Failover(args.controller, args.job_name, args.group, args.worker, token,
                                      after=args.failover_after) if args.failover_after > 0 else None)
-            group = Group.from_answer(answer, bind=args.bind, failover=line, **options)
+            group = Group.from_answer(answer, bind=args.bind, failover=line, streams=args.streams, **options)
         else:
             group = Group(args.job, args.worker, args.workers, args.aggregator, pool=args.pool, lanes=args.lanes,
-                          generation=args.generation, bind=args.bind, servers=args.servers, **options)
+                          generation=args.generation, bind=args.bind, servers=args.servers, streams=args.streams,
+                          **options)
         with group as g:
             for _ in range(args.warmup):
                 g.allreduce(x, op=args.op)
@@ -238,7 +242,7 @@ def allreduce_main(argv: list[str] | None = None) -> int:
     if args.out:
         np.save(args.out, out)
     report = {"worker": args.worker, "mode": mode, "engine": group.engine, "io": group.io_path,
-              "io_reason": group.io_reason, "elements": args.size, "seconds": elapsed,
+              "io_reason": group.io_reason, "streams": group.streams, "elements": args.size, "seconds": elapsed,
               "gbit_per_s": args.size * 4 * 8 / elapsed / 1e9, "ok": True, "moves": group.moves, "calls": calls,
               **stats}
     if not args.no_check:

@@ -66,18 +66,22 @@ def request(controller: str, cmd: str, timeout: float = 10.0, keys: ClientKeys |
 
 def join(controller: str, job: str, worker: int, workers: int, host: str, udp_port: int, group: int = 0,
          pool: int | None = None, aggregator: str = "any", timeout: float = 120.0, secret: str | None = None,
-         keys: ClientKeys | None = None) -> dict[str, Any]:
+         keys: ClientKeys | None = None, streams: int = 1) -> dict[str, Any]:
     """Wait until the whole group has joined; returns the controller's answer, with this
     worker's ``token``. ``secret``: the job's secret (``new_job_secret``), the same for every
     worker of the job (default: $PASSING_JOB_SECRET).
 
     ``aggregator="ps"`` asks for a software aggregator even when the switch could serve
-    (the PS and PSRing baselines)."""
+    (the PS and PSRing baselines). ``streams`` > 1: the group's reduce passes striped over that many streams,
+    stream s sent from ``udp_port`` + s (passing.stripes.bind_streams), each a job of its own at the aggregator
+    (the answer's ``stream_jobs``; ``Group.from_answer`` takes them)."""
     fields: dict[str, Any] = {"job": job, "group": group, "worker": worker, "workers": workers, "host": host,
                               "udp_port": udp_port, "aggregator": aggregator,
                               "secret": secret if secret is not None else job_secret_from_env()}
     if pool is not None:
         fields["pool"] = pool
+    if streams != 1:
+        fields["streams"] = streams
     return request(controller, "join", timeout=timeout, keys=keys, **fields)
 
 

@@ -165,8 +165,8 @@ class ReducePath:
         their sums into ``out``. Returns per shard whether a RESULT overflowed. With ``owner_packets``
         the rounds are OWNER_ONLY, and only the rows this worker owns are written to ``out``."""
         if self.native and self.state.stripes:  # several streams, a thread each (passing.stripes)
-            return stripes.striped_pass(self.state, self.recovery, self.state.stripes, op, flat, out, starts, counts,
-                                        scales, owner_packets)
+            return stripes.striped_pass(self.state, self.recovery, self.silence, self.state.stripes, op, flat, out,
+                                        starts, counts, scales, owner_packets)
         if self.native:
             return native_stream.reduce_pass(self.state, self.recovery, self.silence, op, flat, out, starts, counts,
                                              scales, owner_packets)

@@ -89,8 +89,9 @@ class Group:
     ``rto``, ``max_rto`` and ``timeout``: loss recovery (passing.recovery); ``drop``: a test
     impairment, this fraction of packets lost each way, here at the host. ``io``: the I/O path, AF_XDP beside
     the socket where it can run ("auto"), or forced ("udp", "xdp"): passing.xdp. ``streams``: the reduce passes
-    striped over that many streams on threads of their own (native engine, no failover), stream s a job of its
-    own at the aggregators (``stream_jobs[s - 1]``, default job + s) from bind's port + s: passing.stripes.
+    striped over that many streams on threads of their own (native engine), stream s a job of its own at the
+    aggregators (``stream_jobs[s - 1]``, default job + s; a controller's answer gives them) from bind's port + s
+    or ``stream_sockets[s - 1]``; a move takes every stream along: passing.stripes.
     """
 
     def __init__(
@@ -119,7 +120,8 @@ class Group:
         owner_only: bool = True,
         io: str = "auto",
         streams: int = 1,
-        stream_jobs: Sequence[int] | None = None,
+        stream_jobs: Sequence[int | Sequence[int]] | None = None,
+        stream_sockets: Sequence[BatchSocket] | None = None,
     ) -> None:
         if not 0 <= job < 1 << 16:
             raise ValueError(f"job {job} outside 0..65535")
@@ -182,19 +184,17 @@ class Group:
         self.state.order, self.state.owner_only = order, bool(owner_only)
         self._numbered = servers in (None, workers) or number is not None
         if streams != 1:  # streams 1.. on threads of their own (passing.stripes)
-            if not 1 <= streams <= 64 or not self.native or failover is not None:
-                socket.close()
-                raise ValueError(f"streams={streams}: 1..64, several only on the native engine and without failover")
             try:
                 self.state.stripes = stripes.open_stripes(self.state, self.recovery, streams, stream_jobs,
-                                                          socket.address, io, offload)
+                                                          socket.address, io, offload, stream_sockets, self.native)
             except BaseException:
                 socket.close()
                 raise
 
     @classmethod
     def from_answer(cls, answer: dict, bind: str | tuple[str, int] | BatchSocket, **options) -> Group:
-        """A group from the controller's join answer (passing.control.join): switch or PS alike."""
+        """A group from the controller's join answer (passing.control.join): switch or PS alike, its streams too."""
+        options = stripes.answer_options(answer, options)
         return cls(
             job=int(answer["job_id"]), generation=int(answer["generation"]), worker=int(answer["worker"]),
             workers=int(answer["workers"]), aggregators=aggregators_of(answer), lanes=int(answer["lanes"]),
@@ -495,5 +495,5 @@ class Group:
 
     def _move_to(self, answer: dict[str, Any]) -> None:
         """The group's new allocation (a move answer, checked by passing.numbering.check_move)."""
-        self.state.move_to(answer, numbering.check_move(self.state, answer))
+        stripes.move_streams(self.state, answer, numbering.check_move(self.state, answer))  # every stream moves
         self.moves += 1

@@ -115,15 +115,7 @@ def _named(entries: list[dict], suffix: str) -> list[dict]:
     return [e for e in entries if e.get("table", e.get("register", "")).split(".")[-1] == suffix]
 
 
-def _exact(entry: dict, name: str) -> int:
-    for key, match in entry["key"].items():
-        if key.split(".")[-1] == name:
-            return int(match["value"])
-    raise KeyError(name)
-
-
-def _params(entry: dict) -> dict[str, int]:
-    return {k.split(".")[-1]: int(v) for k, v in entry["params"].items()}
+_exact, _params = tree_vectors.key_value, tree_vectors.params_of  # an entry's key field, its action's parameters
 
 
 @dataclass

@@ -58,6 +58,17 @@ TREE_SCENARIOS: tuple[Scenario, ...] = (
         _from_root(1, (99,), flags=OWN, owner=1, counters={"answered": 1},
                    expect=(Result((1,), 1, (99,)), Result((0,), 1, (), kind=wire.ACK))),
     ), tree=True),
+    Scenario("tree_leaf_ack_carries_the_roots_overflow", (LEAF,), (
+        Send(0, 2, (1,), flags=OWN, owner=3, counters=AGG),
+        Send(1, 2, (2,), flags=OWN, owner=3, counters=UP,
+             expect=(Result((), 2, (3,), kind=wire.DATA, flags=OWN, up=True),)),
+        # the round overflowed at the root (another rack's partial): its ACK says so, and so do the rack's, now and
+        # to a retransmission (the partial here did not overflow)
+        _from_root(2, (), kind=wire.ACK, flags=OVF | OWN, owner=3,
+                   expect=(Result((0, 1), 2, (), kind=wire.ACK, flags=OVF),), counters={"answered": 1}),
+        Send(1, 2, (2,), flags=RT | OWN, owner=3, expect=(Result((1,), 2, (), kind=wire.ACK, flags=OVF),),
+             counters={"duplicate_answered": 1}),
+    ), tree=True),
     Scenario("tree_leaf_admission_from_its_root", (LEAF,), (
         Send(0, 0, (1,), counters=AGG),
         Send(1, 0, (2,), expect=(Result((), 0, (3,), kind=wire.DATA, up=True),), counters=UP),

@@ -72,20 +72,22 @@ def _name(entry: dict) -> str:
     return entry.get("table", entry.get("register", "")).split(".")[-1]
 
 
-def _key(entry: dict, name: str) -> int:
+def key_value(entry: dict, name: str) -> int:
+    """An entry's exact key field ``name`` (by its last dotted part)."""
     for key, match in entry["key"].items():
         if key.split(".")[-1] == name:
             return int(match["value"])
     raise KeyError(name)
 
 
-def _params(entry: dict) -> dict[str, int]:
+def params_of(entry: dict) -> dict[str, int]:
+    """An entry's action parameters by their last dotted part."""
     return {k.split(".")[-1]: int(v) for k, v in entry["params"].items()}
 
 
 def _hit(vector: dict, table: str, job: int) -> dict | None:
     for entry in vector["tables"]:
-        if _name(entry) == table and not entry.get("default") and _key(entry, "job") == job:
+        if _name(entry) == table and not entry.get("default") and key_value(entry, "job") == job:
             return entry
     return None
 
@@ -101,9 +103,9 @@ def owner_map(vector: dict, job: int, role: str, workers: int) -> list[int] | No
         return None
     owners = [NOT_OWNER] * OWNERS
     for entry in vector["tables"]:
-        if _name(entry) != "owner_map" or entry.get("default") or _key(entry, "job") != job:
+        if _name(entry) != "owner_map" or entry.get("default") or key_value(entry, "job") != job:
             continue
-        owner, action = _key(entry, "owner"), _action(entry)
+        owner, action = key_value(entry, "owner"), _action(entry)
         if owner >= OWNERS:
             raise Outside(f"owner_map of job {job}: owner {owner} past the wire's 7 bits")
         if action == "owner_up":
@@ -111,7 +113,7 @@ def owner_map(vector: dict, job: int, role: str, workers: int) -> list[int] | No
                 raise Outside(f"owner_map of root job {job}: owner {owner} up (no controller writes it at a root)")
             owners[owner] = UP
         elif action == "owner_worker":
-            worker = _params(entry)["worker"]
+            worker = params_of(entry)["worker"]
             if worker >= workers:
                 raise Outside(f"owner_map of job {job}: owner {owner} -> worker {worker} of {workers}")
             owners[owner] = worker
@@ -133,7 +135,7 @@ def tree_job(vector: dict, spec: JobSpec, group: int) -> TreeJob:
     action = _action(entry) if entry else "flat"
     up = None
     if action == "leaf":
-        p = _params(entry)
+        p = params_of(entry)
         _up_shaped(spec.job, p, set(spec.sources))
         up = UpAddress(p["port"], p["mac"], p["ip"])
         spec.up = Uplink(p["up_job"], p["up_generation"], p["up_worker"], p["port"])
@@ -156,7 +158,7 @@ def down_job(vector: dict, hdr: dict | None, port: int) -> TreeJob | None:
     entry = _hit(vector, "uplink", hdr["job"])
     if entry is None or _action(entry) != "from_uplink":
         return None
-    u = _params(entry)
+    u = params_of(entry)
     if hdr["type"] in (wire.GATHER, wire.NACK) and port != u["port"]:
         return None  # a server's own GATHER or NACK of that job id: the flat path
     workers = u["full"].bit_length()

@@ -194,7 +194,7 @@ class ProcessGroupPassing(ProcessGroup):
     def transport_stats(self) -> dict[str, int | str]:
         """This rank's packets and bytes to and from the aggregator(s) so far (both lanes), and its I/O path:
         ``io`` ('xdp' or 'udp') and ``io_reason`` (one line: the AF_XDP mode, or why not), the gather lane's
-        after a '; ' where it has one."""
+        after a '; ' where it has one; ``streams``: the reduce lane's (passing.stripes)."""
         if self.stream is None:
             return {}
         streams = [self.stream] + ([self.gather_lane.network.stream] if self.gather_lane is not None else [])
@@ -204,6 +204,7 @@ class ProcessGroupPassing(ProcessGroup):
                 total[key] = int(total.get(key, 0)) + value
         total["io"] = "; ".join(s.io_path for s in streams)
         total["io_reason"] = "; ".join(s.io_reason for s in streams)
+        total["streams"] = self.stream.streams
         return total
 
     def shutdown(self) -> None:

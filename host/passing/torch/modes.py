@@ -25,10 +25,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed import PrefixStore
 
-from .. import control, wire
+from .. import control, stripes, wire
 from ..keys import ClientKeys
 from ..stream import MAX_SERVERS, Group
-from ..transport import BatchSocket
 from . import embedded
 from .embedded import Embedded
 from .hierarchy import Layout, NetworkStage, PeerStage
@@ -236,7 +235,7 @@ def _connect(store: dist.Store, rank: int, size: int, timeout: timedelta, name: 
                           f"of 32 racks of {wire.MAX_WORKERS}, {wire.MAX_WORKERS} under one aggregator)"
                           + ("" if has_in_host else " (the in-host schemes need one per server)"))
     job = _Job(*_job_name(store, rank, name, options), options, keys, embedded_mode)
-    stream, answer = job.join(group, worker, workers)
+    stream, answer = job.join(group, worker, workers, streams=int(options.streams))
     network = FailoverStage(stream, store, f"passing/fallback/{name}/{group}/", timeout)
     mode, reason = answer["mode"], answer["reason"]
     if embedded_mode:
@@ -288,29 +287,31 @@ class _Job:
     keys: ClientKeys
     embedded_mode: bool
 
-    def join(self, group: int, worker: int, workers: int, pool: int | None = None) -> tuple[Group, dict[str, Any]]:
+    def join(self, group: int, worker: int, workers: int, pool: int | None = None,
+             streams: int = 1) -> tuple[Group, dict[str, Any]]:
+        """Join ``group`` (``streams``: its reduce passes striped over that many, a socket each at consecutive
+        ports: passing.stripes) and open its stream."""
         o = self.options
         aggregator = str(SCHEMES[o.scheme].aggregator)
-        sock = BatchSocket((str(o.host), 0))
+        socks = stripes.bind_streams(str(o.host), streams)
         line: control.Failover | None = None
         try:
             answer = control.join(str(o.controller), self.name, worker, workers, host=str(o.host),
-                                  udp_port=sock.address[1], secret=self.secret, group=group,
+                                  udp_port=socks[0].address[1], secret=self.secret, group=group,
                                   pool=o.pool if pool is None else pool,
                                   aggregator=aggregator, timeout=float(o.join_timeout),
-                                  keys=self.keys)
-            if int(answer["lanes"]) != wire.DEFAULT_LANES:  # same port, sized for the aggregator's packets
-                port = sock.address[1]
-                sock.close()
-                sock = BatchSocket((str(o.host), port), lanes=int(answer["lanes"]))
+                                  keys=self.keys, streams=streams)
+            socks = stripes.sized(socks, int(answer["lanes"]))  # same ports, sized for the aggregator's packets
             line = (control.Failover(str(o.controller), self.name, group, worker, str(answer["token"]),
                                      aggregator=aggregator, after=float(o.failover_after),
                                      keys=self.keys) if o.failover_after else None)
-            stream = Group.from_answer(answer, bind=sock, scale=o.scale, on_overflow=str(o.on_overflow),
-                                       rto=float(o.rto), timeout=float(o.timeout), engine=str(o.engine),
-                                       failover=line, io=str(o.io))
+            stream = Group.from_answer(answer, bind=socks[0], streams=streams, stream_sockets=socks[1:] or None,
+                                       scale=o.scale,
+                                       on_overflow=str(o.on_overflow), rto=float(o.rto), timeout=float(o.timeout),
+                                       engine=str(o.engine), failover=line, io=str(o.io))
         except BaseException:
-            sock.close()
+            for sock in socks:
+                sock.close()
             if line is not None:
                 line.close()  # its heartbeats would keep a group that never formed looking alive
             raise

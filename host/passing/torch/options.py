@@ -11,7 +11,11 @@ import socket
 from dataclasses import dataclass, fields
 from typing import Any
 
+from .. import native, wire
 from ..native import ENGINES
+from ..stripes import default_streams
+
+MAX_STREAMS = 16  # the controller's (a join's "streams": docs/control.md)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,10 @@ class Options:
     job: str | None = None  # PASSING_JOB: job name at the controller (default: a fresh one per run)
     engine: str | None = None  # PASSING_ENGINE: host streaming engine, auto | native | numpy
     io: str | None = None  # PASSING_IO: I/O path, auto (AF_XDP beside the UDP socket where it can run) | udp | xdp
+    streams: int | None = None  # PASSING_STREAMS: streams (a thread, socket and job each) a rank's reduce passes
+    # are striped over, 1..16 (passing.stripes; default: from link_gbit where given, else 1)
+    link_gbit: float | None = None  # PASSING_LINK_GBIT: a rank's share of its server's link, Gbit/s each way: the
+    # default streams are stripes.default_streams(link_gbit, 64) (native engine; unset: 1 stream)
     failover_after: float | None = None  # PASSING_FAILOVER_AFTER: silent this long, move the group (0: never;
     # default: 5 s, or half the timeout when that is shorter)
     report_interval: float | None = None  # PASSING_REPORT_INTERVAL: s between reports to the controller (0: at leave)
@@ -77,8 +85,9 @@ class Options:
 
     DEFAULTS = {"controller": None, "embedded": "off", "scheme": "passing", "scale": "auto", "on_overflow": "raise",
                 "pool": None, "timeout": 300.0, "join_timeout": 120.0, "rto": 1.0, "host": None, "server": None,
-                "job": None, "engine": "auto", "io": "auto", "failover_after": None, "report_interval": 10.0,
-                "mtu": None, "keep_on_gloo": (), "shared_memory": "/dev/shm", "device_backend": "auto"}
+                "job": None, "engine": "auto", "io": "auto", "streams": None, "link_gbit": None,
+                "failover_after": None, "report_interval": 10.0, "mtu": None, "keep_on_gloo": (),
+                "shared_memory": "/dev/shm", "device_backend": "auto"}
 
     def resolve(self, environ: dict[str, str] | None = None, limit: float | None = None) -> Options:
         """A copy with every field filled in, checked. ``limit``: the process group's timeout in seconds, which
@@ -102,6 +111,10 @@ class Options:
                 values["failover_after"] = values["timeout"] / 2
         if values["failover_after"] is None:
             values["failover_after"] = min(5.0, values["timeout"] / 2)
+        if values["streams"] is None:  # from the link where it is given, on the engine that can stripe
+            link, engine = values["link_gbit"], values["engine"]
+            native_here = engine == "native" or (engine == "auto" and native.available())
+            values["streams"] = default_streams(link, wire.DEFAULT_LANES) if link and link > 0 and native_here else 1
         if values["server"] is None:
             # torchrun's node rank names the server; without torchrun, the machine does.
             values["server"] = env.get("GROUP_RANK") or socket.gethostname()
@@ -114,9 +127,9 @@ class Options:
     @staticmethod
     def _parse(name: str, raw: str) -> Any:
         try:
-            if name in ("pool", "mtu"):
+            if name in ("pool", "mtu", "streams"):
                 return int(raw)
-            if name in ("timeout", "join_timeout", "rto", "failover_after", "report_interval"):
+            if name in ("timeout", "join_timeout", "rto", "failover_after", "report_interval", "link_gbit"):
                 return float(raw)
             if name == "scale":
                 return raw if raw == "auto" else float(raw)
@@ -142,6 +155,13 @@ class Options:
             raise OptionError(f"on_overflow must be 'raise' or 'auto'; got {self.on_overflow!r}")
         if self.pool is not None and not 1 <= self.pool <= 1 << 16:
             raise OptionError(f"pool must be 1..65536; got {self.pool}")
+        if not 1 <= self.streams <= MAX_STREAMS:
+            raise OptionError(f"streams must be 1..{MAX_STREAMS}; got {self.streams}")
+        if self.streams > 1 and (self.engine == "numpy" or not native.available()):
+            raise OptionError(f"streams={self.streams} needs the native engine (engine={self.engine!r}"
+                              f"{'' if native.available() else ', and the native library is not built'})")
+        if self.link_gbit is not None and not self.link_gbit > 0:
+            raise OptionError(f"link_gbit must be positive (Gbit/s); got {self.link_gbit}")
         if self.mtu is not None and not 68 <= self.mtu <= 65536:
             raise OptionError(f"mtu must be 68..65536 (bytes of an IPv4 packet); got {self.mtu}")
         for name in ("timeout", "join_timeout", "rto"):

@@ -93,8 +93,13 @@ class PassingWork(dist.Work):
 
     def __init__(self, runner: InOrder | None = None, devices: list[torch.device] | None = None) -> None:
         super().__init__()
-        self.future: torch.futures.Future = torch.futures.Future(devices=devices) if devices \
+        # completed here; ``future``, which is handed out, follows it. torch's set_exception marks a future
+        # done with the exception as its *value* (only Python's wait() raises it): C++ readers (DDP's reducer)
+        # would take that value for the result, and crash on it. A callback that raises gives ``future`` a
+        # real error, which every reader sees.
+        self._outcome: torch.futures.Future = torch.futures.Future(devices=devices) if devices \
             else torch.futures.Future()
+        self.future: torch.futures.Future = self._outcome.then(_value_or_error)
         self.error: BaseException | None = None
         self.runner = runner  # where it is queued, if it is
         self.stream: torch.cuda.Stream | None = None  # CUDA: the stream its result is ready on, set by its job
@@ -108,12 +113,12 @@ class PassingWork(dist.Work):
         self.finished(error)
         if error is not None:
             self.error = error
-            self.future.set_exception(error)
+            self._outcome.set_exception(error)
         elif self.stream is not None:
             with torch.cuda.stream(self.stream):
-                self.future.set_result(value)
+                self._outcome.set_result(value)
         else:
-            self.future.set_result(value)
+            self._outcome.set_result(value)
 
     def finished(self, error: BaseException | None) -> None:
         """The collective ran (its outputs are written), with ``error`` if it failed."""
@@ -153,6 +158,10 @@ class PassingWork(dist.Work):
 
     def exception(self) -> BaseException | None:
         return self.error
+
+
+def _value_or_error(outcome: torch.futures.Future) -> Any:
+    return outcome.value()  # raises the error set_exception left as the value
 
 
 def detached(error: BaseException, _seen: set[int] | None = None) -> BaseException:
