@@ -39,6 +39,11 @@
         meta.up_port = port;
         meta.tree.up_generation = generation;
         meta.tree.up_worker = worker;
+        /* 0 where the packet's field is the uplink's: a gateway compares these with 0, not two fields each
+         * (its PHV input is 4 bytes and 12 bits) */
+        meta.up_port_x = ig_intr_md.ingress_port ^ port;
+        meta.up_generation_x = hdr.passing.generation ^ generation;
+        meta.up_worker_x = hdr.passing.worker ^ worker;
         meta.leaf_job = leaf_job;
         meta.leaf_generation = leaf_generation;
         /* as admit: 16 bits are exact (slot < PASSING_SLOTS is checked apart, pool <= PASSING_SLOTS) */

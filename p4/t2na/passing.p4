@@ -73,6 +73,7 @@ struct ingress_metadata_t {
     bit<8> owner_only;   /* the packet's OWNER_ONLY flag, carried into its RESULT for the egress */
     bit<8> round_overflow;
     bit<8> result_flags; /* the RESULT's flags: the round's OVERFLOW and the packet's OWNER_ONLY */
+    bit<8> round_flags;  /* the round's OVERFLOW | the packet's OWNER_ONLY (one operation per action) */
     bit<8> fresh;
     bit<8> lane_op;
     bit<8> verdict;
@@ -91,6 +92,9 @@ struct ingress_metadata_t {
     bit<16> leaf_job;    /* uplink: the leaf job what comes down is for */
     bit<16> leaf_generation;
     bit<8> up_flags;     /* the flags of a packet a leaf sends up */
+    PortId_t up_port_x;        /* uplink: the ingress port ^ the uplink's port (0: on the uplink) */
+    bit<16> up_generation_x;   /* uplink: the packet's generation ^ the uplink's */
+    bit<8> up_worker_x;        /* uplink: the packet's worker ^ the uplink's */
     bit<8> phase;        /* slot_phase of a complete round at a leaf */
     bit<8> same_round;   /* the root's answer is for the round the slot/set holds */
     bit<8> first_answer; /* ... and answers it */
@@ -108,18 +112,12 @@ struct egress_metadata_t {
 parser TnaIngressParser(packet_in pkt, out headers_t hdr, out ingress_metadata_t meta,
                         out ingress_intrinsic_metadata_t ig_intr_md) {
     PassingParser() passing_parser;
+    TreeAckParser() tree_ack_parser;
     state start {
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
         passing_parser.apply(pkt, hdr, true);  /* one pass: no packet comes back with a bridged header */
-        /* a root's ACK comes down to a leaf as the header alone, which the shared parser leaves as payload */
-        transition select(hdr.udp.isValid(), hdr.udp.dst_port, hdr.udp.length) {
-            (true, PASSING_UDP_PORT, 8 + 16): parse_header_only;
-            default: accept;
-        }
-    }
-    state parse_header_only {
-        pkt.extract(hdr.passing);  /* lanes invalid: the ingress drops any other kind of this length */
+        tree_ack_parser.apply(pkt, hdr);  /* a root's ACK down to a leaf: the header alone */
         transition accept;
     }
 }
@@ -304,6 +302,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         meta.tree.relay_up = 0;
         meta.tree.owner_only = 0;
         meta.tree.ack = 0;
+        meta.tree.resend = 0;
         meta.lane_op = LANE_NONE;
         meta.verdict = VERDICT_NONE;
         meta.leaf = 0;
@@ -365,7 +364,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
          * takes the flat path) */
         bool down = false;
         if (from_up && (hdr.passing.type == PASSING_TYPE_RESULT || hdr.passing.type == PASSING_TYPE_ACK
-                        || ig_intr_md.ingress_port == meta.up_port)) {
+                        || meta.up_port_x == 0)) {
             down = true;
             meta.map_job = meta.leaf_job;
             meta.job_index = (bit<32>)(meta.leaf_job & (PASSING_MAX_JOBS - 1));
@@ -398,8 +397,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                 to_aggregator = true;
                 if (down) {
                     /* ---- the root's answer to a leaf job's round, or a GATHER or NACK relayed down ---- */
-                    if (ig_intr_md.ingress_port != meta.up_port || hdr.passing.generation != meta.tree.up_generation
-                            || hdr.passing.worker != meta.tree.up_worker) {
+                    if (meta.up_port_x != 0 || meta.up_generation_x != 0 || meta.up_worker_x != 0) {
                         meta.verdict = VERDICT_REJECTED;
                     } else if ((is_ack && hdr.lanes.isValid()) || (!is_ack && !hdr.lanes.isValid())) {
                         meta.verdict = VERDICT_REJECTED;  /* the job's lanes; an ACK: the header alone */
@@ -512,17 +510,19 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         /* apart from the actions below: flags shares its container with op, so they set it whole. A
          * leaf's answers to its servers carry the round's OVERFLOW alone, a root's keep OWNER_ONLY too
          * (docs/protocol.md, "Trees across racks"), as a flat job's until its egress */
+        meta.round_flags = meta.round_overflow | meta.owner_only;
         if (meta.leaf == 1) {
             meta.result_flags = meta.round_overflow;
         } else {
-            meta.result_flags = meta.round_overflow | meta.owner_only;
+            meta.result_flags = meta.round_flags;
         }
         if (meta.verdict == VERDICT_ANSWER && meta.phase == 0) {
-            meta.up_flags = meta.round_overflow | meta.owner_only | PASSING_FLAG_RETRANSMIT;
+            meta.up_flags = meta.round_flags;
+            meta.tree.resend = 1;  /* RETRANSMIT is added in the egress (one operation per action here) */
         } else if (meta.verdict == VERDICT_UP) {
             meta.up_flags = hdr.passing.flags;
         } else {
-            meta.up_flags = meta.round_overflow | meta.owner_only;
+            meta.up_flags = meta.round_flags;
         }
         if (meta.verdict == VERDICT_CONTRIBUTED) {
             aggregated.count(meta.job_index);
@@ -624,19 +624,13 @@ control TnaIngressDeparser(packet_out pkt, inout headers_t hdr, in ingress_metad
 parser TnaEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t meta,
                        out egress_intrinsic_metadata_t eg_intr_md) {
     PassingParser() passing_parser;
+    TreeAckParser() tree_ack_parser;
     state start {
         pkt.extract(eg_intr_md);
         pkt.extract(hdr.bridged);
         pkt.extract(meta.tree);
         passing_parser.apply(pkt, hdr, false);  /* headers only: the lanes stay payload */
-        /* a root's ACK relayed to a leaf's servers: the header alone, as in the ingress parser */
-        transition select(hdr.udp.isValid(), hdr.udp.dst_port, hdr.udp.length) {
-            (true, PASSING_UDP_PORT, 8 + 16): parse_header_only;
-            default: accept;
-        }
-    }
-    state parse_header_only {
-        pkt.extract(hdr.passing);
+        tree_ack_parser.apply(pkt, hdr);  /* a root's ACK relayed to a leaf's servers: the header alone */
         transition accept;
     }
 }
@@ -748,6 +742,9 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
                     owner_result();
                 }
             }
+        }
+        if (meta.tree.resend == 1) {
+            hdr.passing.flags = hdr.passing.flags | PASSING_FLAG_RETRANSMIT;  /* a leaf's partial sent up again */
         }
         hdr.bridged.setInvalid();
     }
