@@ -24,7 +24,8 @@ header tree_bridged_h {
     bit<8> up_worker;
     bit<48> up_mac;
     bit<32> up_ip;
-    bit<3> pad;
+    bit<2> pad;
+    bit<1> header_only;     /* a root's ACK, the header alone: the egress parser extracts its header */
     bit<1> resend;          /* a leaf's partial sent up again: the egress flags it RETRANSMIT */
     bit<1> tree;            /* a tree job's packet (leaf, root, or what comes down to a leaf) */
     bit<1> relay_up;        /* a leaf server's GATHER: the group's uplink replica goes up */

@@ -303,6 +303,11 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         meta.tree.owner_only = 0;
         meta.tree.ack = 0;
         meta.tree.resend = 0;
+        if (hdr.passing.isValid() && !hdr.lanes.isValid()) {
+            meta.tree.header_only = 1;  /* a root's ACK (TreeAckParser): the egress parses its header too */
+        } else {
+            meta.tree.header_only = 0;
+        }
         meta.lane_op = LANE_NONE;
         meta.verdict = VERDICT_NONE;
         meta.leaf = 0;
@@ -624,13 +629,20 @@ control TnaIngressDeparser(packet_out pkt, inout headers_t hdr, in ingress_metad
 parser TnaEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t meta,
                        out egress_intrinsic_metadata_t eg_intr_md) {
     PassingParser() passing_parser;
-    TreeAckParser() tree_ack_parser;
     state start {
         pkt.extract(eg_intr_md);
         pkt.extract(hdr.bridged);
         pkt.extract(meta.tree);
         passing_parser.apply(pkt, hdr, false);  /* headers only: the lanes stay payload */
-        tree_ack_parser.apply(pkt, hdr);  /* a root's ACK relayed to a leaf's servers: the header alone */
+        /* a root's ACK relayed to a leaf's servers: the header alone (the ingress said so: one bit to match,
+         * where the egress parser has no match registers left for TreeAckParser's fields) */
+        transition select(meta.tree.header_only) {
+            1: parse_header_only;
+            default: accept;
+        }
+    }
+    state parse_header_only {
+        pkt.extract(hdr.passing);
         transition accept;
     }
 }
