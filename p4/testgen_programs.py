@@ -133,13 +133,55 @@ def sources_of(program: Path) -> list[Path]:
 
 _COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)
 
+# Macros a program defines to take a shared file's variant (p4/include/parser.p4's PASSING_PARSE_HEADER_ONLY: the
+# programs with the tree roles parse a header-only datagram). A program that does not define one never sees the
+# text it guards, so that text is no part of its hash: a variant added for one program leaves the others' vectors
+# fresh.
+PROGRAM_VARIANTS = ("PASSING_PARSE_HEADER_ONLY",)
+_DEFINE = re.compile(r"^\s*#\s*define\s+(\w+)", re.MULTILINE)
+_CONDITIONAL = re.compile(r"^\s*#\s*(ifdef|ifndef|if|elif|else|endif)\b\s*(\w*)")
+
+
+def _as_seen(text: str, defined: set[str]) -> str:
+    """The text without what a variant the program does not take guards (#ifdef/#ifndef VARIANT ... #else ...
+    #endif), and without those directives."""
+    kept = []
+    stack: list[bool | None] = []  # per open conditional: a variant's branch taken (True/False), None for others
+    for line in text.splitlines():
+        match = _CONDITIONAL.match(line)
+        directive, name = match.groups() if match else (None, "")
+        if directive in ("ifdef", "ifndef") and name in PROGRAM_VARIANTS:
+            stack.append((name in defined) == (directive == "ifdef"))
+            continue
+        if directive in ("ifdef", "ifndef", "if"):
+            stack.append(None)
+        elif directive in ("else", "elif", "endif"):
+            if not stack:
+                raise ValueError(f"#{directive} without its #if: {line.strip()}")
+            if stack[-1] is not None:
+                if directive == "elif":
+                    raise ValueError(f"#elif in a program variant's conditional: {line.strip()}")
+                if directive == "else":
+                    stack[-1] = not stack[-1]
+                else:
+                    stack.pop()
+                continue
+            if directive == "endif":
+                stack.pop()
+        if all(taken is not False for taken in stack):
+            kept.append(line)
+    return "\n".join(kept)
+
 
 def program_sha256(program: Path) -> str:
-    """What a vector file is stale against: the program and everything it includes, without comments and with
-    runs of white space as one (a comment or a re-indented line changes no test)."""
+    """What a vector file is stale against: the program and everything it includes as the program sees them
+    (PROGRAM_VARIANTS), without comments and with runs of white space as one (a comment or a re-indented line
+    changes no test)."""
+    sources = [(path, _COMMENT.sub(" ", path.read_text())) for path in sources_of(program)]
+    defined = {name for _, text in sources for name in _DEFINE.findall(text) if name in PROGRAM_VARIANTS}
     digest = hashlib.sha256()
-    for path in sources_of(program):
+    for path, text in sources:
         name = os.path.relpath(path, program.resolve().parent)
-        text = " ".join(_COMMENT.sub(" ", path.read_text()).split())
+        text = " ".join(_as_seen(text, defined).split())
         digest.update(name.encode() + b"\0" + text.encode() + b"\0")
     return digest.hexdigest()

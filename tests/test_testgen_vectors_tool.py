@@ -231,6 +231,33 @@ def test_the_hash_covers_the_program_and_every_file_it_includes(tmp_path):
     assert tool.program_sha256(program) != before
 
 
+def test_a_variant_of_a_shared_file_is_part_of_the_hash_of_the_programs_that_take_it_alone(tmp_path):
+    copy = tmp_path / "p4"
+    shutil.copytree(ROOT / "p4", copy, ignore=shutil.ignore_patterns("*.py", "*.json"))
+    tna, t2na = copy / "tna" / "passing.p4", copy / "t2na" / "passing.p4"
+    assert "PASSING_PARSE_HEADER_ONLY" in (copy / "include" / "parser.p4").read_text()
+    assert "#define PASSING_PARSE_HEADER_ONLY" in t2na.read_text()
+    assert "PASSING_PARSE_HEADER_ONLY" not in tna.read_text()
+    before = {p: tool.program_sha256(p) for p in (tna, t2na)}
+    parser = copy / "include" / "parser.p4"
+    text = parser.read_text()
+    variant = "#ifdef PASSING_PARSE_HEADER_ONLY\nconst bit<8> ONLY_THE_TREE = 1;\n#else\nconst bit<8> ALL_BUT = 2;\n#endif\n"
+    parser.write_text(text + variant)
+    assert tool.program_sha256(tna) != before[tna]  # its #else branch
+    assert tool.program_sha256(t2na) != before[t2na]
+    parser.write_text(text + variant.replace("#else\nconst bit<8> ALL_BUT = 2;\n", ""))
+    assert tool.program_sha256(tna) == before[tna]  # a program that does not define it does not see it
+    assert tool.program_sha256(t2na) != before[t2na]
+    parser.write_text(text + "#ifndef PASSING_PARSE_HEADER_ONLY\nconst bit<8> ALL_BUT = 2;\n#endif\n")
+    assert tool.program_sha256(tna) != before[tna]
+    assert tool.program_sha256(t2na) == before[t2na]
+    parser.write_text(text + "#ifdef PASSING_SOMETHING_ELSE\nconst bit<8> X = 1;\n#endif\n")  # not a variant
+    assert tool.program_sha256(tna) != before[tna]
+    parser.write_text(text + "#endif\n")
+    with pytest.raises(ValueError, match="without its #if"):
+        tool.program_sha256(tna)
+
+
 def test_vectors_written_are_read_back_and_judged_by_the_hash(tmp_path, monkeypatch):
     monkeypatch.setattr(tool, "ROOT", tmp_path)
     shutil.copytree(ROOT / "p4", tmp_path / "p4", ignore=shutil.ignore_patterns("*.py", "*.json"))

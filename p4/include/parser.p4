@@ -12,7 +12,10 @@
 #define PASSING_UDP_LENGTH (8 + 16 + 4 * PASSING_LANES)
 
 /* with_lanes = false stops after the PASSING header, leaving the lanes as payload (a TNA
- * egress rewrites headers only and need not spend PHV on the lanes again). */
+ * egress rewrites headers only and need not spend PHV on the lanes again).
+ * PASSING_PARSE_HEADER_ONLY (a program with the tree roles defines it): a datagram of the header
+ * alone (a root's ACK down to a leaf) gets its header parsed, lanes invalid. In the same select as
+ * the DATA length, where it costs a Tofino parser no match register. */
 parser PassingParser(packet_in pkt, inout headers_t hdr, in bool with_lanes) {
     state start {
         pkt.extract(hdr.ethernet);
@@ -38,9 +41,18 @@ parser PassingParser(packet_in pkt, inout headers_t hdr, in bool with_lanes) {
     state parse_passing {
         transition select(hdr.udp.length) {
             PASSING_UDP_LENGTH: parse_passing_header;
+#ifdef PASSING_PARSE_HEADER_ONLY
+            8 + 16: parse_header_only;
+#endif
             default: accept;  /* wrong size: passing header stays invalid, ingress counts it */
         }
     }
+#ifdef PASSING_PARSE_HEADER_ONLY
+    state parse_header_only {
+        pkt.extract(hdr.passing);  /* lanes invalid: the ingress takes it as a header-only kind or drops it */
+        transition accept;
+    }
+#endif
     state parse_passing_header {
         pkt.extract(hdr.passing);
         transition select(with_lanes) {

@@ -24,8 +24,7 @@ header tree_bridged_h {
     bit<8> up_worker;
     bit<48> up_mac;
     bit<32> up_ip;
-    bit<2> pad;
-    bit<1> header_only;     /* a root's ACK, the header alone: the egress parser extracts its header */
+    bit<3> pad;
     bit<1> resend;          /* a leaf's partial sent up again: the egress flags it RETRANSMIT */
     bit<1> tree;            /* a tree job's packet (leaf, root, or what comes down to a leaf) */
     bit<1> relay_up;        /* a leaf server's GATHER: the group's uplink replica goes up */
@@ -50,34 +49,5 @@ header tree_bridged_h {
 #define PASSING_TESTGEN_PHASE_READ(phase) \
     PASSING_ASSUME((phase) <= 2)          \
     PASSING_ASSUME(PASSING_PIN_PHASE(phase))
-
-/* After PassingParser: a root's ACK comes down to a leaf (and on to its servers) as the header alone, which
- * the shared parser leaves as payload (its length is no DATA's). The same path conditions as the shared
- * parser's, field by field: a Tofino parser cannot select on a header's validity, and selects only on what
- * this packet's path extracted. */
-parser TreeAckParser(packet_in pkt, inout headers_t hdr) {
-    state start {
-        transition select(hdr.ethernet.ether_type) {
-            ETHERTYPE_IPV4: after_ipv4;
-            default: accept;
-        }
-    }
-    state after_ipv4 {
-        transition select(hdr.ipv4.ihl, hdr.ipv4.frag_offset, hdr.ipv4.protocol) {
-            (5, 0, IP_PROTO_UDP): after_udp;
-            default: accept;
-        }
-    }
-    state after_udp {
-        transition select(hdr.udp.dst_port, hdr.udp.length) {
-            (PASSING_UDP_PORT, 8 + 16): parse_header_only;
-            default: accept;
-        }
-    }
-    state parse_header_only {
-        pkt.extract(hdr.passing);  /* lanes invalid: the ingress drops any other kind of this length */
-        transition accept;
-    }
-}
 
 #endif

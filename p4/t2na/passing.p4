@@ -35,6 +35,7 @@
 
 #include "../include/headers.p4"
 #include "../include/lanes.p4"
+#define PASSING_PARSE_HEADER_ONLY  /* the tree roles: a root's ACK comes down to a leaf as the header alone */
 #include "../include/parser.p4"
 #include "../include/testgen.p4"
 
@@ -112,12 +113,10 @@ struct egress_metadata_t {
 parser TnaIngressParser(packet_in pkt, out headers_t hdr, out ingress_metadata_t meta,
                         out ingress_intrinsic_metadata_t ig_intr_md) {
     PassingParser() passing_parser;
-    TreeAckParser() tree_ack_parser;
     state start {
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
         passing_parser.apply(pkt, hdr, true);  /* one pass: no packet comes back with a bridged header */
-        tree_ack_parser.apply(pkt, hdr);  /* a root's ACK down to a leaf: the header alone */
         transition accept;
     }
 }
@@ -303,11 +302,6 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         meta.tree.owner_only = 0;
         meta.tree.ack = 0;
         meta.tree.resend = 0;
-        if (hdr.passing.isValid() && !hdr.lanes.isValid()) {
-            meta.tree.header_only = 1;  /* a root's ACK (TreeAckParser): the egress parses its header too */
-        } else {
-            meta.tree.header_only = 0;
-        }
         meta.lane_op = LANE_NONE;
         meta.verdict = VERDICT_NONE;
         meta.leaf = 0;
@@ -634,15 +628,6 @@ parser TnaEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t m
         pkt.extract(hdr.bridged);
         pkt.extract(meta.tree);
         passing_parser.apply(pkt, hdr, false);  /* headers only: the lanes stay payload */
-        /* a root's ACK relayed to a leaf's servers: the header alone (the ingress said so: one bit to match,
-         * where the egress parser has no match registers left for TreeAckParser's fields) */
-        transition select(meta.tree.header_only) {
-            1: parse_header_only;
-            default: accept;
-        }
-    }
-    state parse_header_only {
-        pkt.extract(hdr.passing);
         transition accept;
     }
 }
