@@ -5,8 +5,9 @@ extended with what the wire really carries and with the self-clocked window:
 
 * every 256-byte payload (64 int32 lanes) travels in a 314-byte frame
   (14 Ethernet + 20 IPv4 + 8 UDP + 16 PASSING header), so a link of B bit/s moves
-  B / (8·314) PASSING packets per second; with another lane count L (``Setup.lanes``: a
-  Tofino 2's program has 72) the frame is 58 + 4·L bytes (346 for 288 of payload, 1.20x);
+  B / (8·314) PASSING packets per second; with another lane count L (``Setup.lanes``: the
+  Tofino 2 program had 72 before the tree roles) the frame is 58 + 4·L bytes (346 for 288 of
+  payload, 1.20x);
 * a worker keeps at most ``pool`` packets in flight, so G windows sharing a link move
   at most G·pool packets per round-trip time: rate = min(B/(8·314), G·pool/RTT);
 * gloo's ring runs over TCP: 1448 bytes of payload per 1514-byte frame (timestamps on),
@@ -74,7 +75,7 @@ class Setup:
     rtt_s: float = 0.002  # unloaded round trip rank -> aggregator -> rank
     fixed_s: float = 0.0  # per-call cost independent of size (measured: a one-packet all_reduce)
     in_host_s: float = 0.0  # in-host reduce-scatter + all-gather of this size (measured), in-host schemes only
-    lanes: int = LANES  # int32 values per PASSING packet: the aggregator's program (72 for a Tofino 2)
+    lanes: int = LANES  # int32 values per PASSING packet: the aggregator's program (64 on each switch chip)
 
 
 @dataclass(frozen=True)
@@ -243,13 +244,13 @@ def predict_latency(scheme: str, servers: int, step_s: float, round_trip_s: floa
 
 def main() -> None:
     """Print the model's table for the paper's configurations at 10 Gbit/s, full size, at each lane count
-    (``--lanes``, default 64 and 72: a Tofino 1's and a Tofino 2's program), with Ring / PASSING."""
+    (``--lanes``, default each switch program's: CHIP_LANES), with Ring / PASSING."""
     import argparse
 
     from passing_controller.topology import CHIP_LANES
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--lanes", type=int, nargs="+", default=[CHIP_LANES["tofino"], CHIP_LANES["tofino2"]])
+    parser.add_argument("--lanes", type=int, nargs="+", default=sorted(set(CHIP_LANES.values())))
     args = parser.parse_args()
     sizes = {"resnet50": 25_557_032, "vgg19-cifar": 20_035_018}
     for lanes in args.lanes:

@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python bench/emulated.py --quick     # 2x2 and 4x2, 10G-equivalent, ResNet50 (~2 min)
     sudo .venv/bin/python bench/emulated.py             # 2x2 2x4 4x2 4x4, both bandwidths, ResNet50 + VGG19
-    sudo .venv/bin/python bench/emulated.py --quick --switch-kind tofino2   # the switch's packets: 72 lanes
+    sudo .venv/bin/python bench/emulated.py --quick --switch-kind tofino2   # the Tofino 2 program's lanes
 
 Needs root (network namespaces) and matplotlib for the plots (`pip install matplotlib`).
 
@@ -16,8 +16,8 @@ rate-limited link, with a second PS-only controller: schemes ps and psring use i
 Every run starts s × n ranks (bench/emulated_worker.py) in the server namespaces.
 
 Switch kind (--switch-kind, default tofino): the lane count of the P4 program the emulated switch
-stands for (passing_controller.topology.CHIP_LANES: tofino 64, tofino2 72). Both software
-aggregators take packets of that many lanes and no more, and the cost model counts them: an
+stands for (passing_controller.topology.CHIP_LANES: tofino 64, tofino2 64; 72 before the tree
+roles). Both software aggregators take packets of that many lanes and no more, and the cost model counts them: an
 emulated Tofino 2 is a software aggregator at a Tofino 2 program's lane count, nothing more (no
 pipeline, no recirculation, no switch buffer). Every progress line and results file names it.
 
@@ -109,7 +109,7 @@ def main() -> int:
     p.add_argument("--no-scaling", action="store_true", help="skip the per-host scaling runs")
     p.add_argument("--switch-kind", choices=tuple(SWITCH_KINDS), default=DEFAULT_SWITCH_KIND,
                    help="the switch the emulated one stands for: its program's lanes for every packet "
-                        "(tofino 64, tofino2 72; default %(default)s); a software aggregator at that lane count")
+                        "(tofino 64, tofino2 64; default %(default)s); a software aggregator at that lane count")
     args = p.parse_args()
     why = netns.available()
     if why:

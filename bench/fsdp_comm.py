@@ -21,8 +21,8 @@ behind a PS-only controller (cluster.local). ``--emulated`` (root): the emulated
 bench/emulated.py, every server behind a tbf-limited link (the paper's 10 Gbit/s divided by
 ``--factor``), PASSING through the software aggregator that stands for the switch (in the switch
 namespace, no link limit of its own, the packets of ``--switch-kind``'s program: tofino 64 lanes,
-the default, tofino2 72; an emulated Tofino 2 is a software aggregator at that lane count, nothing
-more), gloo over the same links. Writes bench/results/fsdp_comm.json (loopback) or
+the default, tofino2 64 (72 before the tree roles); an emulated Tofino 2 is a software aggregator at
+that lane count, nothing more), gloo over the same links. Writes bench/results/fsdp_comm.json (loopback) or
 fsdp_comm-emulated.json (fsdp_comm-emulated-<kind>.json for a switch kind other than tofino).
 """
 
@@ -302,7 +302,7 @@ def main() -> None:
     parser.add_argument("--nice", type=int, default=-10, help="emulated: nice level of ranks and aggregators")
     parser.add_argument("--switch-kind", choices=("tofino", "tofino2"), default="tofino",
                         help="emulated: the switch the software aggregator stands for, by its program's lanes "
-                             "(tofino 64, tofino2 72; default %(default)s)")
+                             "(tofino 64, tofino2 64; default %(default)s)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

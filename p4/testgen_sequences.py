@@ -9,7 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testgen_p4testgen import run_p4testgen
-from testgen_programs import HEADER_FIELDS, HEADER_VARIABLES, PIN_FILE, Program, Run, header_size, ipv4_checksum
+from testgen_programs import (
+    FLAT_ONLY,
+    HEADER_FIELDS,
+    HEADER_VARIABLES,
+    PIN_FILE,
+    Program,
+    Run,
+    header_size,
+    ipv4_checksum,
+)
 
 
 @dataclass(frozen=True)
@@ -231,6 +240,8 @@ def pin_source(inp: dict, admit: dict | None, state: dict, index: int, lanes: in
         lines.append(f"#define PASSING_PIN_PAIR_{k}(value) ((value).first == {signed32(pair['first'])} "
                      f"&& (value).second == {signed32(pair['second'])})")
     lines.append("#define PASSING_PIN_PAIR(k, value) PASSING_PIN_PAIR_##k(value)")
+    # a flat sequence: no entry of the tree roles' tables (a program with them, p4/include/tofino_tree_common.p4)
+    lines += [f"#define {name} {value}" for name, value in FLAT_ONLY.items()]
     return "\n".join(lines) + "\n"
 
 

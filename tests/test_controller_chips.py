@@ -1,5 +1,6 @@
 """A switch's chip gives its groups its P4 program's lanes (docs/control.md, Lanes: packets sized to
-the aggregator): "bmv2" and "tofino" 64, "tofino2" 72, one table (topology.CHIP_LANES).
+the aggregator): "bmv2", "tofino" and "tofino2" 64 each, one table (topology.CHIP_LANES); a program
+rebuilt with another PASSING_LANES gives its own, when the topology says so ("lanes_override").
 
 End to end with real processes and sockets: the controller (its ZeroMQ socket), workers that join
 through passing.control and allreduce through Group.from_answer over UDP, and a software aggregator
@@ -46,7 +47,7 @@ def topology(**switch: Any) -> Topology:
 
 
 def test_each_chip_gives_its_programs_lanes_and_no_chip_keeps_todays():
-    assert CHIP_LANES == {"bmv2": 64, "tofino": 64, "tofino2": 72}
+    assert CHIP_LANES == {"bmv2": 64, "tofino": 64, "tofino2": 64}
     assert (topology().chip, topology().lanes) == (DEFAULT_CHIP, 64) == ("bmv2", 64)  # topologies before chips
     for chip, lanes in CHIP_LANES.items():
         assert (topology(chip=chip).chip, topology(chip=chip).lanes) == (chip, lanes)
@@ -58,10 +59,10 @@ def test_each_chip_gives_its_programs_lanes_and_no_chip_keeps_todays():
 
 @pytest.mark.parametrize("switch,message", [
     ({"chip": "tofino3"}, r"\"chip\" 'tofino3' is not a known chip: one of 'bmv2' \(64 lanes\), 'tofino' \(64 "
-                          r"lanes\), 'tofino2' \(72 lanes\)"),
+                          r"lanes\), 'tofino2' \(64 lanes\)"),
     ({"chip": "Tofino2"}, "not a known chip"),  # names are exact: no guessing
     ({"chip": 2}, "not a known chip"),
-    ({"chip": "tofino2", "lanes": 64}, "\"lanes\" 64 disagrees with chip 'tofino2', whose PASSING program has 72 "
+    ({"chip": "tofino2", "lanes": 72}, "\"lanes\" 72 disagrees with chip 'tofino2', whose PASSING program has 64 "
                                        "lanes.*\"lanes_override\": true"),
     ({"lanes": 128}, "disagrees with chip 'bmv2'"),  # no chip: bmv2's 64, and 128 is not it
     ({"chip": "tofino", "lanes_override": True}, "no \"lanes\""),
@@ -84,7 +85,9 @@ def test_a_chip_outside_the_switch_object_is_refused_not_ignored():
         Topology.from_dict({"switch": "tofino2", "hosts": []})
 
 
-# ---- end to end: a job on a "tofino2" switch entry streams 72-lane packets --------------------
+# ---- end to end: a job on a "tofino2" switch entry rebuilt at 32 lanes streams 32-lane packets ------
+# (`make p4-tofino2 TOFINO2_LANES=32`: a lane count no other chip has, so the packets show whose it is)
+REBUILT = 32
 
 
 @dataclass
@@ -176,10 +179,10 @@ class ProgramOnAggregator:
 @pytest.fixture
 def tofino2_data_plane():
     """A software aggregator at a loopback address of its own on the PASSING port (a switch's groups are
-    told <aggregation_ip>:9877), standing for a Tofino 2's 72-lane program."""
+    told <aggregation_ip>:9877), standing for a Tofino 2 program rebuilt at REBUILT lanes."""
     address = f"127.{random.randrange(1, 255)}.{random.randrange(1, 255)}.{random.randrange(2, 255)}"
     proc, ready = start_aggregator(["--listen", f"{address}:9877"], host=address)
-    yield address, ProgramOnAggregator(ready["control"], lanes=CHIP_LANES["tofino2"])
+    yield address, ProgramOnAggregator(ready["control"], lanes=REBUILT)
     proc.terminate()
     proc.wait(10)
 
@@ -188,8 +191,8 @@ def tofino2_data_plane():
 def test_a_job_on_a_tofino2_switch_gets_its_programs_lanes_end_to_end(tofino2_data_plane, tmp_path, monkeypatch):
     address, program = tofino2_data_plane
     monkeypatch.setattr(switch_link, "connect", lambda *args, **kwargs: program)
-    topo = topology(chip="tofino2", aggregation_ip=address)
-    assert topo.lanes == 72
+    topo = topology(chip="tofino2", lanes=REBUILT, lanes_override=True, aggregation_ip=address)
+    assert topo.lanes == REBUILT
     running = Running(topo, tmp_path / "ctl.sqlite")
     workers, elements = 3, 5000
     ports = free_udp_ports(workers)
@@ -209,17 +212,17 @@ def test_a_job_on_a_tofino2_switch_gets_its_programs_lanes_end_to_end(tofino2_da
         for r in results:
             assert not isinstance(r, Exception), r
             answer, result, stats, status = r
-            assert (answer["mode"], answer["lanes"]) == ("switch", 72), answer
+            assert (answer["mode"], answer["lanes"]) == ("switch", REBUILT), answer
             assert answer["aggregators"][0]["host"] == address
-            assert np.array_equal(result, sum(data)), "the sum through the 72-lane program"
-            # what went on the wire: 72-lane DATA packets, every one of them
-            assert stats["bytes_sent"] == stats["packets_sent"] * wire.packet_size(72), stats
+            assert np.array_equal(result, sum(data)), "the sum through the rebuilt program"
+            # what went on the wire: DATA packets of the rebuilt program's lanes, every one of them
+            assert stats["bytes_sent"] == stats["packets_sent"] * wire.packet_size(REBUILT), stats
         (job,) = program.jobs.values()
-        assert job["lanes"] == 72 and len(job["workers"]) == workers
+        assert job["lanes"] == REBUILT and len(job["workers"]) == workers
         status = results[0][3]
-        assert {"aggregator": "switch", "state": "up", "chip": "tofino2", "lanes": 72}.items() <= \
+        assert {"aggregator": "switch", "state": "up", "chip": "tofino2", "lanes": REBUILT}.items() <= \
             next(a for a in status["aggregators"] if a["aggregator"] == "switch").items()
-        assert [(j["mode"], j["lanes"]) for j in status["jobs"]] == [("switch", 72)]
+        assert [(j["mode"], j["lanes"]) for j in status["jobs"]] == [("switch", REBUILT)]
         for answer, *_ in results:
             leave(running.endpoint, "resnet-t2", 0, answer["worker"], answer["token"])
         assert program.jobs == {} and ask(running.endpoint, "status")["jobs"] == []  # its entries went too
@@ -234,19 +237,20 @@ def test_a_store_of_switch_groups_with_other_lanes_is_refused_at_start(tofino2_d
     address, program = tofino2_data_plane
     monkeypatch.setattr(switch_link, "connect", lambda *args, **kwargs: program)
     store = tmp_path / "ctl.sqlite"
-    running = Running(topology(chip="tofino2", aggregation_ip=address), store)
+    rebuilt = {"chip": "tofino2", "lanes": REBUILT, "lanes_override": True}
+    running = Running(topology(**rebuilt, aggregation_ip=address), store)
     try:
         (port,) = free_udp_ports(1)
         answer = join(running.endpoint, "left-running", 0, 1, host="127.0.0.1", udp_port=port, timeout=30)
-        assert (answer["mode"], answer["lanes"]) == ("switch", 72)
+        assert (answer["mode"], answer["lanes"]) == ("switch", REBUILT)
     finally:
         running.stop()
     with pytest.raises(TopologyError, match=r"another lane count than the topology's switch \(chip 'tofino', 64 "
-                                            r"lanes\): left-running group 0 \(72 lanes\).*--store"):
+                                            r"lanes\): left-running group 0 \(32 lanes\).*--store"):
         Running(topology(chip="tofino", aggregation_ip=address), store)
-    running = Running(topology(chip="tofino2", aggregation_ip=address), store)  # the chip it was placed under
+    running = Running(topology(**rebuilt, aggregation_ip=address), store)  # the program it was placed under
     try:
-        assert [(j["job"], j["lanes"]) for j in ask(running.endpoint, "status")["jobs"]] == [("left-running", 72)]
+        assert [(j["job"], j["lanes"]) for j in ask(running.endpoint, "status")["jobs"]] == [("left-running", REBUILT)]
     finally:
         running.stop()
 

@@ -42,8 +42,8 @@ def test_128_lanes_halve_the_packets_and_shrink_the_frames_overhead():
 
 
 def test_the_emulated_switch_kinds_are_the_programs_lane_counts():
-    assert {kind: CHIP_LANES[kind] for kind in emulated_cluster.SWITCH_KINDS} == {"tofino": 64, "tofino2": 72}
-    assert emulated_cluster.switch_kind_label("tofino2") == ("emulated Tofino 2 (tofino2, 72 lanes): a software "
+    assert {kind: CHIP_LANES[kind] for kind in emulated_cluster.SWITCH_KINDS} == {"tofino": 64, "tofino2": 64}
+    assert emulated_cluster.switch_kind_label("tofino2") == ("emulated Tofino 2 (tofino2, 64 lanes): a software "
                                                              "aggregator at that lane count, nothing more")
     # the 10G-equivalent link: the same bytes in flight at either lane count
     assert (emulated_cluster.pool_for(100.0, 64), emulated_cluster.pool_for(100.0, 128)) == (256, 128)

@@ -241,7 +241,8 @@ def test_a_variant_of_a_shared_file_is_part_of_the_hash_of_the_programs_that_tak
     before = {p: tool.program_sha256(p) for p in (tna, t2na)}
     parser = copy / "include" / "parser.p4"
     text = parser.read_text()
-    variant = "#ifdef PASSING_PARSE_HEADER_ONLY\nconst bit<8> ONLY_THE_TREE = 1;\n#else\nconst bit<8> ALL_BUT = 2;\n#endif\n"
+    variant = ("#ifdef PASSING_PARSE_HEADER_ONLY\nconst bit<8> ONLY_THE_TREE = 1;\n"
+               "#else\nconst bit<8> ALL_BUT = 2;\n#endif\n")
     parser.write_text(text + variant)
     assert tool.program_sha256(tna) != before[tna]  # its #else branch
     assert tool.program_sha256(t2na) != before[t2na]

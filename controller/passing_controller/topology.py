@@ -59,8 +59,8 @@ def is_switch(control: str) -> bool:
 # program, changed only by rebuilding it (then say so with "lanes" and "lanes_override"):
 #   bmv2:    p4/v1model/passing.p4, PASSING_LANES of p4/include/constants.p4 (`make p4`)
 #   tofino:  p4/tna/passing.p4 built with TOFINO_LANES (the Makefile's default, `make p4-tofino`)
-#   tofino2: the Tofino 2 program p4/t2na/ (issue 38: twice the lanes of a Tofino 1 packet)
-CHIP_LANES = {"bmv2": 64, "tofino": 64, "tofino2": 72}
+#   tofino2: p4/t2na/passing.p4, its PASSING_T2NA_LANES (`make p4-tofino2`; 72 before the tree roles)
+CHIP_LANES = {"bmv2": 64, "tofino": 64, "tofino2": 64}
 DEFAULT_CHIP = "bmv2"  # a topology that names no chip: the lane count every switch had before chips
 MAX_SWITCH_LANES = 1024  # what an override may state: the most the host engines and the aggregator take
 

@@ -33,9 +33,14 @@ header tree_bridged_h {
 }
 
 /* P4Testgen (p4/include/testgen.p4): the uplink entry a controller writes (controller tree_roles.leaf_entries:
- * the leaf job's allocation, as admission's), and a round's phase of 0, 1 or 2 */
+ * the leaf job's allocation, as admission's), and a round's phase of 0, 1 or 2. A pinned run of a flat
+ * sequence (p4/testgen_sequences.py) says there is no uplink entry, and no tree_role or owner_map entry
+ * (PASSING_PIN_TREE false) */
 #ifndef PASSING_PIN_UPLINK
 #define PASSING_PIN_UPLINK(leaf_job, leaf_generation, base, pool, full, epoch, group) true
+#endif
+#ifndef PASSING_PIN_TREE
+#define PASSING_PIN_TREE true
 #endif
 #ifndef PASSING_PIN_PHASE
 #define PASSING_PIN_PHASE(phase) true

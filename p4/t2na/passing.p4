@@ -3,29 +3,30 @@
  * programs, built from the Tofino 1 program's shared parts (p4/include/tofino_*.p4: the
  * registers that decide a round, the tables, the egress addressing). What Tofino 2 changes
  * (docs/tofino.md, "Tofino 2"):
- *   - 20 MAU stages of 4 stateful ALUs (SALUs) per gress: the round is decided in stages 0 to
- *     3 as on Tofino 1, and the lane pairs follow from stage 4, four per stage (72 lanes: 36
- *     pairs in stages 4 to 12). The SALUs would take 128 lanes; the PHV holds 72 (below);
+ *   - 20 MAU stages of 4 stateful ALUs (SALUs) per gress: the lane pairs take four per stage
+ *     after the round is decided. The SALUs would take more lanes than the PHV holds (below);
  *   - a SALU returns up to four words: every lane pair returns both its sums in the one pass,
  *     so no packet is recirculated (Tofino 1 sends the completing packet round again);
  *   - the egress deparser truncates (mtu_trunc_len): an OWNER_ONLY round's replicas for the
  *     workers that are not its owner leave as header-only ACKs;
  *   - the owner of an OWNER_ONLY DATA is checked against the job's workers in the table that
- *     runs round_check (stage 1), so the check costs no stage: one whose owner is not a
- *     worker is rejected and touches no register.
+ *     runs round_check, so the check costs no stage: one whose owner is not a worker is
+ *     rejected and touches no register.
  *   - the tree roles (docs/protocol.md, "Trees across racks"; docs/tofino.md, "The tree roles"):
  *     a job is a leaf or a root by the entries of tree_role, uplink and owner_map, with the
- *     v1model program's names (p4/include/tofino_tree*.p4); their lookups take stages 0 to 2,
- *     so the round is decided in stages 3 to 6 and the lanes follow in 7 to 15.
+ *     v1model program's names (p4/include/tofino_tree*.p4); their lookups take stages 1 to 3
+ *     (the compiler's placement), so the round is decided in stages 4 to 7 and the 64 lanes
+ *     follow in 8 to 15.
  * A saturated lane is not flagged (one saturated word per lane, as on Tofino 1); the host
  * reads a SUM lane at an int32 bound as overflow.
  */
 
 /* Lanes per packet of the Tofino 2 program: the one place this number is written (the
- * Makefile's TOFINO2_LANES default reads it here). The most that fit: the SALUs would take
- * 128 (64 pairs in stages 4 to 19), but every lane lives in a PHV container that an action
- * can write, and those run out after 72 (docs/tofino.md, "Tofino 2"). */
-#define PASSING_T2NA_LANES 72
+ * Makefile's TOFINO2_LANES default reads it here). The most that fit: every lane lives in a PHV
+ * container that an action can write, and those run out first. The flat program held 72; with
+ * the tree roles' bridged header (144 bits) and metadata, p4c-barefoot leaves 144 bits of
+ * metadata unallocated at 72 lanes, so 64 (docs/tofino.md, "The tree roles"). */
+#define PASSING_T2NA_LANES 64
 #ifndef PASSING_LANES
 #define PASSING_LANES PASSING_T2NA_LANES
 #endif
@@ -39,10 +40,10 @@
 #include "../include/parser.p4"
 #include "../include/testgen.p4"
 
-/* The round is decided in stages 0 to 6 (PassingIngress.apply: the tree roles' lookups come first);
- * lane pair k runs in stage 7 + k / 4, pinned as on Tofino 1 so that the outcome tables do not take
- * the lanes' SALUs. */
-#define PASSING_FIRST_LANE_STAGE 7
+/* The round is decided in stages 0 to 7 (PassingIngress.apply: the tree roles' lookups come first);
+ * lane pair k runs in stage 8 + k / 4, pinned as on Tofino 1 so that the outcome tables do not take
+ * the lanes' SALUs (where the compiler places them unpinned, too). */
+#define PASSING_FIRST_LANE_STAGE 8
 
 #include "../include/tofino_common.p4"  /* slot sets, lane ops, verdicts, register entries */
 #include "../include/tofino_tree_common.p4"  /* the tree roles: replication ids, verdicts, the bridged tree header */
@@ -274,10 +275,10 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
     }
 
     apply {
-        /* The tree roles' lookups take stages 0 to 2 (uplink; admission and tree_role, which wait for
+        /* The tree roles' lookups take stages 1 to 3 (uplink; admission and tree_role, which wait for
          * uplink's answer; owner_map, keyed by the job uplink names), then the round is decided as on
-         * Tofino 1 in stages 3 to 6: owner_check (round_check), bitmap_start/join, the contribution
-         * table and slot_phase, slot_overflow; the lane pairs follow from stage 7 (7 to 15 for 72 lanes). */
+         * Tofino 1 in stages 4 to 7: owner_check (round_check), bitmap_start/join, the contribution
+         * table and slot_phase, slot_overflow; the lane pairs follow from stage 8 (8 to 15 for 64 lanes). */
         hdr.bridged.setValid();
         hdr.bridged.pad0 = 0;
         hdr.bridged.pad1 = 0;
@@ -409,7 +410,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                     } else if (!is_answer) {
                         meta.verdict = VERDICT_RELAY;
                     } else if (slot_in_table && meta.slots_left != 0 && meta.slots_left[15:15] == 0) {
-                        /* stages 3 to 6: the round the slot/set holds, complete here, not yet answered */
+                        /* stages 4 to 7: the round the slot/set holds, complete here, not yet answered */
                         meta.same_round = answer_check.execute(answer_set_index.get(
                             {hdr.passing.set[0:0], meta.base_plus_slot[PASSING_SLOT_BITS - 1:0]}));
                         if (meta.same_round == 1) {
@@ -436,7 +437,7 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
                         meta.verdict = VERDICT_REJECTED;
                     }
                 } else if (well_formed && slot_in_table && meta.slots_left != 0 && meta.slots_left[15:15] == 0) {
-                    /* ---- stages 3 to 6: the round ---- */
+                    /* ---- stages 4 to 7: the round ---- */
                     /* admitted, and slot < pool: slots_left = pool - slot is in 1 .. pool */
                     switch (owner_check.apply().action_run) {
                         check_round: {
@@ -515,9 +516,11 @@ control PassingIngress(inout headers_t hdr, inout ingress_metadata_t meta,
         } else {
             meta.result_flags = meta.round_flags;
         }
-        if (meta.verdict == VERDICT_ANSWER && meta.phase == 0) {
+        if (meta.verdict == VERDICT_ANSWER && meta.leaf == 1 && meta.phase == 0) {
+            /* a leaf's partial sent up again (below): RETRANSMIT is added in the egress (one operation per
+             * action here). Not a flat job's answer, whose slot_phase is 0 too */
             meta.up_flags = meta.round_flags;
-            meta.tree.resend = 1;  /* RETRANSMIT is added in the egress (one operation per action here) */
+            meta.tree.resend = 1;
         } else if (meta.verdict == VERDICT_UP) {
             meta.up_flags = hdr.passing.flags;
         } else {
@@ -667,7 +670,15 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
         eg_dprsr_md.mtu_trunc_len = PASSING_ACK_TRUNC_LEN;
     }
 
+    /* P4Testgen's egress model reads the input packet's bytes, not what the ingress emitted (docs/tofino.md,
+     * "Executed by P4Testgen"), and with the tree roles' egress it finds no path at all for packets the ingress
+     * answers (a retransmission to a completed round): its vectors are compared at the traffic manager, so
+     * under PASSING_TESTGEN the egress does nothing. */
     apply {
+#ifdef PASSING_TESTGEN
+        if (false)
+#endif
+        {
         if (hdr.passing.isValid()) {
             meta.job_index = (bit<32>)(hdr.passing.job & (PASSING_MAX_JOBS - 1));
         }
@@ -744,6 +755,7 @@ control PassingEgress(inout headers_t hdr, inout egress_metadata_t meta,
             hdr.passing.flags = hdr.passing.flags | PASSING_FLAG_RETRANSMIT;  /* a leaf's partial sent up again */
         }
         hdr.bridged.setInvalid();
+        }
     }
 }
 
