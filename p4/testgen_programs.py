@@ -87,9 +87,8 @@ class Program:
 # checker counts such vectors as outside the protocol), and "in_domain" with them, for the checker.
 _TNA_SEARCH = ("--path-selection", "GREEDY_STATEMENT_SEARCH", "--only-covering-tests",
                "--port-ranges", "0:63,68:68")
-# p4/include/tofino_tree_common.p4's hooks: no uplink entry, no tree_role or owner_map entry
-FLAT_ONLY = {"PASSING_PIN_TREE": "false",
-             "PASSING_PIN_UPLINK(leaf_job,leaf_generation,base,pool,full,epoch,group)": "false"}
+# p4/include/tofino_tree_common.p4's hook: no entry of uplink, tree_role or owner_map
+FLAT_ONLY = {"PASSING_PIN_TREE": "false"}
 _V1MODEL_SEARCH = ("--path-selection", "RANDOM_BACKTRACK", "--port-ranges", "0:7", "--packet-size-range", "0:12000")
 PROGRAMS = {
     "tna": Program("tna", "p4/tna/passing.p4", "p4/tna/testgen.json", "tofino", "tna", "PTF", "TnaIngressDeparser",

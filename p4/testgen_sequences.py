@@ -196,7 +196,9 @@ def pack(header: str, fields: dict[str, int]) -> bytes:
     return value.to_bytes(header_size(header), "big")
 
 
-_ZERO = {"slot_tag": {"tag": 0, "epoch": 0}, "slot_bitmap": {"bitmap": 0, "psn": 0}, "slot_overflow": 0}
+_ZERO = {"slot_tag": {"tag": 0, "epoch": 0}, "slot_bitmap": {"bitmap": 0, "psn": 0}, "slot_overflow": 0,
+         "slot_phase": 0}
+_ONE_VALUE = ("slot_overflow", "slot_phase")  # registers of one value, not a struct
 
 
 def unwritten(name: str) -> object:
@@ -206,8 +208,8 @@ def unwritten(name: str) -> object:
 
 def written(name: str, old: object, fields: dict[str, int]) -> object:
     """An entry of register ``name`` after a RegisterAction wrote ``fields`` into it (a ``writes_of`` entry):
-    slot_overflow's one value, or the struct with those fields replaced."""
-    return fields["value"] if name == "slot_overflow" else {**old, **fields}
+    slot_overflow's or slot_phase's one value, or the struct with those fields replaced."""
+    return fields["value"] if name in _ONE_VALUE else {**old, **fields}
 
 
 def _register(state: dict, name: str, index: int) -> object:

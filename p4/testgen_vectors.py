@@ -13,7 +13,7 @@ carries what each RegisterAction wrote back (``writes``, from the path's trace),
 Standard library only: this runs on a machine that has P4Testgen and nothing of PASSING installed.
 
     python3 p4/testgen_vectors.py generate tna        # p4testgen -> p4/tna/testgen.json
-    python3 p4/testgen_vectors.py generate t2na --lanes 72   # -> p4/t2na/testgen.json (patched p4testgen)
+    python3 p4/testgen_vectors.py generate t2na --lanes 8    # -> p4/t2na/testgen.json (patched p4testgen)
     python3 p4/testgen_vectors.py generate v1model    # p4testgen -> p4/v1model/testgen.json
     python3 p4/testgen_vectors.py check               # exit 1 if a vector file is missing or stale
 """

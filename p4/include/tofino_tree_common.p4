@@ -34,8 +34,8 @@ header tree_bridged_h {
 
 /* P4Testgen (p4/include/testgen.p4): the uplink entry a controller writes (controller tree_roles.leaf_entries:
  * the leaf job's allocation, as admission's), and a round's phase of 0, 1 or 2. A pinned run of a flat
- * sequence (p4/testgen_sequences.py) says there is no uplink entry, and no tree_role or owner_map entry
- * (PASSING_PIN_TREE false) */
+ * sequence, and the runs of flat jobs (p4/testgen_programs.py's FLAT_ONLY), say there is no entry of uplink,
+ * tree_role or owner_map (PASSING_PIN_TREE false) */
 #ifndef PASSING_PIN_UPLINK
 #define PASSING_PIN_UPLINK(leaf_job, leaf_generation, base, pool, full, epoch, group) true
 #endif
@@ -50,6 +50,7 @@ header tree_bridged_h {
     PASSING_ASSUME((leaf_job) >= 1 && (leaf_job) < PASSING_MAX_JOBS                               \
                    && (epoch) == ((bit<32>)(leaf_job) << 16 | (bit<32>)(leaf_generation))         \
                    && (group) == (leaf_job) + 1)                                                  \
+    PASSING_ASSUME(PASSING_PIN_TREE)                                                              \
     PASSING_ASSUME(PASSING_PIN_UPLINK(leaf_job, leaf_generation, base, pool, full, epoch, group))
 #define PASSING_TESTGEN_PHASE_READ(phase) \
     PASSING_ASSUME((phase) <= 2)          \
