@@ -9,18 +9,13 @@ controller's address over it); the spare's partials go up to the spine's address
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
-
 import numpy as np
 import pytest
 
-from .network import REPO, start_ps
-from .test_e2e_bmv2 import CONTROLLER, expected
+from .network import start_ps
+from .test_e2e_bmv2 import ControllerProcess, expected, finish, run_workers, wait_running
 from .test_failover_bmv2 import ManagementNetwork
-from .test_tree_controller_multi_bmv2 import CONTROLLER_IP, Controller
+from .test_tree_controller_multi_bmv2 import CONTROLLER_IP
 
 pytestmark = pytest.mark.slow  # three BMv2 switches, a switch killed: make test-all's
 
@@ -43,41 +38,22 @@ def tree():
 @pytest.mark.timeout(600)
 def test_a_leaf_switch_killed_mid_job_is_replaced_by_the_spare_ps(tree, pipeline, tmp_path):
     spare = start_ps(tree.net.get("ctl"), CONTROLLER_IP)
-    controller = Controller(tree, pipeline, tmp_path)
-    topo = json.loads(controller.topology.read_text())
-    topo["ps"] = [{"data": SPARE, "control": SPARE_CONTROL}]
-    controller.topology.write_text(json.dumps(topo))
+    controller = ControllerProcess(tree, pipeline, tmp_path, ps=[{"data": SPARE, "control": SPARE_CONTROL}])
     try:
         assert set(controller.start()["switches"].values()) == {"connected"}
         size = 20_000
         over = tmp_path / "over"  # the workers go on (--until) until the switch is dead, however fast it is
-        procs = []
-        for w, h in enumerate(HOSTS):
-            ip = tree.net.get(h).IP()
-            procs.append(tree.net.get(h).popen(
-                [sys.executable, "-m", "passing.cli", "allreduce", "--controller", CONTROLLER, "--job-name", "doomed",
-                 "--worker", str(w), "--workers", "4", "--bind", f"{ip}:{20000 + w}", "--size", str(size),
-                 "--iterations", "4", "--out", str(tmp_path / f"doomed-{w}.npy"), "--no-check", "--timeout", "60",
-                 "--pool", "64", "--failover-after", "1", "--until", str(over)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO)))
-        deadline = time.monotonic() + 90
-        while True:  # kill s2 once the tree runs on the switches and its root has completed rounds
-            jobs = [j for j in controller.ctl("jobs")["jobs"] if j["job"] == "doomed"]
-            if jobs and controller.ctl("stats", "--job-id", str(jobs[0]["job_id"])).get(
-                    str(jobs[0]["job_id"]), {}).get("completed", 0) >= 500:
-                break
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the tree did not run"
-            time.sleep(0.1)
-        assert {n["name"]: n["control"] for n in jobs[0]["tree"]}["rack2"] == "switch:s2", jobs[0]
+        procs = run_workers(tree, tmp_path, "doomed", HOSTS, size, wait=False,
+                            extra=["--iterations", "4", "--failover-after", "1", "--until", str(over)])
+        # s2 is killed once the tree runs on the switches and its root has completed rounds
+        job = wait_running(controller, "doomed", procs, completed=500)
+        assert {n["name"]: n["control"] for n in job["tree"]}["rack2"] == "switch:s2", job
         tree.net.get("s2").process.kill()
         over.touch()
         total, bound = expected(4, size)
-        for w, p in enumerate(procs):
-            out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, f"worker {w}: {err[-3000:]}"
-            report = json.loads(out.splitlines()[-1])
+        for report, r in finish(procs, tmp_path, "doomed"):
             assert report["moves"] == 1 and report["mode"] == "tree", report
-            assert np.max(np.abs(np.load(tmp_path / f"doomed-{w}.npy") - total)) <= bound
+            assert np.max(np.abs(r - total)) <= bound
         status = controller.ctl("status")
         job = next(j for j in status["jobs"] if j["job"] == "doomed")
         assert {n["name"]: n["control"] for n in job["tree"]} == {
