@@ -28,7 +28,7 @@ import pytest
 from passing import Group
 from passing.control import ControllerError, join, leave
 from passing.launch import free_udp_ports
-from passing_controller import admission, result_rewrite
+from passing_controller import admission, result_rewrite, top
 from passing_controller import switch as switch_link
 from passing_controller.topology import Topology
 from tests.cluster import run_threads, start_aggregator
@@ -152,6 +152,7 @@ def test_a_group_of_one_racks_servers_runs_flat_on_its_switch_and_a_restart_keep
         slots = {a["aggregator"]: a for a in seen["metrics"]["aggregators"]}
         assert slots["switch:s1"]["free_slots"] == S1_SLOTS - 8 and slots["switch:s2"]["free_slots"] == 1024
         assert seen["status"]["switches"]["s1"] == "connected"
+        assert f"switch:s1 up 8/{S1_SLOTS} slots used" in top.render(seen["metrics"], None, "ctl")[1]  # passing-ctl top
         for answer, *_ in results:
             leave(running[0].endpoint, "rack1-flat", 0, answer["worker"], answer["token"])
         assert entries(program, job["job_id"]) == set() and program.jobs == {}
