@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from passing import Group
-from passing.control import ControllerError, join, leave
+from passing import Group, native
+from passing.control import ControllerError, join, leave, new_job_secret
 from passing.launch import free_udp_ports
+from passing.stripes import bind_streams, sized
 from passing_controller import admission, result_rewrite, top
 from passing_controller import switch as switch_link
 from passing_controller.topology import Topology
@@ -278,3 +279,41 @@ def test_a_store_of_groups_on_a_named_switch_the_topology_lost_or_rebuilt_is_ref
             check_switch_lanes(state, Topology.from_dict(lost))
     finally:
         state.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not native.available(), reason="the native library is not built")
+def test_a_group_of_two_streams_takes_two_ranges_of_its_named_switch(s1, tmp_path: Path):
+    """streams = 2 on s1 (as on the one switch): a job id and a range of s1's slots per stream, each stream's
+    admission at the workers' ports on s1 from their UDP port + s, and the sum exact through both."""
+    raw, program, _ = s1
+    running = Running(Topology.from_dict(raw), tmp_path / "ctl.sqlite")
+    x = [np.arange(20_000, dtype=np.float32) * (w + 1) - 3 for w in range(2)]
+    secret = new_job_secret()
+
+    def work(w: int) -> tuple:
+        socks = bind_streams(RACK1[w], 2)
+        answer = join(running.endpoint, "striped-s1", w, 2, host=RACK1[w], udp_port=socks[0].address[1], pool=8,
+                      secret=secret, streams=2, timeout=30)
+        socks = sized(socks, int(answer["lanes"]))
+        with Group.from_answer(answer, bind=socks[0], streams=2, stream_sockets=socks[1:], engine="native",
+                               io="udp", timeout=30) as g:
+            return answer, g.allreduce(x[w]), ask(running.endpoint, "status")
+
+    try:
+        results = run_threads(work, 2)
+        for r in results:
+            assert not isinstance(r, Exception), r
+            answer, result, _ = r
+            assert answer["mode"] == "switch" and answer["streams"] == 2, answer
+            assert np.array_equal(result, x[0] + x[1])
+        (job,) = results[0][2]["jobs"]
+        assert job["control"] == "switch:s1" and len(job["stripes"]) == 1, job
+        ids = [job["job_id"], job["stripes"][0]["job_id"]]
+        assert sorted({job["base"], job["stripes"][0]["base"]}) == [0, 8]  # two ranges of s1's 64 slots
+        assert sorted(program.jobs) == sorted(ids)  # a job of s1's data plane per stream
+        for answer, *_ in results:
+            leave(running.endpoint, "striped-s1", 0, answer["worker"], answer["token"])
+        assert program.jobs == {} and all(entries(program, i) == set() for i in ids)
+    finally:
+        running.stop()
