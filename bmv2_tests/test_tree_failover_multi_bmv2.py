@@ -82,8 +82,9 @@ def kill_mid_job(tree, controller: ControllerProcess, tmp, job: str, hosts: list
 def test_a_leaf_switch_killed_mid_job_is_replaced_by_the_spare_ps(tree, controller, tmp_path):
     placed, reports = kill_mid_job(tree, controller, tmp_path, "doomed", HOSTS, "s2")
     assert {n["name"]: n["control"] for n in placed["tree"]}["rack2"] == "switch:s2", placed
-    for report in reports:
-        assert report["moves"] == 1 and report["mode"] == "tree", report
+    for report in reports:  # at least the move off the dead leaf (BMv2 on a loaded machine can be silent for the
+        # workers' 1 s before the kill too: the group then moved onto the same nodes first); where it ended is below
+        assert report["moves"] >= 1 and report["mode"] == "tree", report
     status = controller.ctl("status")
     job = next(j for j in status["jobs"] if j["job"] == "doomed")
     assert {n["name"]: n["control"] for n in job["tree"]} == {
