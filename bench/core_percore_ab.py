@@ -9,6 +9,10 @@ and the aggregator alike.
     cp host/passing/_native.cpython-311-x86_64-linux-gnu.so /tmp/main.so   # then change, make setup
     sudo .venv/bin/python bench/core_percore_ab.py main=/tmp/main.so \
         new=host/passing/_native.cpython-311-x86_64-linux-gnu.so
+
+A build NAME=PATH@US runs its aggregator with `--spin-us US` (the native data path's busy wait before it blocks):
+one library at several spins, e.g. `s0=$SO@0 s20=$SO@20 s50=$SO@50`. Each row prints the per-core figure and the
+wall-clock one (payload each way per second of the call's wall time).
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import core_percore  # noqa: E402
 
 
-def build(text: str) -> tuple[str, Path]:
-    name, _, path = text.partition("=")
-    if not name or not path or not Path(path).is_file():
-        raise argparse.ArgumentTypeError(f"{text!r}: a build is NAME=PATH of a shared object that exists")
-    return name, Path(path).resolve()
+def build(text: str) -> tuple[str, Path, list[str]]:
+    name, _, rest = text.partition("=")
+    path, at, spin = rest.partition("@")
+    if not name or not path or not Path(path).is_file() or (at and not spin.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: a build is NAME=PATH of a shared object that exists, "
+                                         "optionally @US (the aggregator's --spin-us)")
+    return name, Path(path).resolve(), ["--spin-us", spin] if at else []
 
 
 def main() -> int:
@@ -51,19 +57,20 @@ def main() -> int:
     rows: dict[str, list[dict[str, Any]]] = {}
     try:
         for r in range(args.rounds):
-            for name, path in args.builds:
+            for name, path, aggregator_args in args.builds:
                 os.environ["PASSING_NATIVE_LIB"] = str(path)
                 for lanes in args.lanes:
                     load = os.getloadavg()[0]
                     row = core_percore.percore_run(where, "udp", lanes, args.elements, args.iterations, args.pool,
-                                                   False)
+                                                   False, aggregator_args=aggregator_args)
                     if "error" in row:
                         print(f"round {r} {name} {lanes}: FAILED: {row['error']}", flush=True)
                         continue
                     row.update(build=name, round=r, loadavg=load)
                     rows.setdefault(f"{name}/{lanes}", []).append(row)
                     print(f"round {r} {name:>8} {lanes:>4} lanes: {row['gbit_per_core_each_way']:6.2f} Gbit/s per "
-                          f"core each way; user {row['worker_user_s'] * 1e3:5.1f} ms, system "
+                          f"core each way, {row['gbit_wall_each_way']:6.2f} wall; user "
+                          f"{row['worker_user_s'] * 1e3:5.1f} ms, system "
                           f"{row['worker_system_s'] * 1e3:5.1f} ms a call; exact {row['ok']}; retransmissions "
                           f"{row['retransmissions']}; load {load:.2f}", flush=True)
     finally:
@@ -71,7 +78,9 @@ def main() -> int:
     print(f"== medians over the rounds of each row's median ({'loopback' if args.loopback else 'veth'}, UDP) ==")
     for key, got in rows.items():
         rates = [g["gbit_per_core_each_way"] for g in got]
-        print(f"{key:>14}: {np.median(rates):6.2f} Gbit/s per core ({', '.join(f'{v:.2f}' for v in rates)}); user "
+        walls = [g["gbit_wall_each_way"] for g in got]
+        print(f"{key:>14}: {np.median(rates):6.2f} Gbit/s per core ({', '.join(f'{v:.2f}' for v in rates)}), "
+              f"{np.median(walls):6.2f} wall ({', '.join(f'{v:.2f}' for v in walls)}); user "
               f"{np.median([g['worker_user_s'] for g in got]) * 1e3:5.1f} ms, system "
               f"{np.median([g['worker_system_s'] for g in got]) * 1e3:5.1f} ms a call")
     if args.out:
