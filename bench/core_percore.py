@@ -145,10 +145,8 @@ def _profile(pid: int, seconds: float) -> list[tuple[float, str]]:
 
 
 def percore_run(where: _Where, io: str, lanes: int, elements: int, iterations: int, pool: int,
-                profile: bool, wrap: list[str] | None = None,
-                aggregator_args: list[str] | None = None) -> dict[str, Any]:
-    """One worker and the native aggregator at ``lanes``, pinned, over ``io``; the per-call figures.
-    ``aggregator_args``: more options of ``passing-aggregator serve`` (bench/core_percore_ab.py's ``--spin-us``)."""
+                profile: bool, wrap: list[str] | None = None) -> dict[str, Any]:
+    """One worker and the native aggregator at ``lanes``, pinned, over ``io``; the per-call figures."""
     sys.path.insert(0, str(CORE.parent))
     from passing.launch import free_udp_ports
 
@@ -160,7 +158,7 @@ def percore_run(where: _Where, io: str, lanes: int, elements: int, iterations: i
     agg_cmd = [*where.prefix(False), "taskset", "-c", str(AGGREGATOR_CORE), sys.executable, "-m", "passing.cli",
                "aggregator", "serve", "--listen", f"{where.aggregator_ip}:0", "--control", "none", "--engine",
                "native", "--lanes", str(lanes), "--max-lanes", str(max(lanes, 1024)), "--slots", str(max(4096, pool)),
-               "--config", config, "--io", io, *(aggregator_args or [])]
+               "--config", config, "--io", io]
     agg = subprocess.Popen(agg_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready = json.loads(agg.stdout.readline() or "{}")

@@ -10,9 +10,7 @@ and the aggregator alike.
     sudo .venv/bin/python bench/core_percore_ab.py main=/tmp/main.so \
         new=host/passing/_native.cpython-311-x86_64-linux-gnu.so
 
-A build NAME=PATH@US runs its aggregator with `--spin-us US` (the native data path's busy wait before it blocks):
-one library at several spins, e.g. `s0=$SO@0 s20=$SO@20 s50=$SO@50`. Each row prints the per-core figure and the
-wall-clock one (payload each way per second of the call's wall time).
+Each row prints the per-core figure and the wall-clock one (payload each way per second of the call's wall time).
 """
 
 from __future__ import annotations
@@ -30,13 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import core_percore  # noqa: E402
 
 
-def build(text: str) -> tuple[str, Path, list[str]]:
-    name, _, rest = text.partition("=")
-    path, at, spin = rest.partition("@")
-    if not name or not path or not Path(path).is_file() or (at and not spin.isdigit()):
-        raise argparse.ArgumentTypeError(f"{text!r}: a build is NAME=PATH of a shared object that exists, "
-                                         "optionally @US (the aggregator's --spin-us)")
-    return name, Path(path).resolve(), ["--spin-us", spin] if at else []
+def build(text: str) -> tuple[str, Path]:
+    name, _, path = text.partition("=")
+    if not name or not path or not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: a build is NAME=PATH of a shared object that exists")
+    return name, Path(path).resolve()
 
 
 def main() -> int:
@@ -57,12 +53,12 @@ def main() -> int:
     rows: dict[str, list[dict[str, Any]]] = {}
     try:
         for r in range(args.rounds):
-            for name, path, aggregator_args in args.builds:
+            for name, path in args.builds:
                 os.environ["PASSING_NATIVE_LIB"] = str(path)
                 for lanes in args.lanes:
                     load = os.getloadavg()[0]
                     row = core_percore.percore_run(where, "udp", lanes, args.elements, args.iterations, args.pool,
-                                                   False, aggregator_args=aggregator_args)
+                                                   False)
                     if "error" in row:
                         print(f"round {r} {name} {lanes}: FAILED: {row['error']}", flush=True)
                         continue

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from passing import Group, native, wire
-from passing.aggregator.engine import ConfigError, JobSpec
-from passing.aggregator.server import MAX_SPIN_US, SoftwareAggregator
+from passing.aggregator.engine import JobSpec
+from passing.aggregator.server import SoftwareAggregator
 from passing.launch import free_udp_ports
 from passing.transport import SOL_UDP, UDP_GRO, UDP_SEGMENT, BatchSocket, SendError, pack_address
 from passing_protocol import rpc
@@ -318,66 +318,5 @@ def test_admission_refuses_an_origin_no_result_can_be_sent_to(worker, why):
                             "job": {"job": 1, "pool": 4, "workers": ["127.0.0.1:20001", worker]}})
         assert reply["ok"] is False and why in reply["error"], reply
         assert agg.handle({"version": rpc.AGGREGATOR_VERSION, "cmd": "jobs"})["jobs"] == []
-    finally:
-        agg.close()
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.skipif(not native.available(), reason="the native library is not built")
-@pytest.mark.parametrize("spin_us", [0, 20, 5000])
-def test_the_native_data_path_serves_bursts_apart_whether_it_spins_or_blocks(spin_us):
-    """The native data path receives without blocking for spin_us before poll() blocks (pn_server_spin): bursts
-    of DATA closer than that are caught spinning, those further apart after a sleep in poll(); either way every
-    datagram is counted once, every round completes and answers each worker, and a stop ends the spin."""
-    lanes, pool, workers, bursts = 64, 32, 2, 4
-    socks = bound_sockets(workers)
-    spec = JobSpec(1, 0, pool, [pack_address(*s.getsockname()) for s in socks])
-    agg = SoftwareAggregator(listen=("127.0.0.1", 0), control=None, lanes=lanes, engine="native", jobs=[spec],
-                             spin_us=spin_us)
-    server = threading.Thread(target=agg.serve)
-    server.start()
-    try:
-        payload = np.arange(pool * lanes, dtype=np.int64).reshape(pool, lanes) % 1000
-        data = [wire.encode(type=wire.DATA, job=1, worker=w, psn=np.arange(pool), pool=pool, payload=payload + w,
-                            lanes=lanes) for w in range(workers)]
-        per = pool // bursts
-        for b in range(bursts):  # 1 ms apart (inside a 5000 µs spin), then 20 ms (past any spin but that)
-            for w in range(workers):
-                for row in data[w][b * per:(b + 1) * per]:
-                    socks[w].sendto(row.tobytes(), agg.address)
-            time.sleep(0.001 if b % 2 == 0 else 0.02)
-        for s in socks:
-            got = {}
-            for _ in range(pool):
-                r = wire.decode(s.recv(65536), lanes)[0]
-                got[int(r["hdr"]["psn"])] = r["payload"].astype(np.int64)
-            assert sorted(got) == list(range(pool))
-            assert all(np.array_equal(got[p], 2 * payload[p] + 1) for p in got)
-        stats = agg.stats()
-        assert_counted_once(stats, workers * pool)
-        assert stats["totals"]["completed"] == pool
-        started = time.monotonic()
-        agg.stop()
-        server.join(10)
-        assert not server.is_alive() and time.monotonic() - started < 2.0, "a stop did not end the spin"
-    finally:
-        agg.stop()
-        server.join(10)
-        agg.close()
-        for s in socks:
-            s.close()
-
-
-@pytest.mark.skipif(not native.available(), reason="the native library is not built")
-def test_a_spin_out_of_range_is_refused():
-    """spin_us outside 0..MAX_SPIN_US: a ConfigError before anything is bound; the C call refuses it as well."""
-    for bad in (-1, MAX_SPIN_US + 1):
-        with pytest.raises(ConfigError, match="spin_us"):
-            SoftwareAggregator(listen=("127.0.0.1", 0), control=None, engine="native", spin_us=bad)
-    agg = SoftwareAggregator(listen=("127.0.0.1", 0), control=None, engine="native", spin_us=MAX_SPIN_US)
-    try:
-        assert agg.native is not None
-        assert native.lib().pn_server_spin(agg.native.handle, MAX_SPIN_US + 1) == native.PN_EINVAL
-        assert native.lib().pn_server_spin(agg.native.handle, MAX_SPIN_US) == 0
     finally:
         agg.close()

@@ -240,11 +240,6 @@ PN_API pn_server *pn_server_new(pn_engine *e, int fd, uint32_t batch, int gso);
 /* Serve through the XSK x (pn_xsk_open on the server's socket) beside the socket, before pn_server_run;
  * the server does not own it. PN_OK, PN_EINVAL or PN_ENOMEM. */
 PN_API int pn_server_use_xsk(pn_server *s, pn_xsk *x);
-/* Before each poll() that would block, receive without blocking for up to `microseconds` (0, the default: poll
- * at once; at most PN_SERVER_MAX_SPIN_US, else PN_EINVAL), before pn_server_run. A worker's next batch comes
- * within a round trip: caught awake, neither side pays for waking this thread (docs/benchmarks.md, issue 46). */
-#define PN_SERVER_MAX_SPIN_US 10000u
-PN_API int pn_server_spin(pn_server *s, uint32_t microseconds);
 PN_API void pn_server_free(pn_server *s);
 /* Seeded drop / duplicate / reorder of received DATA (direction 0) or sent RESULTs (1),
  * for tests. */

@@ -15,7 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "engine.h"
@@ -63,7 +62,6 @@ struct pn_server {
     impairment impair[2];
     pn_server_stats stats;
     atomic_int stop;
-    uint32_t spin_us;         /* pn_server_spin's: 0, poll at once */
 };
 
 /* ---- the impairment's generator: splitmix64 seeds xoshiro256** ------------------- */
@@ -198,12 +196,6 @@ void pn_server_free(pn_server *s) {
     free(s);
 }
 
-int pn_server_spin(pn_server *s, uint32_t microseconds) {
-    if (!s || microseconds > PN_SERVER_MAX_SPIN_US) return PN_EINVAL;
-    s->spin_us = microseconds;
-    return PN_OK;
-}
-
 int pn_server_impair(pn_server *s, int direction, double drop, double duplicate, int reorder, uint64_t seed) {
     /* written so that NaN fails too */
     if (!s || (direction != INGRESS && direction != EGRESS) || !(drop >= 0 && drop < 1) || !(duplicate >= 0 && duplicate < 1))
@@ -334,38 +326,9 @@ static int record_errno(pn_server *s, int err) {
     return PN_ESYS;
 }
 
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-/* Before poll() blocks: receive without blocking for up to spin_us (pn_server_spin), so that a worker's next
- * batch, due within a round trip, finds this thread awake (no wake-up to pay on either side). The datagrams
- * received (0: none came), or -errno. */
-static int spin_receive(pn_server *s) {
-    int64_t end = now_ns() + (int64_t)s->spin_us * 1000;
-    do {
-        int received = pn_udp_recv(&s->udp, s->rx, s->rx_cap);
-        if (received != 0) return received;
-    } while (!atomic_load(&s->stop) && now_ns() < end);
-    return 0;
-}
-
 int pn_server_run(pn_server *s) {
     if (!s) return PN_EINVAL;
     while (!atomic_load(&s->stop)) {
-        if (s->spin_us) {
-            int received = spin_receive(s);
-            if (received > 0) {
-                serve_batch(s, (uint32_t)received);
-                continue;
-            }
-            if (received < 0) {
-                if (received != -ENOMEM && received != -ENOBUFS) return record_errno(s, -received);
-                record_errno(s, -received);  /* transient: noted, and poll */
-            }
-        }
         /* the socket, the stop, and the XSK where there is one (-1: poll skips it) */
         struct pollfd p[3] = {{.fd = s->udp.fd, .events = POLLIN}, {.fd = s->wake_fd, .events = POLLIN},
                               {.fd = s->udp.xsk ? pn_xsk_fd(s->udp.xsk) : -1, .events = POLLIN}};

@@ -24,7 +24,7 @@ from passing_protocol.metrics import MetricsServer, parse_address
 from . import control, metrics, native, quantize, wire
 from .aggregator.control_channel import ControlClient, job_from_json, load_config
 from .aggregator.engine import ConfigError
-from .aggregator.server import DEFAULT_MAX_LANES, DEFAULT_SLOTS, DEFAULT_SPIN_US, Impairment, SoftwareAggregator
+from .aggregator.server import DEFAULT_MAX_LANES, DEFAULT_SLOTS, Impairment, SoftwareAggregator
 from .errors import PassingError
 from .keys import AggregatorKeys, ClientKeys
 from .launch import free_udp_ports
@@ -58,9 +58,6 @@ def aggregator_main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-offload", action="store_true", help="no UDP GSO/GRO: one syscall datagram per packet")
     s.add_argument("--io", choices=("auto", "udp", "xdp"), default="auto",
                    help="I/O path: AF_XDP beside the UDP socket where it can run (auto, the default), or forced")
-    s.add_argument("--spin-us", type=int, default=DEFAULT_SPIN_US,
-                   help="the native data path receives without blocking this long before it sleeps (0: never; "
-                        f"default {DEFAULT_SPIN_US})")
     s.add_argument("--engine", choices=native.ENGINES, default="auto",
                    help="native: the data path in C; numpy: in Python; auto: native where it loads (default)")
     s.add_argument("--metrics", metavar="ADDR:PORT", help="serve Prometheus metrics over HTTP here (port 0: any)")
@@ -122,7 +119,6 @@ def _serve(args: argparse.Namespace) -> int:
         offload=not args.no_offload,
         engine=args.engine,
         io=args.io,
-        spin_us=args.spin_us,
         keys=None if args.control == "none" else AggregatorKeys.load(args.keys),
     )
     exporter = None

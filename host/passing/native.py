@@ -120,7 +120,6 @@ _PROTOTYPES = {
     "pn_server_new": (_p, [_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_int]),
     "pn_server_free": (None, [_p]),
     "pn_server_use_xsk": (ctypes.c_int, [_p, _p]),
-    "pn_server_spin": (ctypes.c_int, [_p, ctypes.c_uint32]),
     "pn_server_impair": (ctypes.c_int, [_p, ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_int,
                                         ctypes.c_uint64]),
     "pn_server_run": (ctypes.c_int, [_p]),

@@ -52,11 +52,6 @@ SEND_TIMEOUT = 1.0  # s a full send buffer may hold up a batch of RESULTs (serve
 # fastest 8 MiB allreduce on loopback here (docs/benchmarks.md); memory: slots x 2 x lanes x 4 bytes,
 # touched only where jobs use it.
 DEFAULT_MAX_LANES = 1024
-# The native data path receives without blocking this long before poll() blocks (server.c: pn_server_spin): a
-# worker's next batch, due within a round trip, finds it awake and neither side pays for a wake-up (the worker's
-# CPU per byte 7.2 -> 8.2 Gbit/s at 64 lanes, docs/benchmarks.md, issue 46). 0: block at once.
-DEFAULT_SPIN_US = 20
-MAX_SPIN_US = 10_000  # server.c's PN_SERVER_MAX_SPIN_US
 
 
 @dataclass
@@ -100,7 +95,7 @@ class NativeDataPath:
     BATCH = 256  # messages per recvmmsg, each a GRO-coalesced buffer at most
 
     def __init__(self, engine: NativeAggregationEngine, sock: BatchSocket, ingress: Impairment, egress: Impairment,
-                 gso: bool, spin_us: int = 0) -> None:
+                 gso: bool) -> None:
         self._lib = native.lib()
         self._engine = engine  # the server uses the engine: keep it alive at least as long
         handle = self._lib.pn_server_new(engine.handle, sock.fd, self.BATCH, int(gso))
@@ -110,7 +105,6 @@ class NativeDataPath:
         # Frees a server that was never closed; a running one is not garbage (its thread holds it).
         self._free = weakref.finalize(self, self._lib.pn_server_free, handle)
         self._free.atexit = False
-        native.check(self._lib.pn_server_spin(handle, spin_us), "pn_server_spin")
         for direction, impairment in enumerate((ingress, egress)):
             if impairment.active:  # its seed comes from the impairment's own seeded generator
                 seed = int(impairment.rng.integers(0, 1 << 63))
@@ -171,14 +165,10 @@ class SoftwareAggregator:
         keys: AggregatorKeys | None = None,
         max_lanes: int = DEFAULT_MAX_LANES,
         io: str = "auto",
-        spin_us: int = DEFAULT_SPIN_US,
     ) -> None:
         """``keys``: the control socket's CURVE key pair and the controller's public key, the only
         client it admits (default: the key directory's, docs/security.md). ``io``: the I/O path, AF_XDP beside
-        the socket where it can run ("auto"), or forced ("udp", "xdp"): passing.xdp. ``spin_us``: the native data
-        path's busy wait before it blocks (DEFAULT_SPIN_US; 0: none)."""
-        if not 0 <= spin_us <= MAX_SPIN_US:
-            raise ConfigError(f"spin_us {spin_us}: from 0 to {MAX_SPIN_US} microseconds")
+        the socket where it can run ("auto"), or forced ("udp", "xdp"): passing.xdp."""
         if lanes < 1 or wire.packet_size(max(lanes, max_lanes)) > MAX_DATAGRAM:
             raise ConfigError(f"lanes {lanes}, max_lanes {max_lanes}: a packet must fit one UDP datagram "
                               f"({MAX_DATAGRAM} bytes: at most {(MAX_DATAGRAM - wire.HEADER_SIZE) // 4} lanes)")
@@ -196,8 +186,7 @@ class SoftwareAggregator:
         self.native: NativeDataPath | None = None
         if isinstance(self.engine, NativeAggregationEngine):
             try:
-                self.native = NativeDataPath(self.engine, self.socket, self.ingress, self.egress, gso=offload,
-                                             spin_us=spin_us)
+                self.native = NativeDataPath(self.engine, self.socket, self.ingress, self.egress, gso=offload)
                 self.socket.open_io(io, True, clip=True)
                 if self.socket.xsk is not None:
                     native.check(native.lib().pn_server_use_xsk(self.native.handle, self.socket.xsk.handle),
