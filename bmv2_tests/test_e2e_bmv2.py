@@ -139,6 +139,17 @@ def expected(workers: int, size: int) -> tuple[np.ndarray, float]:
     return total, float_error_bound(inputs, total)
 
 
+def finish_within_bound(procs, tmp: Path, job: str, size: int) -> list[dict]:
+    """``finish``, every worker's result checked within float32's bound of the sum of the workers' inputs; their
+    reports."""
+    total, bound = expected(len(procs), size)
+    reports = []
+    for report, r in finish(procs, tmp, job):
+        assert np.max(np.abs(r - total)) <= bound
+        reports.append(report)
+    return reports
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("workers", [2, 4])
 def test_allreduce_through_bmv2_matches_the_software_aggregator(network, controller, tmp_path, workers):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from .network import REPO
-from .test_e2e_bmv2 import CONTROLLER, ControllerProcess, expected, finish, run_workers, wait_running
+from .test_e2e_bmv2 import CONTROLLER, ControllerProcess, finish_within_bound, run_workers, wait_running
 
 pytestmark = pytest.mark.slow  # three BMv2 switches and a controller: make test-all's
 
@@ -71,10 +71,8 @@ def test_a_tree_of_three_switches_placed_by_the_controller_and_its_restart(tree,
         assert ready["jobs"] >= 1 and set(ready["switches"].values()) == {"connected"}, ready
     finally:
         gate.touch()
-    total, bound = expected(4, size)
-    for report, r in finish(procs, tmp_path, "tree3"):
+    for report in finish_within_bound(procs, tmp_path, "tree3", size):
         assert report["mode"] == "tree", report
-        assert np.max(np.abs(r - total)) <= bound
     end_and_check_entries_removed(tree, controller, "tree3")
 
 
@@ -128,10 +126,8 @@ def test_a_group_of_one_racks_servers_runs_flat_on_its_named_switch(tree, contro
         assert counted["aggregated"] > 0 and counted["completed"] > 0 and counted["rejected"] == 0, counted
     finally:
         gate.touch()
-    total, bound = expected(2, size)
-    for report, r in finish(procs, tmp_path, "rack1-flat"):
+    for report in finish_within_bound(procs, tmp_path, "rack1-flat", size):
         assert report["mode"] == "switch", report
-        assert np.max(np.abs(r - total)) <= bound
     end_and_check_entries_removed(tree, controller, "rack1-flat")
 
 
