@@ -9,6 +9,8 @@ and the aggregator alike.
     cp host/passing/_native.cpython-311-x86_64-linux-gnu.so /tmp/main.so   # then change, make setup
     sudo .venv/bin/python bench/core_percore_ab.py main=/tmp/main.so \
         new=host/passing/_native.cpython-311-x86_64-linux-gnu.so
+
+Each row prints the per-core figure and the wall-clock one (payload each way per second of the call's wall time).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def main() -> int:
                     row.update(build=name, round=r, loadavg=load)
                     rows.setdefault(f"{name}/{lanes}", []).append(row)
                     print(f"round {r} {name:>8} {lanes:>4} lanes: {row['gbit_per_core_each_way']:6.2f} Gbit/s per "
-                          f"core each way; user {row['worker_user_s'] * 1e3:5.1f} ms, system "
+                          f"core each way, {row['gbit_wall_each_way']:6.2f} wall; user "
+                          f"{row['worker_user_s'] * 1e3:5.1f} ms, system "
                           f"{row['worker_system_s'] * 1e3:5.1f} ms a call; exact {row['ok']}; retransmissions "
                           f"{row['retransmissions']}; load {load:.2f}", flush=True)
     finally:
@@ -71,7 +74,9 @@ def main() -> int:
     print(f"== medians over the rounds of each row's median ({'loopback' if args.loopback else 'veth'}, UDP) ==")
     for key, got in rows.items():
         rates = [g["gbit_per_core_each_way"] for g in got]
-        print(f"{key:>14}: {np.median(rates):6.2f} Gbit/s per core ({', '.join(f'{v:.2f}' for v in rates)}); user "
+        walls = [g["gbit_wall_each_way"] for g in got]
+        print(f"{key:>14}: {np.median(rates):6.2f} Gbit/s per core ({', '.join(f'{v:.2f}' for v in rates)}), "
+              f"{np.median(walls):6.2f} wall ({', '.join(f'{v:.2f}' for v in walls)}); user "
               f"{np.median([g['worker_user_s'] for g in got]) * 1e3:5.1f} ms, system "
               f"{np.median([g['worker_system_s'] for g in got]) * 1e3:5.1f} ms a call")
     if args.out:

@@ -47,10 +47,17 @@ def ps(network):
     proc.wait(10)
 
 
+PS = [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878"}]  # the host ps's software aggregator
+
+
 class ControllerProcess:
-    def __init__(self, network, pipeline, tmp: Path) -> None:
+    """The real passing-controller process, on ``network``'s topology (its ``topology()``: one switch, or the
+    three of tree_network.TreeNetwork) with the software aggregators ``ps``, run on the host ctl; the one
+    helper every BMv2 test of the controller starts it with (and asks it with ``ctl``)."""
+
+    def __init__(self, network, pipeline, tmp: Path, ps: list[dict] = PS) -> None:
         topo = network.topology()
-        topo["ps"] = [{"data": "10.0.0.100:9877", "control": "tcp://10.0.0.100:9878"}]
+        topo["ps"] = list(ps)
         self.topology = tmp / "topology.json"
         self.topology.write_text(json.dumps(topo))
         self.store = tmp / "controller.sqlite"
@@ -89,6 +96,21 @@ def controller(network, pipeline, ps, tmp_path_factory):
     c.stop()
 
 
+def wait_running(controller: ControllerProcess, name: str, procs: list, completed: int = 1,
+                 timeout: float = 90.0) -> dict:
+    """The running group ``name`` (its `jobs` entry) once its aggregator has completed ``completed`` rounds
+    (a tree's: its root's, whose rounds complete only with every leaf's partials); an AssertionError when a
+    worker of ``procs`` ended first or the time ran out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        jobs = [j for j in controller.ctl("jobs")["jobs"] if j["job"] == name]
+        if jobs and controller.ctl("stats", "--job-id", str(jobs[0]["job_id"])).get(
+                str(jobs[0]["job_id"]), {}).get("completed", 0) >= completed:
+            return jobs[0]
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"group {name} did not run"
+        time.sleep(0.1)
+
+
 def run_workers(network, tmp: Path, job: str, hosts: list[str], size: int, extra: list[str] = (),
                 wait: bool = True) -> list:
     procs = []
@@ -115,6 +137,17 @@ def expected(workers: int, size: int) -> tuple[np.ndarray, float]:
     inputs = [worker_inputs(0, w, size, "float32") for w in range(workers)]
     total = np.sum(inputs, axis=0, dtype=np.float64)
     return total, float_error_bound(inputs, total)
+
+
+def finish_within_bound(procs, tmp: Path, job: str, size: int) -> list[dict]:
+    """``finish``, every worker's result checked within float32's bound of the sum of the workers' inputs; their
+    reports."""
+    total, bound = expected(len(procs), size)
+    reports = []
+    for report, r in finish(procs, tmp, job):
+        assert np.max(np.abs(r - total)) <= bound
+        reports.append(report)
+    return reports
 
 
 @pytest.mark.timeout(600)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from .network import REPO, start_ps
-from .test_e2e_bmv2 import CONTROLLER, ControllerProcess, expected, finish, run_workers
+from .test_e2e_bmv2 import CONTROLLER, ControllerProcess, finish_within_bound, run_workers, wait_running
 
 pytestmark = pytest.mark.slow  # three BMv2 switches or a controller's tree: make test-all's (~1 min each file)
 
@@ -79,27 +79,18 @@ def test_a_tree_with_the_switch_as_a_leaf_and_a_controller_restart(network, cont
     gate = tmp_path / "restarted"
     procs = run_workers(network, tmp_path, "tree", ["h1", "h2", "h3", "h4"], size,
                         extra=["--iterations", "2", "--gate", str(gate)], wait=False)
-    deadline = time.monotonic() + 60
-    while True:
-        jobs = [j for j in controller.ctl("jobs")["jobs"] if j["job"] == "tree"]
-        # the root's rounds (`stats` reads the root's PS) complete only with the switch leaf's partials: its
-        # worker 0 is the switch's aggregation address, which nothing but the switch's program sends from
-        if jobs and controller.ctl("stats", "--job-id", str(jobs[0]["job_id"])).get(str(jobs[0]["job_id"]),
-                                                                                     {}).get("completed", 0):
-            break
-        assert time.monotonic() < deadline, "the tree did not run"
-        time.sleep(0.2)
-    assert jobs[0]["mode"] == "tree", jobs[0]
-    nodes = {n["name"]: n for n in jobs[0]["tree"]}
+    # the root's rounds (`stats` reads the root's PS) complete only with the switch leaf's partials: its
+    # worker 0 is the switch's aggregation address, which nothing but the switch's program sends from
+    job = wait_running(controller, "tree", procs, timeout=60)
+    assert job["mode"] == "tree", job
+    nodes = {n["name"]: n for n in job["tree"]}
     assert nodes["rack1"]["control"] == "switch" and nodes["spine"]["control"] == f"tcp://{PS['ps2']}:9878"
     controller.stop()
     ready = controller.start()
     assert ready["switch"] == "connected" and ready["jobs"] >= 1
     gate.touch()
-    total, bound = expected(4, size)
-    for report, r in finish(procs, tmp_path, "tree"):
+    for report in finish_within_bound(procs, tmp_path, "tree", size):
         assert report["mode"] == "tree", report
-        assert np.max(np.abs(r - total)) <= bound
     controller.ctl("leave", "tree")
 
 
@@ -155,8 +146,6 @@ def test_a_spare_ps_takes_the_place_of_a_switch_leaf_out_of_slots(network, contr
         gate.touch()
     nodes = {n["name"]: n for n in jobs[0]["tree"]}
     assert jobs[0]["mode"] == "tree" and nodes["rack1"]["control"] == f"tcp://{PS['ps3']}:9878", jobs[0]
-    total, bound = expected(4, size)
-    for report, r in finish(procs, tmp_path, "tree-full"):
+    for report in finish_within_bound(procs, tmp_path, "tree-full", size):
         assert report["mode"] == "tree", report
-        assert np.max(np.abs(r - total)) <= bound
     controller.ctl("leave", "tree-full")

@@ -10,13 +10,12 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from .network import REPO
-from .test_e2e_bmv2 import CONTROLLER, VENV_BIN, expected, finish, run_workers
+from .test_e2e_bmv2 import CONTROLLER, ControllerProcess, finish_within_bound, run_workers, wait_running
 
 pytestmark = pytest.mark.slow  # three BMv2 switches and a controller: make test-all's
 
@@ -33,57 +32,15 @@ def tree():
     net.stop()
 
 
-class Controller:
-    """passing-controller on the topology of the three switches (TreeNetwork.topology), in the root
-    namespace (the host ctl): it reaches each BMv2's gRPC port on localhost, the servers through s3."""
-
-    def __init__(self, tree, pipeline, tmp: Path) -> None:
-        self.topology = tmp / "topology.json"
-        self.topology.write_text(json.dumps(tree.topology()))
-        self.store, self.pipeline = tmp / "controller.sqlite", pipeline
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> dict:
-        self.proc = subprocess.Popen(
-            [str(VENV_BIN / "passing-controller"), "--topology", str(self.topology), "--p4info",
-             str(self.pipeline.p4info), "--device-config", str(self.pipeline.device_config), "--store",
-             str(self.store), "--listen", CONTROLLER, "--join-timeout", "60"], stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        assert line, "passing-controller exited"
-        return json.loads(line)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
-
-    def ctl(self, *args: str) -> dict:
-        out = subprocess.run([str(VENV_BIN / "passing-ctl"), "--controller", CONTROLLER, *args],
-                             capture_output=True, text=True, timeout=30)
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)
-
-
 @pytest.fixture(scope="module")
 def controller(tree, pipeline, tmp_path_factory):
-    c = Controller(tree, pipeline, tmp_path_factory.mktemp("controller"))
+    """passing-controller on the topology of the three switches (TreeNetwork.topology), in the root namespace
+    (the host ctl): it reaches each BMv2's gRPC port on localhost, the servers through s3."""
+    c = ControllerProcess(tree, pipeline, tmp_path_factory.mktemp("controller"), ps=[])
     ready = c.start()
     assert ready["switches"] == {"s1": "connected", "s2": "connected", "s3": "connected"}, ready
     yield c
     c.stop()
-
-
-def tree_job(controller, name: str, procs: list) -> dict:
-    """The running group ``name`` once its root has completed a round (its stats are the root switch's)."""
-    deadline = time.monotonic() + 90
-    while True:
-        jobs = [j for j in controller.ctl("jobs")["jobs"] if j["job"] == name]
-        if jobs and controller.ctl("stats", "--job-id", str(jobs[0]["job_id"])).get(
-                str(jobs[0]["job_id"]), {}).get("completed", 0):
-            return jobs[0]
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the tree did not run"
-        time.sleep(0.2)
 
 
 @pytest.mark.timeout(600)
@@ -97,7 +54,7 @@ def test_a_tree_of_three_switches_placed_by_the_controller_and_its_restart(tree,
     procs = run_workers(tree, tmp_path, "tree3", ["h1", "h2", "h3", "h4"], size,
                         extra=["--iterations", "2", "--gate", str(gate)], wait=False)
     try:
-        job = tree_job(controller, "tree3", procs)
+        job = wait_running(controller, "tree3", procs)
         assert job["mode"] == "tree", job
         assert {n["name"]: n["control"] for n in job["tree"]} == SWITCHES, job["tree"]
         status = controller.ctl("status")
@@ -114,16 +71,21 @@ def test_a_tree_of_three_switches_placed_by_the_controller_and_its_restart(tree,
         assert ready["jobs"] >= 1 and set(ready["switches"].values()) == {"connected"}, ready
     finally:
         gate.touch()
-    total, bound = expected(4, size)
-    for report, r in finish(procs, tmp_path, "tree3"):
+    for report in finish_within_bound(procs, tmp_path, "tree3", size):
         assert report["mode"] == "tree", report
-        assert np.max(np.abs(r - total)) <= bound
-    controller.ctl("leave", "tree3")
+    end_and_check_entries_removed(tree, controller, "tree3")
+
+
+def end_and_check_entries_removed(tree, controller: ControllerProcess, name: str) -> None:
+    """End group ``name`` (an operator's leave), then, with the controller stopped (its sessions closed: ours may
+    read what the group's end left), check that no switch keeps an entry of it: no admission, rewrite or
+    multicast group, no tree role, uplink or owner map; the controller is started again."""
+    controller.ctl("leave", name)
     deadline = time.monotonic() + 30
     while controller.ctl("jobs")["jobs"]:
-        assert time.monotonic() < deadline, "the group did not end"
+        assert time.monotonic() < deadline, f"group {name} did not end"
         time.sleep(0.2)
-    controller.stop()  # its sessions closed: ours may read what the group's end left on each switch
+    controller.stop()
     try:
         assert_entries_removed(tree)
     finally:
@@ -131,18 +93,42 @@ def test_a_tree_of_three_switches_placed_by_the_controller_and_its_restart(tree,
 
 
 def assert_entries_removed(tree) -> None:
-    """No switch keeps a tree role, an uplink or an owner map once the group ended."""
-    from passing_controller import tree_switch
+    """No switch keeps a group's entries (flat or a tree node's) once its groups ended."""
+    from passing_controller import admission, result_rewrite, tree_switch
     from passing_controller.session import Switch
 
     for name, info in tree.switches.items():
         s = Switch(f"127.0.0.1:{info.grpc_port}")
         try:
             s.fetch_pipeline()
-            for table in tree_switch.TABLES:
+            for table in (admission.TABLE, result_rewrite.TABLE, *tree_switch.TABLES):
                 assert s.read_table(table) == [], (name, table)
+            assert [g for g in s.read_multicast_groups()
+                    if g.packet_replication_engine_entry.multicast_group_entry.multicast_group_id != 1] == [], name
         finally:
             s.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_group_of_one_racks_servers_runs_flat_on_its_named_switch(tree, controller, tmp_path):
+    """h1 and h2 (rack 1, both on s1): the group aggregates flat on s1 (docs/control.md, "Several switches"),
+    as on a topology's one switch; its counters come from s1, every result within float32's bound of the sum,
+    and its end removes its entries from s1."""
+    size = 20_000
+    gate = tmp_path / "seen"
+    procs = run_workers(tree, tmp_path, "rack1-flat", ["h1", "h2"], size,
+                        extra=["--iterations", "2", "--gate", str(gate)], wait=False)
+    try:
+        job = wait_running(controller, "rack1-flat", procs)
+        assert (job["mode"], job["control"]) == ("switch", "switch:s1"), job
+        assert job["aggregator"] == f"{tree.switches['s1'].ip}:9877", job
+        counted = controller.ctl("stats", "--job-id", str(job["job_id"]))[str(job["job_id"])]
+        assert counted["aggregated"] > 0 and counted["completed"] > 0 and counted["rejected"] == 0, counted
+    finally:
+        gate.touch()
+    for report in finish_within_bound(procs, tmp_path, "rack1-flat", size):
+        assert report["mode"] == "switch", report
+    end_and_check_entries_removed(tree, controller, "rack1-flat")
 
 
 @pytest.mark.timeout(600)

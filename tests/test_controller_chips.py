@@ -30,6 +30,7 @@ from passing.control import join, leave
 from passing.launch import free_udp_ports
 from passing_controller import admission, result_rewrite
 from passing_controller import switch as switch_link
+from passing_controller.p4runtime import SwitchError
 from passing_controller.topology import CHIP_LANES, DEFAULT_CHIP, Topology, TopologyError, ip_to_int
 from tests.cluster import run_threads, start_aggregator
 from tests.keys import ask
@@ -96,10 +97,14 @@ class ProgramOnAggregator:
     aggregator at ``data`` (its ``control`` channel) running ``lanes`` lanes, the switch program's own
     count. A group's admission and result_rewrite entries become that aggregator's job (base, pool,
     generation from the admission entries; each worker's address from its rewrite entry); deleting them
-    removes it. Every other entry is kept and read back as written; every counter reads 0."""
+    removes it. Every other entry is kept and read back as written; every counter reads 0. ``hosts``: the
+    topology's hosts (a worker's address from its rewrite entry's IP). ``dead``: the switch is gone (killed,
+    unplugged): every write and read fails as a lost P4Runtime session's would."""
 
     control: str
     lanes: int
+    hosts: list[dict] = field(default_factory=lambda: HOSTS)
+    dead: bool = False
     entries: list[tuple] = field(default_factory=list)
     jobs: dict[int, dict] = field(default_factory=dict)  # job id -> the add_job it got
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -129,7 +134,12 @@ class ProgramOnAggregator:
     def update(kind: str, entity: tuple) -> tuple:
         return (kind, entity)
 
+    def _alive(self) -> None:
+        if self.dead:
+            raise SwitchError("P4Runtime call to the stand-in failed: UNAVAILABLE: the switch is gone")
+
     def write(self, updates: list[tuple]) -> None:
+        self._alive()
         with self.lock:
             for kind, entity in updates:
                 if kind == "insert":
@@ -152,13 +162,14 @@ class ProgramOnAggregator:
             del self.jobs[job]
         if admitted and rewrites:
             match, params = admitted[0]
-            ips = {ip_to_int(h["ip"]): h["ip"] for h in HOSTS}
+            ips = {ip_to_int(h["ip"]): h["ip"] for h in self.hosts}
             spec = {"job": job, "generation": match["generation"], "base": params["base"], "pool": params["pool"],
                     "workers": [f"{ips[r['ip']]}:{r['port']}" for _, r in rewrites], "lanes": self.lanes}
             self.client.request("add_job", job=spec)
             self.jobs[job] = spec
 
     def read_table(self, table: str) -> list[tuple]:
+        self._alive()
         with self.lock:
             return [e for e in self.entries if e[0] == "table" and e[1] == table]
 
@@ -170,9 +181,11 @@ class ProgramOnAggregator:
         return counter not in {f"PassingIngress.{n}" for n in ("sent_up", "answered", "late_answer")}  # as TNA
 
     def read_counter(self, counter: str) -> dict[int, int]:
+        self._alive()
         return {}
 
     def read_counter_cells(self, cells: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        self._alive()
         return {cell: 0 for cell in cells}
 
 

@@ -64,18 +64,19 @@ def allreduce_call(in_place: bool):  # noqa: ANN201
 
 
 def run_group(endpoint: str, job: str, data: list[list[np.ndarray]], on_call=None, engine: str = "auto",
-              in_place: bool = False, call=None) -> list:  # noqa: ANN001
+              in_place: bool = False, call=None, hosts: list[str] | None = None) -> list:  # noqa: ANN001
     """Every worker joins with failover and runs its calls (``call(group, k, x)``, default: an allreduce);
-    returns (results or the error, moves)."""
+    returns (results or the error, moves). ``hosts``: each worker's address (default: all on 127.0.0.1)."""
     call = call or allreduce_call(in_place)
     workers = len(data)
     ports = free_udp_ports(workers)
 
     def work(w: int) -> tuple:
-        answer = join(endpoint, job, w, workers, host="127.0.0.1", udp_port=ports[w], timeout=30)
+        host = hosts[w] if hosts else "127.0.0.1"
+        answer = join(endpoint, job, w, workers, host=host, udp_port=ports[w], timeout=30)
         line = Failover(endpoint, job, 0, w, answer["token"], after=AFTER, heartbeat=HEARTBEAT_SECONDS)
         results: list = []
-        with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=60, engine=engine,
+        with Group.from_answer(answer, bind=(host, ports[w]), timeout=60, engine=engine,
                                failover=line) as g:
             for k, x in enumerate(data[w]):
                 if on_call is not None:

@@ -180,9 +180,9 @@ class Failover:
     def _check(self, r: Record) -> dict[str, str]:
         """The group's aggregators that are down, each with why: {} when every one answers (pool thread).
         A tree's nodes are asked at once, so a check takes one ``check_timeout`` however many are down."""
-        if r.mode == "switch":
-            why = self._switch_down()
-            return {} if why is None else {"switch": why}
+        if r.mode == "switch":  # the one switch, or a named one
+            why = self._switch_down(r.control)
+            return {} if why is None else {r.control: why}
         nodes = nodes_of(r) if r.mode == "tree" else [{"control": r.aggregator["control"]}]
         with ThreadPoolExecutor(len(nodes)) as pool:
             answers = list(pool.map(self._ping, [n["control"] for n in nodes]))
@@ -218,8 +218,7 @@ class Failover:
         with a spare PS for each node found down, or flat when none is left and the group fits one
         aggregator (tree_placement.py). Pool thread."""
         s = self.state
-        names = ["switch"] if r.mode == "switch" else [n["control"] for n in nodes_of(r)] if r.mode == "tree" \
-            else [r.aggregator["control"]]
+        names = [n["control"] for n in nodes_of(r)] if r.mode == "tree" else [r.control]
         with s.lock:
             s.suspect.update(names)
         try:

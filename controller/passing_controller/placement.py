@@ -23,7 +23,7 @@ from .schema import RequestError
 from .state import PS_SLOTS, PendingGroup, State, allocation_key
 from .store import Record
 from .switch import GROUP_CONTROLS, SWITCH_RETRY_SECONDS, SwitchLink, allocations
-from .topology import PsEndpoint, Topology, ps_pool
+from .topology import SWITCH, SWITCH_PREFIX, PsEndpoint, Topology, is_switch, ps_pool
 from .tree_placement import TreePlacement, TreeRefused, tree_plan, worker_answer
 
 log = logging.getLogger("passing_controller")
@@ -41,8 +41,9 @@ class AggregatorFailed(RuntimeError):
 class Placement:
     def __init__(self, topo: Topology, state: State, switch: SwitchLink, ps: PsControl, readout: Readout,
                  default_pool: int, switches: dict[str, SwitchLink] | None = None) -> None:
-        """``switches``: every switch's session by control name, for trees (default: ``switch``, the one)."""
+        """``switches``: every switch's session by control name (default: ``switch``, the one)."""
         self.topo, self.state, self.switch, self.ps, self.readout = topo, state, switch, ps, readout
+        self.switches = switches if switches is not None else {SWITCH: switch}
         self.default_pool = default_pool
         self.trees = TreePlacement(topo, state, ps, default_pool, switch, switches)
 
@@ -64,12 +65,13 @@ class Placement:
                     ids.append(s.store.claim_job_id(MAX_JOB_ID, busy=s.claimed | s.ending))
                     s.claimed.add(ids[-1][0])
                 (job_id, generation), extra = ids[0], ids[1:]
-                order = self.candidates(job_id, pending.aggregator)
             if workers is None:
                 assert tokens is not None
                 workers = [{"index": w, "host": self.topo.host(str(req["host"])).name,
                             "udp_port": int(req["udp_port"]), "token": digest(tokens[w])}
                            for w, (_, req) in sorted(pending.members.items())]
+            switch = self.flat_switch(workers)
+            order = self.candidates(job_id, pending.aggregator, switch)
             tried: list[str] = []
             placed = self._tree(job_id, name, group, generation, pending, workers, exclude, tried)
             if placed is not None:
@@ -83,8 +85,8 @@ class Placement:
                     tried.append(f"{aggregator} is down")
                     continue
                 try:
-                    if aggregator == "switch":
-                        record = self._allocate_switch(job_id, name, group, generation,
+                    if is_switch(aggregator):
+                        record = self._allocate_switch(aggregator, job_id, name, group, generation,
                                                        pending.pool or self.default_pool, workers, extra)
                     else:
                         record = self._allocate_ps(self.ps.endpoint(aggregator), job_id, name, group, generation,
@@ -93,11 +95,11 @@ class Placement:
                     tried.append(str(e))
                     continue
                 if record.mode == "switch":
-                    return record, "in-network aggregation on the switch"
+                    return record, "in-network aggregation on " + ("the switch" if aggregator == SWITCH else aggregator)
                 if pending.aggregator == "ps":
                     why = ["a software aggregator (PS), as the job asked"]
-                elif self.topo.p4runtime is None:
-                    why = ["no switch in the topology"]
+                elif switch is None:
+                    why = [self._no_switch(workers)]
                 else:
                     why = []
                 return record, "; ".join(why + tried)
@@ -129,14 +131,32 @@ class Placement:
         racks = ", ".join(f"{n['name']} ({len(n['workers'])})" for n in record.aggregator["tree"][:-1])
         return record, f"a tree across racks: leaves {racks} under root {record.aggregator['tree'][-1]['name']}"
 
-    def candidates(self, job_id: int, wanted: str) -> list[str]:
+    def flat_switch(self, workers: list[dict]) -> str | None:
+        """The switch a group on one aggregator may aggregate on (its control name): the topology's one
+        switch, or the named switch that every one of its workers sits on (docs/control.md, "Several
+        switches"); None: no switch can (no switch, or its workers sit on several named ones)."""
+        if self.topo.p4runtime is not None:
+            return SWITCH
+        on = {self.topo.host(w["host"]).switch for w in workers}
+        return SWITCH_PREFIX + on.pop() if len(on) == 1 and None not in on else None
+
+    def _no_switch(self, workers: list[dict]) -> str:
+        """Why no switch could take a group on one aggregator (flat_switch gave None)."""
+        if not self.topo.switches:
+            return "no switch in the topology"
+        on = sorted({str(self.topo.host(w["host"]).switch) for w in workers})
+        return f"its workers sit on several switches ({', '.join(on)}): a switch serves a group of its own hosts"
+
+    def candidates(self, job_id: int, wanted: str, switch: str | None = SWITCH) -> list[str]:
         """The aggregators to try for a group, in order: the one policy for choosing an aggregator.
 
-        The switch first when the group may use it, then every PS of the topology, starting at
+        The switch first when the group may use it (``switch``: flat_switch's, the one switch or the
+        named one its workers sit on), then every PS of the topology, starting at
         job id mod their number (so groups spread over them); a PS that failed lately and is
         not yet due for a retry, or one whose liveness is being checked, goes last, still tried
         before the group is refused."""
-        order = ["switch"] if wanted == "any" and self.topo.p4runtime is not None else []
+        usable = switch is not None and (switch != SWITCH or self.topo.p4runtime is not None)
+        order = [switch] if wanted == "any" and usable else []
         ps = [p.control for p in self.topo.ps]
         if ps:
             k = job_id % len(ps)
@@ -144,44 +164,47 @@ class Placement:
         with self.state.lock:
             down, now = self.state.store.down(), time.time()
             suspect = set(self.state.suspect)
-        # (the switch keeps its place: it fails at once while it is down, see _allocate_switch)
-        resting = {a for a, (_, retry_at, _) in down.items() if retry_at > now and a != "switch"} | suspect
+        # (a switch keeps its place: it fails at once while it is down, see _allocate_switch)
+        resting = {a for a, (_, retry_at, _) in down.items() if retry_at > now and not is_switch(a)} | suspect
         return [a for a in order if a not in resting] + [a for a in order if a in resting]
 
-    def _allocate_switch(self, job_id: int, name: str, group: int, generation: int, pool: int,
+    def _allocate_switch(self, switch: str, job_id: int, name: str, group: int, generation: int, pool: int,
                          workers: list[dict], extra: list[tuple[int, int]]) -> Record:
-        s = self.state
-        with self.switch.lock:
-            self.switch.connect_if_due()
-            if self.switch.session is None:
-                raise AggregatorFailed(f"switch unreachable: {self.switch.error}")
+        """The group flat on ``switch`` (control name: the one "switch", or a named "switch:NAME", its
+        own session, view and slots)."""
+        s, link, view, what = self.state, self.switches[switch], self.topo.view(switch), switch  # "switch", "switch:s1"
+        with link.lock:
+            link.connect_if_due()
+            if link.session is None:
+                raise AggregatorFailed(f"{what} unreachable: {link.error}")
             with s.lock:
-                bases = _take_ranges(s.allocator, pool, 1 + len(extra), "switch slots exhausted")
-            # the lanes of the switch's program (its chip's, topology.CHIP_LANES), kept with the allocation
+                bases = _take_ranges(s.allocator_for(switch), pool, 1 + len(extra), f"{what} slots exhausted")
+            # the lanes of the switch's program (its chip's, topology.CHIP_LANES), kept with the allocation; a
+            # named switch's record names it (Record.control), the one switch's names none (as before)
             r = Record(job_id, name, group, "switch", generation, bases[0], pool, workers,
-                       {"data": f"{self.topo.aggregation_ip}:{UDP_PORT}", "lanes": self.topo.lanes,
-                        **_stripes(extra, bases)})
-            streams = allocations(self.topo, r)  # one per stream, each with its job id and slots
+                       {"data": f"{view.aggregation_ip}:{UDP_PORT}", "lanes": view.lanes,
+                        **({} if switch == SWITCH else {"control": switch}), **_stripes(extra, bases)})
+            streams = allocations(view, r)  # one per stream, each with its job id and slots
             try:
                 for a in streams:
                     for control in GROUP_CONTROLS:
-                        control.install(self.switch.session, a)
+                        control.install(link.session, a)
             except SwitchError as e:
                 for a in streams:  # what went in of it
                     for control in GROUP_CONTROLS:
                         try:
-                            control.remove(self.switch.session, a)
+                            control.remove(link.session, a)
                         except SwitchError:
                             pass
                 with s.lock:
                     for base in bases:
-                        s.allocator.release(base)
-                    s.store.mark_down("switch", str(e), time.time(), SWITCH_RETRY_SECONDS)
-                raise AggregatorFailed(f"switch refused the group's entries: {e}") from None
+                        s.allocator_for(switch).release(base)
+                    s.store.mark_down(switch, str(e), time.time(), SWITCH_RETRY_SECONDS)
+                raise AggregatorFailed(f"{what} refused the group's entries: {e}") from None
         with s.lock:
             self._add(r)
-            s.store.mark_up("switch")
-        log.info("job %s group %d -> switch slots %s (job ids %s generation %d)", name, group,
+            s.store.mark_up(switch)
+        log.info("job %s group %d -> %s slots %s (job ids %s generation %d)", name, group, switch,
                  ", ".join(f"{b}..{b + pool - 1}" for b in bases), [job_id] + [i for i, _ in extra], generation)
         return r
 
@@ -273,14 +296,16 @@ class Placement:
         if r.mode == "tree":
             self.trees.teardown(r, down)
         elif r.mode == "switch":
-            with self.switch.lock:
-                if self.switch.session is not None and reachable:
-                    try:
-                        for a in allocations(self.topo, r):  # every stream's
-                            for control in GROUP_CONTROLS:
-                                control.remove(self.switch.session, a)
-                    except SwitchError as e:  # reconciliation removes them once the switch is back
-                        log.warning("switch did not remove job id %d: %s", r.job_id, e)
+            link = self.switches.get(r.control)  # None: a switch the topology no longer names
+            if link is not None:
+                with link.lock:
+                    if link.session is not None and reachable:
+                        try:
+                            for a in allocations(self.topo.view(r.control), r):  # every stream's
+                                for control in GROUP_CONTROLS:
+                                    control.remove(link.session, a)
+                        except SwitchError as e:  # reconciliation removes them once the switch is back
+                            log.warning("%s did not remove job id %d: %s", r.control, r.job_id, e)
         elif reachable:
             try:
                 for stream_job in [r.job_id] + [stripe["job_id"] for stripe in r.stripes]:
@@ -295,7 +320,7 @@ class Placement:
             if r.mode == "tree":
                 self.trees.release(r)
             else:
-                allocator = s.allocator if r.mode == "switch" else s.ps_allocators[r.aggregator["control"]]
+                allocator = s.allocator_for(r.control)
                 for base in [r.base] + [stripe["base"] for stripe in r.stripes]:
                     allocator.release(base)
             s.store.remove(r.job_id)

@@ -46,7 +46,7 @@ class Readout:
                 "free_ranges": s.allocator.free_ranges(),
                 "jobs": [{"job": r.job_name, "group": r.group, "job_id": r.job_id, "mode": r.mode, "base": r.base,
                           "pool": r.pool, "generation": r.generation, "workers": len(r.workers),
-                          "aggregator": r.aggregator["data"], "lanes": r.lanes(self.topo.lanes),
+                          "aggregator": r.aggregator["data"], "control": r.control, "lanes": r.lanes(self.topo.lanes),
                           **({"tree": r.aggregator["tree"]} if r.mode == "tree" else {}),
                           **({"stripes": r.stripes} if r.stripes else {})}
                          for r in self._running_records()],
@@ -120,11 +120,12 @@ class Readout:
         out: dict[str, Any] = {}
         with self.state.lock:
             records = [r for r in self._running_records() if job_id is None or r.job_id == job_id]
-        switch_read = self._read_switch() if any(r.mode == "switch" for r in records) or job_id is None else None
-        if switch_read is not None:
-            out["switch_totals"] = counters.totals_of(switch_read)
+        switch_reads = self._read_switches(records, totals=job_id is None)
+        if switch_reads.get(SWITCH) is not None:
+            out["switch_totals"] = counters.totals_of(switch_reads[SWITCH])
         ps_jobs, ps_errors = self._read_ps(records)
         for r in records:
+            switch_read = switch_reads.get(r.control)
             if r.mode == "switch":
                 if switch_read is not None:
                     out[str(r.job_id)] = counters.job_counters(switch_read, r.job_id)
@@ -139,6 +140,13 @@ class Readout:
                     counters.job_counters(switch_read, s["job_id"]) if r.mode == "switch" and switch_read is not None
                     else ps_jobs.get(r.aggregator.get("control", ""), {}).get(str(s["job_id"]), {}) for s in r.stripes]
         return out
+
+    def _read_switches(self, records: list[Record],
+                       totals: bool = False) -> dict[str, dict[str, dict[int, int]] | None]:
+        """The counters of every switch a group of ``records`` runs on flat (the one, a named one), by control
+        name, None where unreadable; ``totals``: the one switch's in any case (for ``switch_totals``)."""
+        controls = {r.control for r in records if r.mode == "switch"} | ({SWITCH} if totals else set())
+        return {control: self._read_switch(control) for control in sorted(controls)}
 
     def _read_switch(self, control: str = SWITCH) -> dict[str, dict[int, int]] | None:
         link = self.switches.get(control)
@@ -196,12 +204,13 @@ class Readout:
         with s.lock:
             s.finished = [g for g in s.finished if now - g["ended"] < FINISHED_RETENTION]
             records = self._running_records()
-        switch_read = self._read_switch() if any(r.mode == "switch" for r in records) else None
+        switch_reads = self._read_switches(records)
         ps_jobs, ps_errors = self._read_ps(records)
         with s.lock:
             groups = []
             for r in records:
                 job_counters: dict[str, int] = {}
+                switch_read = switch_reads.get(r.control)
                 for job_id in [r.job_id] + [stripe["job_id"] for stripe in r.stripes]:  # every stream's, added up
                     if r.mode == "switch":
                         read = counters.job_counters(switch_read, job_id) if switch_read is not None else {}
@@ -223,15 +232,15 @@ class Readout:
                 "pending": len(s.pending), "admitted": dict(s.admitted), "joins_failed": s.joins_failed,
                 "refused": dict(s.refused),
             }
-        if switch_read is not None:
-            out["switch_totals"] = counters.totals_of(switch_read)
+        if switch_reads.get(SWITCH) is not None:
+            out["switch_totals"] = counters.totals_of(switch_reads[SWITCH])
         return out
 
     def group_metrics(self, r: Record, job_counters: dict[str, int], running: bool,
                       nodes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """(lock held) One group as `metrics` shows it; a tree's with its ``nodes`` (node_counters)."""
         return {"job": r.job_name, "group": r.group, "job_id": r.job_id, "generation": r.generation,
-                "mode": r.mode, "aggregator": r.aggregator.get("control", "switch"), "pool": r.pool,
+                "mode": r.mode, "aggregator": r.control, "pool": r.pool,
                 "workers": len(r.workers), "running": running, "counters": job_counters,
                 **({"nodes": nodes} if nodes is not None else {}),
                 "hosts": {str(w): stats for w, stats in sorted(self.state.reports.get(r.job_id, {}).items())}}
@@ -239,9 +248,12 @@ class Readout:
     def final_counters(self, r: Record) -> dict[str, int]:
         """The group's aggregator counters as it ends (for `metrics`); {} when they cannot be read."""
         try:
-            if r.mode == "switch":
-                with self.switch.lock:
-                    return counters.for_job(self.switch.session, r.job_id) if self.switch.session is not None else {}
+            if r.mode == "switch":  # the one switch, or a named one
+                link = self.switches.get(r.control)
+                if link is None:
+                    return {}
+                with link.lock:
+                    return counters.for_job(link.session, r.job_id) if link.session is not None else {}
             # a live PS answers in milliseconds; a dead one must not hold the teardown for long
             return self.ps.request(r.aggregator["control"], "stats", timeout=1.0, job=r.job_id)["jobs"][str(r.job_id)]
         except (OSError, RequestError, SwitchError, KeyError) as e:

@@ -36,7 +36,7 @@ from .schema import RequestError, Unauthorized
 from .serve import Server
 from .state import PendingGroup, State
 from .switch import SwitchLink
-from .topology import SWITCH, Topology, TopologyError
+from .topology import SWITCH, SWITCH_PREFIX, Topology, TopologyError
 
 __all__ = ["CHECK_TIMEOUT", "Controller"]
 
@@ -46,15 +46,26 @@ OPERATOR_COMMANDS = WORKER_COMMANDS | {"status", "stats", "metrics"}
 
 
 def check_switch_lanes(state: State, topo: Topology) -> None:
-    """Refuse a store whose running switch groups use other lanes than the topology's switch
-    program (its chip changed under them): their workers' packets would not parse there."""
-    stale = sorted(f"{r.job_name} group {r.group} ({r.lanes(topo.lanes)} lanes)"
-                   for r in state.records.values() if r.mode == "switch" and r.lanes(topo.lanes) != topo.lanes)
-    if stale:
+    """Refuse a store whose running switch groups use other lanes than their switch's program in the
+    topology (its chip changed under them: their workers' packets would not parse there), or sit on a named
+    switch the topology no longer has."""
+    records = [r for r in state.records.values() if r.mode == "switch"]
+    gone = sorted(f"{r.job_name} group {r.group} ({r.control})" for r in records
+                  if r.control != SWITCH and r.control.removeprefix(SWITCH_PREFIX) not in topo.switches)
+    if gone:
         raise TopologyError(
-            f"the store holds switch groups placed with another lane count than the topology's switch "
-            f"(chip {topo.chip!r}, {topo.lanes} lanes): {', '.join(stale)}; start with the topology they were "
-            "placed under and end them (passing-ctl leave), or start with a new --store")
+            f"the store holds switch groups on switches the topology does not name: {', '.join(gone)}; start "
+            "with the topology they were placed under and end them (passing-ctl leave), or start with a new --store")
+    for control in sorted({r.control for r in records}):
+        view = topo.view(control)
+        stale = sorted(f"{r.job_name} group {r.group} ({r.lanes(view.lanes)} lanes)"
+                       for r in records if r.control == control and r.lanes(view.lanes) != view.lanes)
+        if stale:
+            what = "switch" if control == SWITCH else control
+            raise TopologyError(
+                f"the store holds switch groups placed with another lane count than the topology's {what} "
+                f"(chip {view.chip!r}, {view.lanes} lanes): {', '.join(stale)}; start with the topology they were "
+                "placed under and end them (passing-ctl leave), or start with a new --store")
 
 
 class Controller:

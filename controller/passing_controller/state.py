@@ -78,8 +78,7 @@ class State:
                 for node in r.aggregator["tree"]:
                     self.allocator_for(node["control"]).reserve(node["base"], r.pool)
                 continue
-            allocator = self.allocator if r.mode == "switch" else self.ps_allocators.setdefault(
-                r.aggregator["control"], SlotAllocator(PS_SLOTS))
+            allocator = self.allocator_for(r.control)  # the one switch's, a named switch's, a PS's
             for base in [r.base] + [stripe["base"] for stripe in r.stripes]:  # each stream's slots
                 allocator.reserve(base, r.pool)
 

@@ -73,6 +73,12 @@ class Record:
     def streams(self) -> int:
         return 1 + len(self.stripes)
 
+    @property
+    def control(self) -> str:
+        """The control name of the group's aggregator (a tree's: its root's): a PS's endpoint, or a switch's,
+        "switch:NAME" for a named one and "switch" for the one (whose records name none)."""
+        return str(self.aggregator.get("control", "switch"))
+
     def lanes(self, switch_lanes: int) -> int:
         """The group's int32 lanes per packet, as allocated: a PS's, or the switch program's
         (a switch record made before chips states none: then ``switch_lanes``, the topology's)."""

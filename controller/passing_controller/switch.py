@@ -147,7 +147,7 @@ class SwitchLink:
         for control in TOPOLOGY_CONTROLS:
             control.install(sw, self.topo)
         with self.state.lock:
-            records = [r for r in self.state.records.values() if r.mode == "switch" and self.name == "switch"]
+            records = [r for r in self.state.records.values() if r.mode == "switch" and r.control == self.name]
             nodes = [node["object"] for r in self.state.records.values() if r.mode == "tree"
                      for node in r.aggregator.get("tree", []) if node["control"] == self.name]
         for r in records:

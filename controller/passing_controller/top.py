@@ -45,7 +45,8 @@ def render(snapshot: dict[str, Any], previous: dict[str, Any] | None, controller
     """The frame's lines: a header, the aggregators, the totals, then a row per group."""
     lines = [f"PASSING top  {controller}  {time.strftime('%H:%M:%S', time.localtime(snapshot['time']))}"
              "  (q quits)"]
-    aggregators = [f"{a['kind']} {a['aggregator'] if a['kind'] == 'ps' else ''}".strip() +
+    # a PS by its endpoint, a switch by its control name ("switch", or a named one's "switch:NAME")
+    aggregators = [(f"ps {a['aggregator']}" if a['kind'] == 'ps' else a['aggregator']) +
                    f" {a['state']} {a['slots'] - a['free_slots']}/{a['slots']} slots used"
                    for a in snapshot["aggregators"]]
     lines.append("aggregators: " + (" | ".join(aggregators) or "none"))
