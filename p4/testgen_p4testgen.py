@@ -243,6 +243,16 @@ def _uncovered(log: str) -> list[str]:
     return lines
 
 
+def _keep_complete_tests(out: Path, complete: int) -> None:
+    """The PTF file of a run stopped by its budget with its first ``complete`` test classes: those p4testgen
+    finished (it prints a test's coverage line after writing it), not one it may have been writing."""
+    for f in out.glob("*.py"):
+        text = f.read_text()
+        starts = [m.start() for m in re.finditer(r"\nclass Test", text)]
+        if len(starts) > complete:
+            f.write_text(text[:starts[complete] + 1])
+
+
 def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines: dict[str, int],
                   extra: list[str], log_file: Path | None, source: Path | None = None,
                   coverage: bool = True, traces: bool = False) -> tuple[list[dict], dict]:
@@ -260,13 +270,21 @@ def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines
                 *(("--track-coverage", "STATEMENTS", "--print-coverage") if coverage else ()), *run.args, *extra,
                 "--out-dir", out, str(source or ROOT / program.source)]
         started = time.monotonic()
-        done = subprocess.run(args, capture_output=True, text=True)
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            log, _ = proc.communicate(timeout=run.seconds)
+            stopped = False
+        except subprocess.TimeoutExpired:  # the run's budget: the tests written so far are kept
+            proc.terminate()
+            log, _ = proc.communicate()
+            stopped = True
         seconds = time.monotonic() - started
-        log = done.stdout + done.stderr
         if log_file is not None:
             log_file.write_text(log)
-        if done.returncode != 0:
-            sys.exit(f"p4testgen failed ({done.returncode}):\n{log[-5000:]}")
+        if proc.returncode != 0 and not stopped:
+            sys.exit(f"p4testgen failed ({proc.returncode}):\n{log[-5000:]}")
+        if stopped:
+            _keep_complete_tests(Path(out), len(_COVERAGE.findall(log)))
         # the tofino target's traces give each test's ingress output; the bmv2 target's are gigabytes
         tests = [t for f in sorted(Path(out).glob("*.py")) for t in
                  (parse_ptf(f.read_text(), program.ingress_deparser) if program.ingress_deparser
@@ -279,10 +297,10 @@ def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines
     for t in tests:
         t["run"] = run.name
     coverage = _COVERAGE.findall(log)
-    meta = {"defines": run.defines,
+    meta = {"defines": run.defines, **({"stopped_after_s": run.seconds} if stopped else {}),
             "args": [a if a != out else "<out>" for a in args[1:-1] if not a.startswith("-I")],
             "seconds": round(seconds, 1), "tests": len(tests),
             "node_coverage": {"fraction": float(coverage[-1][0]), "covered": int(coverage[-1][1]),
                               "nodes": int(coverage[-1][2])} if coverage else None,
-            "uncovered": _uncovered(log)}
+            "uncovered": None if stopped else _uncovered(log)}  # printed at a run's end alone
     return tests, meta

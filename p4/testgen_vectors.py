@@ -138,10 +138,11 @@ def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int
             sequences[name] = {"vectors": len(found), "seconds": round(time.monotonic() - started, 1)}
             tests += found
     # statements no run covered: what stays uncovered in the union (a program of sequences alone has no runs)
-    left = Counter(runs[program.runs[0].name]["uncovered"]) if program.runs else Counter()
+    left = Counter(runs[program.runs[0].name]["uncovered"] or ()) if program.runs else Counter()
     for run in program.runs[1:]:
-        left &= Counter(runs[run.name]["uncovered"])
+        left &= Counter(runs[run.name]["uncovered"] or ())
     nodes = max([(r["node_coverage"] or {}).get("nodes", 0) for r in runs.values()] or [0])
+    stopped = [r for r in runs.values() if r["uncovered"] is None]  # a run stopped by its budget lists none
     meta = {
         "program": program.source,
         "program_sha256": program_sha256(source or ROOT / program.source),
@@ -152,7 +153,9 @@ def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int
                       "p4c_commit": _p4c_commit(),
                       "seconds": round(sum(r["seconds"] for r in runs.values()), 1), "runs": runs},
         "statement_coverage": {"nodes": nodes, "covered": nodes - sum(left.values()),
-                               "uncovered": sorted(left.elements())},
+                               "uncovered": sorted(left.elements())} if not stopped else
+                              {"nodes": nodes, "covered": max((r["node_coverage"] or {}).get("covered", 0)
+                                                              for r in runs.values()), "uncovered": None},
         "sequences": sequences,
     }
     write_vectors(out or ROOT / program.vectors, meta, tests)

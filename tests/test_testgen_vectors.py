@@ -42,15 +42,7 @@ def lanes_of(vectors: dict) -> int:
     return int(vectors["defines"]["PASSING_LANES"])
 
 
-# The Tofino 2 program took the tree roles (issue 48) on a machine whose P4Testgen (p4c v1.2.4.8) has no tofino
-# target: its vectors are the flat program's, still held against the reference below, until `make p4-testgen`
-# runs where P4Testgen has the tofino2 target with the patch docs/tofino.md describes (then this fails: strict).
-T2NA_STALE = pytest.mark.xfail(strict=True, reason="p4/t2na/testgen.json predates the tree roles (docs/tofino.md, "
-                                                   "\"The tree roles\"): regenerate with a tofino2 P4Testgen")
-
-
-@pytest.mark.parametrize("program", [TNA, pytest.param(T2NA, marks=T2NA_STALE), V1MODEL, V1MODEL_TREE],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("program", [TNA, T2NA, V1MODEL, V1MODEL_TREE], ids=lambda p: p.name)
 def test_the_vectors_are_those_of_the_program_as_it_is(program):
     assert tool.stale(program) is None, tool.stale(program)
 
