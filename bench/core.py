@@ -311,8 +311,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--torch-iterations", type=int, default=20,
                    help="section 7: timed calls of each (after one warm-up); the median is reported")
     p.add_argument("--percore-lanes", type=int, nargs="+", default=[64, 72, 144, 364],
-                   help="section 8: lane counts (Tofino 1, Tofino 2, a Tofino 2 packet of 2 x 72 lanes, the PS's "
-                        "at MTU 1500)")
+                   help="section 8: lane counts (Tofino 1 and 2, the Tofino 2 program without the tree roles, a "
+                        "packet of 2 x 72 lanes, the PS's at MTU 1500)")
     p.add_argument("--percore-elements", type=int, default=16 * 1024 * 1024, help="section 8: float32 per call")
     p.add_argument("--percore-iterations", type=int, default=5, help="section 8: timed calls per row")
     p.add_argument("--percore-veth", action=argparse.BooleanOptionalAction, default=True,
