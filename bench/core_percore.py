@@ -4,7 +4,8 @@ One worker (a Group on the native host engine) and the native software aggregato
 own (taskset), on loopback and on a veth pair between two network namespaces (root), at the switch's lane counts
 (64: Tofino 1 and 2, 72: the Tofino 2 program without the tree roles) and the PS's (364: a 1500-byte MTU
 path), for each I/O path that can run there (the UDP sockets with GSO/GRO; AF_XDP where the library was built
-with it and the path has XDP). The figure is the payload each way per second of the worker's own CPU time (user + system, getrusage around each call): the same
+with it and the path has XDP). The figure is the payload each way per second of the worker's own CPU time
+(user + system, getrusage around each call): the same
 bytes go up as DATA and come back as RESULTs, so "each way" is the array's size. The wall time minus the CPU time
 is the worker's waiting (for the aggregator, or for the kernel's delivery on the other core); core 0's busy time
 from /proc/stat (the worker's core: softirq work the kernel does there for its packets included, and whatever
