@@ -266,8 +266,8 @@ def test_a_store_of_groups_on_a_named_switch_the_topology_lost_or_rebuilt_is_ref
         check_switch_lanes(state, Topology.from_dict(three_switches()))  # the topology it was placed under
         rebuilt = three_switches()
         rebuilt.pop("fabric")  # (one tree's switches take one lane count)
-        rebuilt["switches"]["s1"]["chip"] = "tofino2"
-        with pytest.raises(TopologyError, match=r"topology's switch:s1 \(chip 'tofino2', 72 lanes\): j group 0 "
+        rebuilt["switches"]["s1"].update(chip="tofino2", lanes=32, lanes_override=True)  # rebuilt at 32 lanes
+        with pytest.raises(TopologyError, match=r"topology's switch:s1 \(chip 'tofino2', 32 lanes\): j group 0 "
                                                 r"\(64 lanes\)"):
             check_switch_lanes(state, Topology.from_dict(rebuilt))
         lost = three_switches()

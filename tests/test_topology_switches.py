@@ -99,7 +99,8 @@ def _broken(change) -> dict[str, Any]:
     (lambda t: t["fabric"][2].update(switch="s1"), "'rack1' and 'spine' are both on switch 's1'"),
     (lambda t: t["fabric"][2].update(switch=True), "the topology has no switch named by true"),
     (lambda t: t["fabric"][0].update(hosts=["h1", "h3"]), "hosts ['h3'] are not on that switch"),
-    (lambda t: t["switches"]["s3"].update(chip="tofino2"), "switches take different lane counts"),
+    (lambda t: t["switches"]["s3"].update(chip="tofino2", lanes=32, lanes_override=True),  # a 32-lane rebuild
+     "switches take different lane counts"),
     (lambda t: t.update(switch=t["switches"]["s1"]), '"switch" and "switches" together'),
     (lambda t: t["switches"]["s3"]["links"].pop("s2"), "'s2' links to 's3', which names no link back"),
     (lambda t: t["switches"]["s1"]["links"].update(s9=4), '"links" must map other switches'),
