@@ -19,7 +19,7 @@ import pytest
 from passing import Group, wire
 from passing.aggregator.server import SoftwareAggregator
 from passing.control import HEARTBEAT_SECONDS, Failover, join, request
-from passing.errors import GroupFailed
+from passing.errors import AggregatorUnreachable, GroupFailed
 from passing.launch import free_udp_ports
 from passing_controller.topology import Topology
 from tests.cluster import run_threads, start_aggregator
@@ -312,6 +312,41 @@ def test_a_slow_peer_is_waited_for_not_declared_dead(two_ps, tmp_path):
         outcomes = run_group(running.endpoint, "slow", data, late)
         assert_exact(data, outcomes)
         assert all(moves == 0 for _, _, moves in outcomes)
+    finally:
+        running.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_call_that_times_out_while_the_controller_waits_names_the_peers_it_waited_for(one_ps, tmp_path):
+    """Worker 1 is alive (its heartbeats go on) but makes no call: worker 0's aggregator is silent, the
+    controller answers "wait" (a late peer is no failure), and worker 0's call ends at its timeout. The error
+    says for whom the controller waited, which is why no move came."""
+    ((_, r0),) = one_ps
+    running = Running(ps_topology(r0), tmp_path / "ctl.sqlite")
+    try:
+        ports = free_udp_ports(2)
+        idle_until = threading.Event()
+
+        def work(w: int) -> BaseException | None:
+            answer = join(running.endpoint, "late", w, 2, host="127.0.0.1", udp_port=ports[w], timeout=30)
+            line = Failover(running.endpoint, "late", 0, w, answer["token"], after=AFTER,
+                            heartbeat=HEARTBEAT_SECONDS)
+            with Group.from_answer(answer, bind=("127.0.0.1", ports[w]), timeout=4, failover=line) as g:
+                if w == 1:
+                    idle_until.wait(30)  # alive, beating, and calling nothing
+                    return None
+                try:
+                    g.allreduce(np.ones(1000, np.float32))
+                except AggregatorUnreachable as e:
+                    return e
+                finally:
+                    idle_until.set()
+            return None
+
+        error, idle = run_threads(work, 2, timeout=60)
+        assert idle is None
+        assert isinstance(error, AggregatorUnreachable), error
+        assert "the controller was waiting for worker(s) [1]" in "\n".join(getattr(error, "__notes__", [])), error
     finally:
         running.stop()
 

@@ -164,6 +164,7 @@ class Group:
         self._attempt = 0  # the call now on the wire (below self.calls while redoing one)
         self._kept: dict[int, Replay] = {}
         self._decision: dict[str, Any] | None = None
+        self._waiting_for: list[int] = []  # the controller's last "wait": the peers it had no report from
         self.moves = 0
         if isinstance(bind, BatchSocket):
             if bind.dtype != wire.packet_dtype(lanes):
@@ -439,6 +440,7 @@ class Group:
         source = kept.input if np.shares_memory(call.input, out) else call.input
         redo: list[int] = []
         meet = False
+        self._waiting_for = []
         while True:
             try:
                 if meet:  # moved: every worker is on the new allocation before any call is redone
@@ -452,6 +454,11 @@ class Group:
                 self._attempt = index
                 self._run(kept, out, source)
                 break
+            except AggregatorUnreachable as e:
+                if self._waiting_for:  # why no move came: a peer never said it heard nothing either
+                    e.add_note(f"failover: the controller was waiting for worker(s) {self._waiting_for} of the "
+                               "group to report the silence too (docs/control.md, Failover)")
+                raise
             except Silenced:
                 decision, self._decision = self._decision, None
                 assert decision is not None
@@ -489,6 +496,7 @@ class Group:
         except PassingError:
             return False  # the controller is down: the data path goes on until `timeout`
         if decision.get("state") == "wait":
+            self._waiting_for = [int(w) for w in decision.get("waiting_for", [])]
             return False
         self._decision = decision
         return True
