@@ -352,6 +352,23 @@ def test_a_call_that_times_out_while_the_controller_waits_names_the_peers_it_wai
 
 
 @pytest.mark.timeout(60)
+def test_a_call_that_times_out_with_the_controller_down_says_so(one_ps, tmp_path):
+    """The controller is gone when worker 0's aggregator falls silent (worker 1 makes no call): the silence
+    report gets no answer, and the call's timeout error says that is why nothing moved."""
+    ((_, r0),) = one_ps
+    running = Running(ps_topology(r0), tmp_path / "ctl.sqlite")
+    ports = free_udp_ports(2)
+    answers = run_threads(lambda w: join(running.endpoint, "orphan", w, 2, host="127.0.0.1", udp_port=ports[w],
+                                         timeout=30), 2)
+    running.stop()
+    line = Failover(running.endpoint, "orphan", 0, 0, answers[0]["token"], after=AFTER, heartbeat=HEARTBEAT_SECONDS)
+    with Group.from_answer(answers[0], bind=("127.0.0.1", ports[0]), timeout=4, failover=line) as g:
+        with pytest.raises(AggregatorUnreachable) as caught:
+            g.allreduce(np.ones(1000, np.float32))
+    assert "the controller did not answer the silence report" in "\n".join(caught.value.__notes__)
+
+
+@pytest.mark.timeout(60)
 def test_stuck_reports_are_checked(two_ps, tmp_path):
     (_, r0), (_, r1) = two_ps
     running = Running(ps_topology(r0, r1), tmp_path / "ctl.sqlite")

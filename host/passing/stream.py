@@ -164,7 +164,7 @@ class Group:
         self._attempt = 0  # the call now on the wire (below self.calls while redoing one)
         self._kept: dict[int, Replay] = {}
         self._decision: dict[str, Any] | None = None
-        self._waiting_for: list[int] = []  # the controller's last "wait": the peers it had no report from
+        self._no_move = ""  # why the last silence report moved nothing: the controller's "wait", or no answer
         self.moves = 0
         if isinstance(bind, BatchSocket):
             if bind.dtype != wire.packet_dtype(lanes):
@@ -440,7 +440,7 @@ class Group:
         source = kept.input if np.shares_memory(call.input, out) else call.input
         redo: list[int] = []
         meet = False
-        self._waiting_for = []
+        self._no_move = ""
         while True:
             try:
                 if meet:  # moved: every worker is on the new allocation before any call is redone
@@ -455,9 +455,8 @@ class Group:
                 self._run(kept, out, source)
                 break
             except AggregatorUnreachable as e:
-                if self._waiting_for:  # why no move came: a peer never said it heard nothing either
-                    e.add_note(f"failover: the controller was waiting for worker(s) {self._waiting_for} of the "
-                               "group to report the silence too (docs/control.md, Failover)")
+                if self._no_move:  # why no move came
+                    e.add_note(f"failover: {self._no_move} (docs/control.md, Failover)")
                 raise
             except Silenced:
                 decision, self._decision = self._decision, None
@@ -493,10 +492,13 @@ class Group:
         assert self.failover is not None
         try:
             decision = self.failover.report(self.job, self.generation, self._attempt)
-        except PassingError:
+        except PassingError as e:
+            self._no_move = f"the controller did not answer the silence report: {e}"
             return False  # the controller is down: the data path goes on until `timeout`
         if decision.get("state") == "wait":
-            self._waiting_for = [int(w) for w in decision.get("waiting_for", [])]
+            waiting_for = [int(w) for w in decision.get("waiting_for", [])]
+            self._no_move = f"the controller was waiting for worker(s) {waiting_for} of the group to report the " \
+                            "silence too"
             return False
         self._decision = decision
         return True
