@@ -244,13 +244,18 @@ def _uncovered(log: str) -> list[str]:
 
 
 def _keep_complete_tests(out: Path, complete: int) -> None:
-    """The PTF file of a run stopped by its budget with its first ``complete`` test classes: those p4testgen
-    finished (it prints a test's coverage line after writing it), not one it may have been writing."""
+    """The PTF file of a run stopped by its budget with the test classes p4testgen finished: at most
+    ``complete`` (the tests it printed a coverage line for), and a last one cut off while it was being written
+    (a class ends with its runTest) left out."""
     for f in out.glob("*.py"):
         text = f.read_text()
         starts = [m.start() for m in re.finditer(r"\nclass Test", text)]
         if len(starts) > complete:
-            f.write_text(text[:starts[complete] + 1])
+            text = text[:starts[complete] + 1]
+            starts = starts[:complete]
+        if starts and not text.rstrip().endswith("self.runTestImpl()"):
+            text = text[:starts[-1] + 1]
+        f.write_text(text)
 
 
 def run_p4testgen(program: Program, run: Run, max_tests: int, seed: int, defines: dict[str, int],

@@ -314,3 +314,17 @@ def test_ptf_tests_carry_their_ingress_output_when_asked():
     tests = tool.parse_ptf(text, "TnaIngressDeparser")
     assert tests[0]["ingress"]["port"] == 68
     assert "ingress" not in tool.parse_ptf(text)[0]
+
+
+def test_a_run_stopped_by_its_budget_keeps_the_tests_p4testgen_finished(tmp_path):
+    keep = sys.modules["testgen_p4testgen"]._keep_complete_tests  # loaded by the tool, from p4/
+    whole = "\nclass Test{n}(AbstractTest):\n    def runTest(self):\n        self.runTestImpl()\n"
+    ptf = tmp_path / "passing.py"
+    for text, printed, kept in [
+        ("".join(whole.format(n=n) for n in (1, 2)) + "\nclass Test3(AbstractTest):\n    def setUp", 3, 2),  # cut
+        ("".join(whole.format(n=n) for n in (1, 2, 3)), 2, 2),  # the third's coverage line never came
+        ("".join(whole.format(n=n) for n in (1, 2)), 2, 2),
+    ]:
+        ptf.write_text("import ptf\n" + text)
+        keep(tmp_path, printed)
+        assert ptf.read_text().count("\nclass Test") == kept and ptf.read_text().rstrip().endswith("runTestImpl()")
