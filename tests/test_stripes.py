@@ -22,7 +22,8 @@ WORKERS, STREAMS, POOL = 2, 3, 32
 
 def run_workers(streams: int, drop: float = 0.0) -> tuple[list[tuple[np.ndarray, ...]], dict]:
     """Each worker's outputs with ``streams`` streams (jobs 1.., one aggregator), and the aggregator's stats."""
-    bases = [p - p % 8 for p in free_udp_ports(WORKERS)]
+    # distinct blocks of 8 ports (two free ports may share one): worker w's stream s binds its block's base + s
+    bases = list(dict.fromkeys(p - p % 8 for p in free_udp_ports(4 * WORKERS)))[:WORKERS]
     jobs = [job_from_json({"job": 1 + s, "pool": POOL, "base": s * POOL, "generation": 0,
                            "workers": [f"127.0.0.1:{bases[w] + s}" for w in range(WORKERS)]}) for s in range(streams)]
     rng = np.random.default_rng(5)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import native, numbering, stripes, wire
+from .call_rules import check_out, check_reduce
 from .errors import AggregatorUnreachable, GroupFailed, PassingError, Silenced
 from .recovery import LossRecovery, SilenceWatch
 from .reduce_path import ReducePath
@@ -37,7 +38,6 @@ from .replay import Replay
 from .stream_state import Aggregator, StreamState, aggregators_of, native_rng
 from .transport import BatchSocket, TransportStats, parse_endpoint
 
-OPS = ("sum", "avg")
 MAX_SERVERS = 32 * 32  # a two-level tree's: 32 leaves of 32 servers (docs/protocol.md, "Trees across racks")
 
 
@@ -49,23 +49,6 @@ class FailoverLine(Protocol):
     def report(self, job_id: int, generation: int, call: int) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
-
-
-def _check_reduce(x: np.ndarray, op: str, call: str) -> None:
-    """The op and dtype rules of every reduction: float32 or int32, and an average only of float32."""
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if x.dtype not in (np.float32, np.int32):
-        raise TypeError(f"{call} takes float32 or int32 arrays, got {x.dtype}")
-    if x.dtype == np.int32 and op == "avg":
-        raise TypeError("op 'avg' needs a float32 array (an int32 average is not an int32)")
-
-
-def _check_out(out: np.ndarray, dtype: np.dtype, size: int, unit: str = "elements") -> None:
-    """The rules of an output given by the caller, which is written in place: its dtype and size,
-    C-contiguous, writeable."""
-    if out.dtype != dtype or out.size != size or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError(f"out must be a writeable C-contiguous {dtype} array of {size} {unit}")
 
 
 class Group:
@@ -311,9 +294,9 @@ class Group:
         new array. NaN and infinities give IEEE sums element by element, as gloo does.
         """
         x = np.asarray(array)
-        _check_reduce(x, op, "allreduce")
+        check_reduce(x, op, "allreduce")
         if out is not None:
-            _check_out(out, x.dtype, x.size)
+            check_out(out, x.dtype, x.size)
         self._check_usable()
         flat = np.ascontiguousarray(x).reshape(-1)
         result = np.empty(x.shape, x.dtype) if out is None else out
@@ -335,13 +318,13 @@ class Group:
         get a header-only ACK. Per server: up ``size``, down ``size / servers`` of sums and one ACK per
         packet of the others. A tree without owners (more than 128 servers): SUM rounds (down ``size``)."""
         x = np.asarray(array)
-        _check_reduce(x, op, "reduce_scatter")
+        check_reduce(x, op, "reduce_scatter")
         self._check_numbered("reduce_scatter")
         if x.size % self.servers:
             raise ValueError(f"reduce_scatter of {x.size} elements: not a multiple of the {self.servers} servers")
         chunk = x.size // self.servers
         if out is not None:
-            _check_out(out, x.dtype, chunk)
+            check_out(out, x.dtype, chunk)
         self._check_usable()
         result = np.empty(chunk, x.dtype) if out is None else out
         if chunk == 0:
@@ -372,7 +355,7 @@ class Group:
             raise ValueError(f"sizes must give {self.servers} byte counts >= 0, got {sizes}")
         if piece.dtype != np.uint8 or piece.ndim != 1 or piece.size != sizes[me]:
             raise ValueError(f"piece must be {sizes[me]} bytes (a 1-d uint8 array)")
-        _check_out(out, np.dtype(np.uint8), sum(sizes), "bytes")
+        check_out(out, np.dtype(np.uint8), sum(sizes), "bytes")
         self._check_usable()
         offsets = np.r_[0, np.cumsum(sizes)]
         out.reshape(-1)[offsets[me] : offsets[me + 1]] = piece
