@@ -142,7 +142,8 @@ p4-tofino2: $(T2NA_SOURCES)
 	$(call tofino_build,p4-tofino2,tofino2,t2na,p4/t2na/passing.p4,$(TOFINO2_OUT),$(TOFINO2_LANES))
 
 # P4Testgen's tests of the three programs as vectors beside them (p4/tna/testgen.json, p4/t2na/testgen.json,
-# p4/v1model/testgen.json, and the v1model program's tree sequences at 4 lanes, p4/v1model/testgen_tree.json;
+# p4/v1model/testgen.json, the v1model program's tree sequences at 4 lanes, p4/v1model/testgen_tree.json, and the
+# Tofino 2 program's at its vectors' lanes, p4/t2na/testgen_tree.json;
 # the Tofino 2 program needs P4Testgen with the patch docs/tofino.md describes;
 # docs/tofino.md, "Executed by P4Testgen"); tests/test_testgen_vectors.py holds them against the protocol and
 # fails when they are stale, bmv2_tests/test_testgen_replay_bmv2.py replays the v1model ones on BMv2. Needs
@@ -162,17 +163,19 @@ p4-testgen:
 	@command -v p4testgen >/dev/null || { echo "make p4-testgen: p4testgen not found; build p4c with its test tools (docs/tofino.md)" >&2; exit 1; }
 	$(PYTHON) p4/testgen_vectors.py generate tna --max-tests $(TESTGEN_MAX_TESTS) --seed $(TESTGEN_SEED)
 	$(PYTHON) p4/testgen_vectors.py generate t2na --lanes $(TESTGEN_T2NA_LANES) --max-tests $(TESTGEN_T2NA_MAX_TESTS) --seed $(TESTGEN_SEED)
+	$(PYTHON) p4/testgen_vectors.py generate t2na_tree --lanes $(TESTGEN_T2NA_LANES)
 	$(PYTHON) p4/testgen_vectors.py generate v1model --max-tests $(TESTGEN_V1MODEL_MAX_TESTS) --seed $(TESTGEN_V1MODEL_SEED)
 	$(PYTHON) p4/testgen_vectors.py generate v1model_tree --lanes 4
 
 # The mutation score of the vector checks (docs/tofino.md, "Mutation score"): bugs planted one at a time in the
 # reference engine (the vectors in the repository checked against each; seconds, no P4 tool) and, with
 # P4MUTANTS=1, in the TNA program (P4Testgen makes each mutant's vectors at 4 lanes, minutes each; results
-# recorded in p4/tna/mutants.json) and in the v1model program's tree rules (its tree sequences made again on
-# each; p4/v1model/tree_mutants.json). Fails below 90 % killed. It runs the project's code: the venv's Python.
+# recorded in p4/tna/mutants.json) and in the tree rules of the v1model and Tofino 2 programs (their tree
+# sequences made again on each; p4/v1model/tree_mutants.json, p4/t2na/tree_mutants.json). Fails below 90 % killed. It runs the project's code: the venv's Python.
 p4-mutants: $(STAMP)
 	$(PY) -m tests.conformance.mutants $(if $(P4MUTANTS),--p4 --record p4/tna/mutants.json)
 	$(if $(P4MUTANTS),$(PY) -m tests.conformance.tree_mutants --record p4/v1model/tree_mutants.json)
+	$(if $(P4MUTANTS),$(PY) -m tests.conformance.tree_mutants --program t2na --record p4/t2na/tree_mutants.json)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

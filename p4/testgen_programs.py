@@ -73,7 +73,7 @@ class Program:
     test_backend: str  # the output format whose parser is below
     ingress_deparser: str | None  # the control whose output a vector records from the trace (see ingress_of)
     runs: tuple[Run, ...]
-    sequences: bool = False  # P4Testgen runs pinned to the packets of SEQUENCES (tofino), TREE_SEQUENCES (bmv2)
+    sequences: str | None = None  # runs pinned to the packets of SEQUENCES ("flat") or TREE_SEQUENCES ("tree")
 
 
 # The tofino target writes initial registers only in PTF (its STF has none). Greedy statement search, and only
@@ -96,7 +96,7 @@ PROGRAMS = {
     "tna": Program("tna", "p4/tna/passing.p4", "p4/tna/testgen.json", "tofino", "tna", "PTF", "TnaIngressDeparser",
                    (Run("first_pass", {"PASSING_TESTGEN": 1, "PASSING_TESTGEN_DATA": 1}, _TNA_SEARCH),
                     Run("second_pass", {"PASSING_TESTGEN": 2, "PASSING_TESTGEN_DATA": 1}, _TNA_SEARCH)),
-                   sequences=True),
+                   sequences="flat"),
     # Tofino 2: one pass (no recirculation), so one run over any port. Flat jobs alone: no entry of the tree roles'
     # tables (the checker holds a Tofino vector to the reference's flat job; the roles are held on BMv2). The roles'
     # statements stay uncovered, and the greedy search for them does not end (14 minutes here): stopped at 300 s
@@ -105,13 +105,16 @@ PROGRAMS = {
                     (Run("first_pass", {"PASSING_TESTGEN": 1, "PASSING_TESTGEN_DATA": 1, **FLAT_ONLY},
                          ("--path-selection", "GREEDY_STATEMENT_SEARCH", "--only-covering-tests",
                           "--port-ranges", "0:63"), seconds=300),),
-                    sequences=True),
+                    sequences="flat"),
+    # its tree sequences alone (testgen_tofino_tree.py), at the flat vectors' 8 lanes
+    "t2na_tree": Program("t2na_tree", "p4/t2na/passing.p4", "p4/t2na/testgen_tree.json", "tofino2", "t2na", "PTF",
+                         "TnaIngressDeparser", (), sequences="tree"),
     "v1model": Program("v1model", "p4/v1model/passing.p4", "p4/v1model/testgen.json", "bmv2", "v1model", "PTF", None,
                        (Run("all", {}, _V1MODEL_SEARCH), Run("in_domain", {"PASSING_TESTGEN": 1}, _V1MODEL_SEARCH))),
     # the same program's tree sequences alone (testgen_tree_sequences.py), at 4 lanes (`--lanes 4`): a pinned run
     # at 64 takes minutes of CPU, and the lanes are one macro unrolled (as the Tofino mutants' 4 lanes)
     "v1model_tree": Program("v1model_tree", "p4/v1model/passing.p4", "p4/v1model/testgen_tree.json", "bmv2", "v1model",
-                            "PTF", None, (), sequences=True),
+                            "PTF", None, (), sequences="tree"),
 }
 # p4c-barefoot defines it for tna.p4 and t2na.p4; p4testgen does not
 TARGET_DEFINES = {"tofino": {"__TARGET_TOFINO__": 1}, "tofino2": {"__TARGET_TOFINO__": 2}}

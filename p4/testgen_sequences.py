@@ -221,14 +221,19 @@ def signed32(value: int) -> int:
     return value - (1 << 32) if value & (1 << 31) else value
 
 
-def pin_source(inp: dict, admit: dict | None, state: dict, index: int, lanes: int) -> str:
-    """passing_pin.p4 (p4/include/testgen.p4): the input's port and every header field, the admission entry's
-    parameters (``false``: no entry of the controller matches), and the registers of the slot/set ``index``."""
+def pin_source(inp: dict, admit: dict | None, state: dict, index: int, lanes: int,
+               tree: list[str] | None = None) -> str:
+    """passing_pin.p4 (p4/include/testgen.p4): the input's port and every header field (a datagram without lanes:
+    the header alone), the admission entry's parameters (``false``: no entry of the controller matches), the
+    registers of the slot/set ``index``, and ``tree``: the tree tables' pins (p4/testgen_tofino_tree.py; None: a
+    flat sequence, no entry of them)."""
     conds = [f"ig_intr_md.ingress_port == {inp['port']}"]
     for header, fields in inp["headers"].items():
         var = f"hdr.{HEADER_VARIABLES[header]}"
         conds.append(f"{var}.isValid()")
         conds += [f"{var}.{name} == {value}" for name, value in fields.items()]
+    if "lanes_h" not in inp["headers"]:
+        conds.append("!hdr.lanes.isValid()")
     admitted = " && ".join(f"({name}) == {value}" for name, value in admit.items()) if admit else "false"
     tag, bitmap = _register(state, "slot_tag", index), _register(state, "slot_bitmap", index)
     lines = [f"#define PASSING_PIN_INPUT ({' && '.join(conds)})",
@@ -242,8 +247,10 @@ def pin_source(inp: dict, admit: dict | None, state: dict, index: int, lanes: in
         lines.append(f"#define PASSING_PIN_PAIR_{k}(value) ((value).first == {signed32(pair['first'])} "
                      f"&& (value).second == {signed32(pair['second'])})")
     lines.append("#define PASSING_PIN_PAIR(k, value) PASSING_PIN_PAIR_##k(value)")
-    # a flat sequence: no entry of the tree roles' tables (a program with them, p4/include/tofino_tree_common.p4)
-    lines += [f"#define {name} {value}" for name, value in FLAT_ONLY.items()]
+    if tree is None:  # a flat sequence: no entry of the tree roles' tables (p4/include/tofino_tree_common.p4)
+        lines += [f"#define {name} {value}" for name, value in FLAT_ONLY.items()]
+    else:
+        lines += tree + [f"#define PASSING_PIN_PHASE(phase) ((phase) == {_register(state, 'slot_phase', index)})"]
     return "\n".join(lines) + "\n"
 
 

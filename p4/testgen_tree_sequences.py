@@ -125,6 +125,12 @@ TREE_SEQUENCES: dict[str, tuple[tuple[Role, ...], tuple]] = {
         Send(_LEAF.alloc, 1, slot=5, psn=20, data="down", flags=OWNER_ONLY, owner=3),
         Down(_LEAF, ACK, slot=5, psn=20, flags=OWNER_ONLY | OVERFLOW, owner=3),
         Send(_LEAF.alloc, 1, slot=5, psn=20, data="down", flags=OWNER_ONLY | RETRANSMIT, owner=3))),
+    # an OWNER_ONLY round whose owner (server 1) is in this rack: the root's RESULT goes down as the owner's sums and
+    # the other servers' ACKs
+    "leaf_owner": ((_LEAF,), (
+        Send(_LEAF.alloc, 0, slot=6, psn=40, data="up", flags=OWNER_ONLY, owner=1),
+        Send(_LEAF.alloc, 1, slot=6, psn=40, data="down", flags=OWNER_ONLY, owner=1),
+        Down(_LEAF, RESULT, slot=6, psn=40, data="big", flags=OWNER_ONLY, owner=1))),
     # GATHER and NACK across racks: a NACK to another rack's server goes up; a server's GATHER to its rack and up;
     # from the root, a NACK to a server here relayed down, a GATHER of this rack's own piece refused
     "leaf_relay": ((_LEAF,), (
@@ -219,6 +225,19 @@ def _equal(params: dict[str, int]) -> str:
     return " && ".join(f"{name} == {value}" for name, value in params.items()) or "true"
 
 
+def table_pins(roles: tuple[Role, ...]) -> list[str]:
+    """The pins of the tree roles' table actions: each the controller's entries of its table, as conditions on
+    the key and the action's parameters (in scope where the pin is expanded: inside the action, in the v1model
+    variant and in p4/include/tofino_tree*.p4 alike); ``false`` for a table with none."""
+    pins: dict[str, list[str]] = {pin: [] for pin in _ACTIONS.values()}
+    for role in roles:
+        for e in role.entries():
+            key = " && ".join([f"hdr.passing.job == {e['key']['job']}"] if e["table"] != "owner_map" else
+                              [f"meta.map_job == {e['key']['job']}", f"hdr.passing.owner == {e['key']['owner']}"])
+            pins[_ACTIONS[e["action"]]].append(f"({key} && {_equal(e['params'])})")
+    return [f"#define {pin} ({' || '.join(alts) or 'false'})" for pin, alts in pins.items()]
+
+
 def pin_source(inp: dict, admit: dict | None, roles: tuple[Role, ...], state: dict, index: int, lanes: int) -> str:
     """passing_pin.p4 of one packet: its input, the entries of its tables, the registers of slot/set ``index``."""
     conds = [f"sm.ingress_port == {inp['port']}"]
@@ -230,18 +249,11 @@ def pin_source(inp: dict, admit: dict | None, roles: tuple[Role, ...], state: di
         conds.append(f"{var}.isValid()")
         conds += [f"{var}.{name} == {value}" for name, value in inp["headers"][header].items()]
     admitted = " && ".join(f"({name}) == {value}" for name, value in admit.items()) if admit else "false"
-    pins: dict[str, list[str]] = {pin: [] for pin in _ACTIONS.values()}
-    for role in roles:
-        for e in role.entries():
-            pin = _ACTIONS[e["action"]]
-            key = " && ".join([f"hdr.passing.job == {e['key']['job']}"] if e["table"] != "owner_map" else
-                              [f"meta.map_job == {e['key']['job']}", f"hdr.passing.owner == {e['key']['owner']}"])
-            pins[pin].append(f"({key} && {_equal(e['params'])})")
     lines = [f"#define PASSING_PIN_INPUT ({' && '.join(conds)})",
              f"#define PASSING_PIN_ADMIT(base, pool, full, epoch, group) ({admitted})",
              "#define PASSING_PIN_ROUND(value) true", "#define PASSING_PIN_CONTRIBUTORS(value) true",
              "#define PASSING_PIN_OVERFLOW(value) true", "#define PASSING_PIN_PAIR(k, value) true"]
-    lines += [f"#define {pin} ({' || '.join(alts) or 'false'})" for pin, alts in pins.items()]
+    lines += table_pins(roles)
     lines += [f"#define PASSING_PIN_{r} {state.get((r, index), 0)}" for r in REGISTERS if r != "lane_acc"]
     lines += [f"#define PASSING_PIN_LANE_{i} {state.get(('lane_acc', index * lanes + i), 0)}"
               for i in range(lanes)]
@@ -336,5 +348,5 @@ def _pinned_run(program: Program, variant: str, pins: str, lanes: int, log: list
     return best[0]
 
 
-__all__ = ["TREE_SEQUENCES", "Down", "Role", "Up", "frame", "pin_source", "pinned_program", "run_tree_sequence",
-           "writes_of_trace"]
+__all__ = ["REGISTERS", "TREE_SEQUENCES", "Down", "Role", "Up", "frame", "pin_source", "pinned_program",
+           "run_tree_sequence", "table_pins", "writes_of_trace"]

@@ -61,12 +61,14 @@ from testgen_sequences import (  # noqa: E402
     unwritten,
     written,
 )
+from testgen_tofino_tree import run_tofino_tree_sequence  # noqa: E402
 from testgen_tree_sequences import TREE_SEQUENCES, run_tree_sequence  # noqa: E402
 
 # what the checker (tests/conformance/testgen.py), the mutation score and the tests use of the tool, from here
 __all__ = ["HEADER_FIELDS", "HEADER_VARIABLES", "PROGRAMS", "SEQUENCES", "TREE_SEQUENCES", "Allocate", "Allocation",
            "Free", "Program", "Run", "Send", "generate", "header_size", "ingress_of", "ipv4_checksum", "lane_data",
-           "load_vectors", "main", "parse_ptf", "program_sha256", "run_p4testgen", "run_sequence", "signed32",
+           "load_vectors", "main", "parse_ptf", "program_sha256", "run_p4testgen", "run_sequence",
+           "run_tofino_tree_sequence", "run_tree_sequence", "signed32",
            "sources_of", "stale", "unpack", "unwritten", "without_traces", "write_vectors", "writes_of", "written"]
 
 
@@ -120,17 +122,19 @@ def generate(program: Program, max_tests: int, seed: int, defines: dict[str, int
         found, runs[run.name] = run_p4testgen(program, run, max_tests, seed, defines, extra, log, source)
         tests += found
     sequences: dict[str, dict] = {}
-    if program.sequences and program.target == "bmv2":  # the tree roles' sequences (testgen_tree_sequences.py)
+    if program.sequences == "tree":  # the tree roles' sequences (testgen_tree_sequences.py, testgen_tofino_tree.py)
+        runner = run_tree_sequence if program.target == "bmv2" else run_tofino_tree_sequence
+
         def one(name: str) -> tuple[list[dict], float]:
             started, roles, events = time.monotonic(), *TREE_SEQUENCES[name]
-            return run_tree_sequence(program, name, roles, events, defines["PASSING_LANES"],
-                                     source or ROOT / program.source, []), time.monotonic() - started
+            return runner(program, name, roles, events, defines["PASSING_LANES"], source or ROOT / program.source,
+                          []), time.monotonic() - started
 
         with ThreadPoolExecutor(len(TREE_SEQUENCES)) as pool:  # each sequence's runs in turn, the sequences at once
             for name, (found, seconds) in zip(TREE_SEQUENCES, pool.map(one, TREE_SEQUENCES)):
                 sequences[name] = {"vectors": len(found), "seconds": round(seconds, 1)}
                 tests += found
-    elif program.sequences:
+    elif program.sequences == "flat":
         for name, events in SEQUENCES.items():
             started, steps = time.monotonic(), []
             found = run_sequence(program, name, events, defines["PASSING_LANES"], source or ROOT / program.source,

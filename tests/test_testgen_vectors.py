@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conformance import testgen, tree_sequences, vector_tool
+from tests.conformance import testgen, tofino_tree, tree_sequences, vector_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 tool = vector_tool.load()
@@ -20,6 +20,7 @@ TNA = tool.PROGRAMS["tna"]
 T2NA = tool.PROGRAMS["t2na"]
 V1MODEL = tool.PROGRAMS["v1model"]
 V1MODEL_TREE = tool.PROGRAMS["v1model_tree"]  # the tree sequences, at 4 lanes
+T2NA_TREE = tool.PROGRAMS["t2na_tree"]  # the same on the Tofino 2 program, at 8 lanes
 TOFINO = [TNA, T2NA]
 
 
@@ -42,7 +43,7 @@ def lanes_of(vectors: dict) -> int:
     return int(vectors["defines"]["PASSING_LANES"])
 
 
-@pytest.mark.parametrize("program", [TNA, T2NA, V1MODEL, V1MODEL_TREE], ids=lambda p: p.name)
+@pytest.mark.parametrize("program", [TNA, T2NA, V1MODEL, V1MODEL_TREE, T2NA_TREE], ids=lambda p: p.name)
 def test_the_vectors_are_those_of_the_program_as_it_is(program):
     assert tool.stale(program) is None, tool.stale(program)
 
@@ -272,6 +273,8 @@ TREE_SEQUENCE_RULES = {
                  "leaf: a leaf's partial up (aggregated, completed",
                  "down: a completed round: multicast (ACK; answered",
                  "leaf: a retransmission to a completed round: answered (duplicate_answered)"],
+    "leaf_owner": ["leaf: the state machine drops it (aggregated)", "leaf: a leaf's partial up (aggregated, completed",
+                   "down: a completed round: multicast (RESULT; answered"],
     "leaf_relay": ["leaf: a leaf's NACK up (relayed, sent_up)", "leaf: relayed (GATHER; relayed, sent_up)",
                    "down: relayed (NACK; relayed)", "down: the state machine drops it (rejected)"],
     "root_round": ["root: the state machine drops it (aggregated)", "root: a completed round: multicast (DATA;",
@@ -279,22 +282,64 @@ TREE_SEQUENCE_RULES = {
 }
 
 
-def _tree_chain(name: str) -> list[dict]:
-    vectors = _load(V1MODEL_TREE)
+def _tree_chain(name: str, program=V1MODEL_TREE) -> list[dict]:
+    vectors = _load(program)
     return sorted((v for v in vectors["tests"] if v.get("sequence") == name), key=lambda v: v["step"])
 
 
+# each program's tree sequences and their checker: the v1model program's final packets, the Tofino 2 program's at
+# its traffic manager (tests/conformance/tofino_tree.py)
+TREE_CHECKERS = {V1MODEL_TREE.name: tree_sequences.check_tree_sequence, T2NA_TREE.name: tofino_tree.check_tree_sequence}
+
+
+@pytest.mark.parametrize("program", [V1MODEL_TREE, T2NA_TREE], ids=lambda p: p.name)
 @pytest.mark.parametrize("name", sorted(TREE_SEQUENCE_RULES))
-def test_each_tree_sequence_runs_through_the_registers_the_earlier_ones_left(name):
+def test_each_tree_sequence_runs_through_the_registers_the_earlier_ones_left(program, name):
     """A tree sequence's vectors chain through the registers, and each packet's output and the registers it
-    leaves are the reference's roles' (tree_sequences.check_tree_sequence), doing in order what it is for."""
+    leaves are the reference's roles' (tree_sequences / tofino_tree.check_tree_sequence), doing in order what it
+    is for."""
     assert set(tool.TREE_SEQUENCES) == set(TREE_SEQUENCE_RULES)
-    chain = _tree_chain(name)
-    rules = tree_sequences.check_tree_sequence(chain, lanes_of(_load(V1MODEL_TREE)))
+    chain = _tree_chain(name, program)
+    rules = TREE_CHECKERS[program.name](chain, lanes_of(_load(program)))
     want = TREE_SEQUENCE_RULES[name]
     assert len(rules) == len(want), rules
     for got, rule in zip(rules, want):
         assert got.startswith(rule), rules
+
+
+def _emitted(vector: dict, header: str) -> dict:
+    return next(e["fields"] for e in vector["ingress"]["emit"] if e["header"] == header)
+
+
+# One thing the Tofino 2 program hands its traffic manager changed in a tree sequence's vector: the checker names it
+@pytest.mark.parametrize("name,step,mutate,message", [
+    ("leaf_round", 1, lambda v: _emitted(v, "lanes_h").__setitem__("value_3", 5), "lane 3 is 5"),
+    ("leaf_round", 1, lambda v: _emitted(v, "ethernet_h").__setitem__("dst_addr", 5), "ethernet_h.dst_addr is 5"),
+    ("leaf_round", 1, lambda v: v["ingress"].__setitem__("port", 2), "to port 6, the program sends it to port 2"),
+    ("leaf_round", 2, lambda v: _emitted(v, "tree_bridged_h").__setitem__("resend", 0), "resend is 0"),
+    ("leaf_round", 5, lambda v: _emitted(v, "passing_h").__setitem__("generation", 4), "passing_h.generation is 4"),
+    ("leaf_ack", 4, lambda v: _emitted(v, "tree_bridged_h").__setitem__("ack", 0), "ack is 0"),
+    ("leaf_owner", 2, lambda v: _emitted(v, "tree_bridged_h").__setitem__("owner_only", 0), "owner_only is 0"),
+    ("leaf_owner", 2, lambda v: _emitted(v, "tree_bridged_h").__setitem__("owner_rid", 0), "owner_rid is 0"),
+    ("leaf_relay", 1, lambda v: _emitted(v, "tree_bridged_h").__setitem__("relay_up", 0), "relay_up is 0"),
+    ("root_round", 1, lambda v: _emitted(v, "passing_h").__setitem__("flags", 0), "passing_h.flags is 0"),
+])
+def test_a_tofino2_tree_vector_with_a_wrong_output_is_a_divergence(name, step, mutate, message):
+    chain = copy.deepcopy(_tree_chain(name, T2NA_TREE))
+    mutate(chain[step])
+    with pytest.raises(testgen.Divergence, match=f"step {step}: .*{message}"):
+        tofino_tree.check_tree_sequence(chain, lanes_of(_load(T2NA_TREE)))
+
+
+@pytest.mark.parametrize("register,field", [("slot_phase", "value"), ("lane_pair_0", "first"),
+                                            ("slot_overflow", "value")])
+def test_a_tofino2_tree_vector_that_writes_what_the_reference_does_not_is_a_divergence(register, field):
+    """The root's RESULT taken at a leaf (step 5 of leaf_round): its phase, sums or flag recorded otherwise."""
+    chain = copy.deepcopy(_tree_chain("leaf_round", T2NA_TREE))
+    write = next(w for w in chain[5]["writes"] if w["register"] == register)
+    write["fields"][field] = (write["fields"][field] + 1) % (1 << 32)
+    with pytest.raises(testgen.Divergence, match=f"step 5 .*after the packet: {register}"):
+        tofino_tree.check_tree_sequence(chain, lanes_of(_load(T2NA_TREE)))
 
 
 def test_a_leafs_nack_up_is_the_tree_roles_not_a_flat_jobs():
@@ -337,7 +382,7 @@ def test_the_vectors_kill_nine_in_ten_bugs_planted_in_the_reference():
     but the documented survivors, and at least 90 % are."""
     from tests.conformance import mutants
 
-    results = mutants.engine_score([_load(TNA), _load(T2NA)], _load(V1MODEL), _load(V1MODEL_TREE))
+    results = mutants.engine_score([_load(TNA), _load(T2NA)], _load(V1MODEL), [_load(V1MODEL_TREE), _load(T2NA_TREE)])
     survivors = {r["mutant"] for r in results if not r["killed"]}
     assert survivors == set(ENGINE_SURVIVORS), survivors
     assert len(results) >= 25 and sum(r["killed"] for r in results) >= 0.9 * len(results)
@@ -360,16 +405,18 @@ def test_the_recorded_p4_mutants_are_of_the_program_as_it_is():
         assert r["killed"] or r["mutant"] in docs, f"survivor not in docs/tofino.md: {r['mutant']}"
 
 
-def test_the_recorded_v1model_tree_mutants_are_of_the_program_as_it_is():
-    """p4/v1model/tree_mutants.json (`make p4-mutants P4MUTANTS=1`): each mutant of the v1model program's tree rules
-    still applies to the program, at least 90 % were killed, and docs/tofino.md names each survivor."""
-    from tests.conformance import mutants, tree_mutants
+@pytest.mark.parametrize("program", ["v1model", "t2na"])
+def test_the_recorded_tree_mutants_are_of_the_program_as_it_is(program):
+    """p4/v1model/tree_mutants.json, p4/t2na/tree_mutants.json (`make p4-mutants P4MUTANTS=1`): each mutant of the
+    program's tree rules still applies to the program, at least 90 % were killed, and docs/tofino.md names each
+    survivor."""
+    from tests.conformance import tree_mutants
 
-    recorded = json.loads((ROOT / "p4" / "v1model" / "tree_mutants.json").read_text())
-    assert {r["mutant"] for r in recorded["results"]} == {m.name for m in tree_mutants.P4_TREE_MUTANTS}
-    text = tree_mutants.V1MODEL.read_text()
-    for m in tree_mutants.P4_TREE_MUTANTS:
-        mutants.mutated(text, m)  # raises when the program no longer has the mutated text
+    target = tree_mutants.TARGETS[program]
+    recorded = json.loads(target.record.read_text())
+    assert {r["mutant"] for r in recorded["results"]} == {m.name for m in target.mutants}
+    for m in target.mutants:
+        tree_mutants.file_of(target, m)  # raises when the program no longer has the mutated text
     killed = sum(r["killed"] for r in recorded["results"])
     assert len(recorded["results"]) >= 4 and killed >= 0.9 * len(recorded["results"])
     docs = (ROOT / "docs" / "tofino.md").read_text()

@@ -10,7 +10,7 @@
 
     /* ---- the job's tree role: none (flat), a leaf with its uplink, or a root ---- */
     action leaf(bit<16> up_job, bit<16> up_generation, bit<8> up_worker, bit<9> port, bit<48> mac, bit<32> ip) {
-        PASSING_ASSUME(PASSING_PIN_TREE)
+        PASSING_ASSUME(PASSING_PIN_LEAF)
         meta.leaf = 1;
         meta.tree.tree = 1;
         meta.tree.up_job = up_job;
@@ -21,7 +21,7 @@
         meta.tree.up_ip = ip;
     }
     action root() {
-        PASSING_ASSUME(PASSING_PIN_TREE)
+        PASSING_ASSUME(PASSING_PIN_ROOT)
         meta.root = 1;
         meta.tree.tree = 1;
     }
@@ -66,14 +66,14 @@
      * leaf: its rack's server; a root: the leaf of its rack), or up (a leaf: another rack's server); no
      * entry: no owner of the job. A flat job has no entries (its owner is checked against `full`) ---- */
     action owner_worker(bit<8> worker) {
-        PASSING_ASSUME(PASSING_PIN_TREE)
+        PASSING_ASSUME(PASSING_PIN_OWNER_WORKER)
         meta.owner_mapped = 1;
         meta.owner_ok = 1;
         meta.owner_worker = worker;
         meta.tree.owner_rid = (bit<16>)worker;
     }
     action owner_up() {
-        PASSING_ASSUME(PASSING_PIN_TREE)
+        PASSING_ASSUME(PASSING_PIN_OWNER_UP)
         meta.owner_up = 1;
         meta.owner_ok = meta.leaf;  /* up means something at a leaf only */
     }

@@ -33,14 +33,28 @@ header tree_bridged_h {
 }
 
 /* P4Testgen (p4/include/testgen.p4): the uplink entry a controller writes (controller tree_roles.leaf_entries:
- * the leaf job's allocation, as admission's), and a round's phase of 0, 1 or 2. A pinned run of a flat
- * sequence, and the runs of flat jobs (p4/testgen_programs.py's FLAT_ONLY), say there is no entry of uplink,
- * tree_role or owner_map (PASSING_PIN_TREE false) */
-#ifndef PASSING_PIN_UPLINK
-#define PASSING_PIN_UPLINK(leaf_job, leaf_generation, base, pool, full, epoch, group) true
-#endif
+ * the leaf job's allocation, as admission's), and a round's phase of 0, 1 or 2. Each tree action assumes its
+ * pin, which a pinned run's passing_pin.p4 defines as the controller's entries (p4/testgen_tofino_tree.py:
+ * conditions on the key and the action's parameters, in scope where the pin is expanded); by default every
+ * pin is PASSING_PIN_TREE, which the runs of flat jobs and the flat sequences define false (no entry of
+ * uplink, tree_role or owner_map: p4/testgen_programs.py's FLAT_ONLY). */
 #ifndef PASSING_PIN_TREE
 #define PASSING_PIN_TREE true
+#endif
+#ifndef PASSING_PIN_LEAF
+#define PASSING_PIN_LEAF PASSING_PIN_TREE
+#endif
+#ifndef PASSING_PIN_ROOT
+#define PASSING_PIN_ROOT PASSING_PIN_TREE
+#endif
+#ifndef PASSING_PIN_UPLINK
+#define PASSING_PIN_UPLINK PASSING_PIN_TREE
+#endif
+#ifndef PASSING_PIN_OWNER_WORKER
+#define PASSING_PIN_OWNER_WORKER PASSING_PIN_TREE
+#endif
+#ifndef PASSING_PIN_OWNER_UP
+#define PASSING_PIN_OWNER_UP PASSING_PIN_TREE
 #endif
 #ifndef PASSING_PIN_PHASE
 #define PASSING_PIN_PHASE(phase) true
@@ -50,8 +64,7 @@ header tree_bridged_h {
     PASSING_ASSUME((leaf_job) >= 1 && (leaf_job) < PASSING_MAX_JOBS                               \
                    && (epoch) == ((bit<32>)(leaf_job) << 16 | (bit<32>)(leaf_generation))         \
                    && (group) == (leaf_job) + 1)                                                  \
-    PASSING_ASSUME(PASSING_PIN_TREE)                                                              \
-    PASSING_ASSUME(PASSING_PIN_UPLINK(leaf_job, leaf_generation, base, pool, full, epoch, group))
+    PASSING_ASSUME(PASSING_PIN_UPLINK)
 #define PASSING_TESTGEN_PHASE_READ(phase) \
     PASSING_ASSUME((phase) <= 2)          \
     PASSING_ASSUME(PASSING_PIN_PHASE(phase))

@@ -22,13 +22,13 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from passing.aggregator import engine as engine_module
 
-from . import testgen, tree_sequences, tree_vectors, vector_tool
+from . import testgen, tofino_tree, tree_sequences, tree_vectors, vector_tool
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 tool = vector_tool.load()
@@ -223,10 +223,10 @@ def engine_with(mutant: Mutant) -> Iterator[None]:
         del sys.modules[module.__name__]
 
 
-def first_failure(tofino: list[dict], v1model: dict | None, v1model_tree: dict | None = None) -> str | None:
+def first_failure(tofino: list[dict], v1model: dict | None, trees: Sequence[dict] = ()) -> str | None:
     """The first vector check that fails (a divergence, or the checker failing on a mutated engine), or None:
     the vectors of each Tofino program one by one, their sequences as chains and as batches, then the v1model
-    ones, then the v1model tree sequences as chains."""
+    ones, then the tree sequences (``trees``: the v1model program's and the Tofino 2 program's) as chains."""
     for vectors in tofino:
         lanes, chip = int(vectors["defines"]["PASSING_LANES"]), vectors.get("target", "tofino")
         sequences: dict[str, list[dict]] = {}
@@ -250,26 +250,26 @@ def first_failure(tofino: list[dict], v1model: dict | None, v1model_tree: dict |
             testgen.check_batches(vectors, lanes)
         except Exception as e:  # noqa: BLE001
             return f"{chip} sequences as batches: {type(e).__name__}: {e}"
-    for vectors in (v1model, v1model_tree):
-        if vectors is None:
-            continue
-        lanes = int(vectors["defines"]["PASSING_LANES"])
-        chains: dict[str, list[dict]] = {}
-        for vector in vectors["tests"]:
-            if vector["run"] == "sequence":  # the tree sequences: checked as chains, below
-                chains.setdefault(vector["sequence"], []).append(vector)
-                continue
+    if v1model is not None:
+        lanes = int(v1model["defines"]["PASSING_LANES"])
+        for vector in v1model["tests"]:
             try:
                 testgen.v1model_check(vector, lanes)
             except testgen.Outside:
                 continue
             except Exception as e:  # noqa: BLE001
                 return f"v1model test {vector['id']}: {type(e).__name__}: {e}"
+    for vectors in trees:
+        lanes, chip = int(vectors["defines"]["PASSING_LANES"]), vectors["target"]
+        check = tofino_tree.check_tree_sequence if chip == "tofino2" else tree_sequences.check_tree_sequence
+        chains: dict[str, list[dict]] = {}
+        for vector in vectors["tests"]:
+            chains.setdefault(vector["sequence"], []).append(vector)
         for name, chain in chains.items():
             try:
-                tree_sequences.check_tree_sequence(sorted(chain, key=lambda v: v["step"]), lanes)
+                check(sorted(chain, key=lambda v: v["step"]), lanes)
             except Exception as e:  # noqa: BLE001
-                return f"v1model sequence {name}: {type(e).__name__}: {e}"
+                return f"{chip} tree sequence {name}: {type(e).__name__}: {e}"
     return None
 
 
@@ -277,15 +277,15 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def engine_score(tofino: list[dict], v1model: dict | None, v1model_tree: dict | None = None) -> list[dict]:
+def engine_score(tofino: list[dict], v1model: dict | None, trees: Sequence[dict] = ()) -> list[dict]:
     """Each engine mutant against the vectors; first the engine as it is, which must pass them (the control)."""
-    control = first_failure(tofino, v1model, v1model_tree)
+    control = first_failure(tofino, v1model, trees)
     if control is not None:
         raise SystemExit(f"the vectors fail with the engine as it is: {control}")
     results = []
     for mutant in ENGINE_MUTANTS:
         with engine_with(mutant):
-            failure = first_failure(tofino, v1model, v1model_tree)
+            failure = first_failure(tofino, v1model, trees)
         results.append({"mutant": mutant.name, "area": mutant.area, "killed": failure is not None,
                         "by": failure})
     return results
@@ -366,13 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_engine:
         tofino = [_load(ROOT / tool.PROGRAMS[name].vectors) for name in ("tna", "t2na")]
         v1model = _load(ROOT / tool.PROGRAMS["v1model"].vectors)
-        tree = _load(ROOT / tool.PROGRAMS["v1model_tree"].vectors)
-        rates.append(report("Reference engine mutants against the TNA, T2NA, v1model and v1model tree vectors",
-                            engine_score(tofino, v1model, tree)))
+        trees = [_load(ROOT / tool.PROGRAMS[name].vectors) for name in ("v1model_tree", "t2na_tree")]
+        rates.append(report("Reference engine mutants against the TNA, T2NA, v1model and both tree sequences' vectors",
+                            engine_score(tofino, v1model, trees)))
         for name, vectors in zip(("TNA", "T2NA"), tofino):
             report(f"Reference engine mutants against the {name} vectors alone", engine_score([vectors], None))
         report("Reference engine mutants against the v1model vectors alone", engine_score([], v1model))
-        report("Reference engine mutants against the v1model tree sequences alone", engine_score([], None, tree))
+        for name, vectors in zip(("v1model", "T2NA"), trees):
+            report(f"Reference engine mutants against the {name} tree sequences alone",
+                   engine_score([], None, [vectors]))
     if args.p4:
         results = p4_score(args.lanes, 2, args.max_tests, args.only, not args.no_control)
         rates.append(report(f"TNA program mutants ({args.lanes} lanes)", results))
