@@ -194,17 +194,22 @@ def ddp_fault(epochs: int, when: str = "training", hidden: int = 256) -> dict:
     start = time.time()
     marker = Path(os.environ["PASSING_TEST_MARKER"])
 
-    # PASSING_TEST_HOLD: rank 0 waits at the last step until the test has made that file (or 120 s), so a test
-    # that strikes twice sees its second move while the training still runs, however fast the machine is
+    # PASSING_TEST_HOLD: the ranks wait at the last step until the test has made that file (or 120 s), so a test
+    # that strikes twice sees its second move while the training still runs, however fast the machine is. They
+    # wait in calls through the group (a flag all-reduced until rank 0 has seen the file): a strike meanwhile is
+    # met by every rank and the group moves, where a rank waiting outside any call would keep its group's move
+    # waiting for its silence report until the others' calls time out
     hold, last = os.environ.get("PASSING_TEST_HOLD"), len(data.x_train) // 64 * epochs
 
     def mid_training(step: int) -> None:  # the test kills the aggregator once rank 0 is past step 5
         if step == 5 and dist.get_rank() == 0 and when == "training":
             marker.touch()
-        if hold and step == last and dist.get_rank() == 0:
-            deadline = time.monotonic() + 120
-            while not Path(hold).exists() and time.monotonic() < deadline:
+        if hold and step == last:
+            deadline, flag = time.monotonic() + 120, torch.ones(1)
+            while flag.item():
                 time.sleep(0.05)
+                flag.fill_(float(dist.get_rank() == 0 and not Path(hold).exists() and time.monotonic() < deadline))
+                dist.all_reduce(flag)
 
     if when == "startup" and dist.get_rank() == 0:
         marker.touch()
