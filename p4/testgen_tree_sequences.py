@@ -118,13 +118,15 @@ TREE_SEQUENCES: dict[str, tuple[tuple[Role, ...], tuple]] = {
         Down(_LEAF, RESULT, slot=3, set=1, psn=11, data="down"),
         Send(_LEAF.alloc, 0, slot=3, set=1, psn=11, data="up", flags=RETRANSMIT))),
     # an OWNER_ONLY round whose owner is in another rack: an ACK before the round is complete here is late; the
-    # partial up keeps the flag, the root's ACK (flagged OVERFLOW) answers it, a retransmission gets an ACK
+    # partial up keeps the flag, the root's ACK (flagged OVERFLOW) answers it, a retransmission gets an ACK, and
+    # so does one that says no OWNER_ONLY (the slot holds a partial, no sums to give)
     "leaf_ack": ((_LEAF,), (
         Send(_LEAF.alloc, 0, slot=5, psn=20, data="up", flags=OWNER_ONLY, owner=3),
         Down(_LEAF, ACK, slot=5, psn=20, flags=OWNER_ONLY, owner=3),
         Send(_LEAF.alloc, 1, slot=5, psn=20, data="down", flags=OWNER_ONLY, owner=3),
         Down(_LEAF, ACK, slot=5, psn=20, flags=OWNER_ONLY | OVERFLOW, owner=3),
-        Send(_LEAF.alloc, 1, slot=5, psn=20, data="down", flags=OWNER_ONLY | RETRANSMIT, owner=3))),
+        Send(_LEAF.alloc, 1, slot=5, psn=20, data="down", flags=OWNER_ONLY | RETRANSMIT, owner=3),
+        Send(_LEAF.alloc, 0, slot=5, psn=20, data="up", flags=RETRANSMIT))),
     # an OWNER_ONLY round whose owner (server 1) is in this rack: the root's RESULT goes down as the owner's sums and
     # the other servers' ACKs
     "leaf_owner": ((_LEAF,), (

@@ -272,6 +272,7 @@ TREE_SEQUENCE_RULES = {
     "leaf_ack": ["leaf: the state machine drops it (aggregated)", "down: the state machine drops it (late_answer)",
                  "leaf: a leaf's partial up (aggregated, completed",
                  "down: a completed round: multicast (ACK; answered",
+                 "leaf: a retransmission to a completed round: answered (duplicate_answered)",
                  "leaf: a retransmission to a completed round: answered (duplicate_answered)"],
     "leaf_owner": ["leaf: the state machine drops it (aggregated)", "leaf: a leaf's partial up (aggregated, completed",
                    "down: a completed round: multicast (RESULT; answered"],

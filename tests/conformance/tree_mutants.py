@@ -4,7 +4,7 @@ text); the tree sequences (p4/testgen_tree_sequences.py) are made again on the m
 checked as chains against the reference as it is (tree_sequences.check_tree_sequence, tofino_tree's for Tofino 2).
 A mutant is killed when a chain diverges, or when a pinned packet has no path with the controller's entries.
 
-    python -m tests.conformance.tree_mutants [--program t2na] [--only NAME] [--record p4/v1model/tree_mutants.json]
+    python -m tests.conformance.tree_mutants [--program t2na] [--only NAME [--update]] [--record FILE]
 """
 
 from __future__ import annotations
@@ -155,12 +155,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--program", choices=sorted(TARGETS), default="v1model")
     parser.add_argument("--only", action="append", help="a mutant by name (repeatable)")
     parser.add_argument("--record", type=Path, help="write the results there (JSON)")
+    parser.add_argument("--update", action="store_true",
+                        help="with --record and --only: replace those mutants' results in the record, keep the "
+                             "others' (the record must be of the program as it is)")
     args = parser.parse_args(argv)
     target = TARGETS[args.program]
+    program = tool.program_sha256(target.source)
+    kept: list[dict] = []
+    if args.update:
+        if not (args.record and args.only):
+            parser.error("--update needs --record and --only")
+        recorded = json.loads(args.record.read_text())
+        if recorded["program_sha256"] != program or recorded["lanes"] != target.lanes:
+            sys.exit(f"--update: {args.record} is of another program or lane count: record every mutant")
+        kept = [r for r in recorded["results"] if r["mutant"] not in args.only]
     results = score(target, args.only)
     if args.record:
-        args.record.write_text(json.dumps({"program_sha256": tool.program_sha256(target.source),
-                                           "lanes": target.lanes, "results": results}, indent=1) + "\n")
+        order = [m.name for m in target.mutants]
+        merged = sorted(kept + results, key=lambda r: order.index(r["mutant"]))
+        args.record.write_text(json.dumps({"program_sha256": program, "lanes": target.lanes, "results": merged},
+                                          indent=1) + "\n")
     return 0 if sum(r["killed"] for r in results) >= 0.9 * len(results) else 1
 
 
