@@ -1,6 +1,7 @@
-"""The v1model program's sequences through the tree roles (p4/testgen_vectors.py; docs/tofino.md, "Sequences"):
-packets chained through the registers, each one a P4Testgen run of the bmv2 target pinned to it. Standard
-library only.
+"""The sequences through the tree roles (p4/testgen_vectors.py; docs/tofino.md, "Sequences"): packets chained
+through the registers, each one a P4Testgen run pinned to it; here the sequences, their frames and the tree
+tables' pins, and their runs on the v1model program (the bmv2 target; the Tofino 2 program's runs are
+testgen_tofino_tree.py's). Standard library only.
 
 P4Testgen's bmv2 target starts every register at 0 and takes no initial value, so a pinned run is made on a
 *pinned variant* of the program (``pinned_program``), written for the run and never part of the program:
