@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -78,9 +79,19 @@ def rack1_controls(controller) -> set[str]:
     return {n["control"] for j in controller.ctl("status")["jobs"] for n in j.get("tree", []) if n["name"] == "rack1"}
 
 
-def train(network, tmp_path) -> list:
+def ended_ranks(procs: list) -> str:
+    """Each rank that has ended: its exit status and the end of its stderr (why it ended before the test was done)."""
+    return "\n".join(f"rank {rank} ended ({p.returncode}):\n{p.communicate()[1][-3000:]}"
+                     for rank, p in enumerate(procs) if p.poll() is not None)
+
+
+def train(network, tmp_path, hold: Path | None = None) -> list:
+    """The training on "passing"; ``hold``: the ranks wait at its last step until the test makes that file
+    (tests/torch_worker.py, PASSING_TEST_HOLD), so that the test sees a move while the training still runs."""
     env = {"PASSING_CONTROLLER": CONTROLLER, "PASSING_POOL": "16", "PASSING_TIMEOUT": "60",
            "PASSING_FAILOVER_AFTER": "1", "PASSING_TEST_MARKER": str(tmp_path / "training")}
+    if hold is not None:
+        env["PASSING_TEST_HOLD"] = str(hold)
     return ranks(network, ["ddp_fault", str(EPOCHS), "training", str(HIDDEN)], env)
 
 
@@ -97,22 +108,27 @@ def test_ddp_through_a_bmv2_leaf_trains_as_on_gloo(network, controller, gloo_rep
 
 @pytest.mark.timeout(900)
 def test_ddp_survives_the_bmv2_leaf_killed_mid_training(network, controller, gloo_reports, tmp_path):
-    """Last in the file: the switch stays dead."""
-    marker = tmp_path / "training"
-    procs = train(network, tmp_path)
-    deadline = time.monotonic() + 300
-    while not marker.exists():  # rank 0 is past its fifth step
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the training did not start"
-        time.sleep(0.05)
-    assert "switch" in rack1_controls(controller)
-    network.switch.process.kill()
-    killed = time.monotonic()
-    spare = f"tcp://{PS['ps3']}:9878"  # the spare in rack1's place
-    while spare not in (controls := rack1_controls(controller)):
-        assert time.monotonic() - killed < 120 and all(p.poll() is None for p in procs), \
-            f"the training's group did not move off the dead switch: rack1 at {controls}"
-        time.sleep(0.1)
-    moved = time.monotonic() - killed
+    """Last in the file: the switch stays dead. The ranks hold at the last step until the move is seen: on the
+    spare PS the rest of a training may take less than a poll of the controller."""
+    marker, hold = tmp_path / "training", tmp_path / "checked"
+    procs = train(network, tmp_path, hold)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():  # rank 0 is past its fifth step
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                f"the training did not start\n{ended_ranks(procs)}"
+            time.sleep(0.05)
+        assert "switch" in rack1_controls(controller)
+        network.switch.process.kill()
+        killed = time.monotonic()
+        spare = f"tcp://{PS['ps3']}:9878"  # the spare in rack1's place
+        while spare not in (controls := rack1_controls(controller)):
+            assert time.monotonic() - killed < 120 and all(p.poll() is None for p in procs), \
+                f"the training's group did not move off the dead switch: rack1 at {controls}\n{ended_ranks(procs)}"
+            time.sleep(0.1)
+        moved = time.monotonic() - killed
+    finally:
+        hold.touch()  # the training may end now
     reports = completed(collect(procs, 600))
     print(f"BMv2 leaf killed past step 5: the group moved {moved:.1f} s later")
     check_training(reports, gloo_reports)
