@@ -212,7 +212,7 @@ def written(name: str, old: object, fields: dict[str, int]) -> object:
     return fields["value"] if name in _ONE_VALUE else {**old, **fields}
 
 
-def _register(state: dict, name: str, index: int) -> object:
+def register_of(state: dict, name: str, index: int) -> object:
     return state.get((name, index), unwritten(name))
 
 
@@ -235,33 +235,33 @@ def pin_source(inp: dict, admit: dict | None, state: dict, index: int, lanes: in
     if "lanes_h" not in inp["headers"]:
         conds.append("!hdr.lanes.isValid()")
     admitted = " && ".join(f"({name}) == {value}" for name, value in admit.items()) if admit else "false"
-    tag, bitmap = _register(state, "slot_tag", index), _register(state, "slot_bitmap", index)
+    tag, bitmap = register_of(state, "slot_tag", index), register_of(state, "slot_bitmap", index)
     lines = [f"#define PASSING_PIN_INPUT ({' && '.join(conds)})",
              f"#define PASSING_PIN_ADMIT(base, pool, full, epoch, group) ({admitted})",
              f"#define PASSING_PIN_ROUND(value) ((value).tag == {tag['tag']} && (value).epoch == {tag['epoch']})",
              f"#define PASSING_PIN_CONTRIBUTORS(value) ((value).bitmap == {bitmap['bitmap']} "
              f"&& (value).psn == {bitmap['psn']})",
-             f"#define PASSING_PIN_OVERFLOW(value) ((value) == {_register(state, 'slot_overflow', index)})"]
+             f"#define PASSING_PIN_OVERFLOW(value) ((value) == {register_of(state, 'slot_overflow', index)})"]
     for k in range(lanes // 2):
-        pair = _register(state, f"lane_pair_{k}", index)
+        pair = register_of(state, f"lane_pair_{k}", index)
         lines.append(f"#define PASSING_PIN_PAIR_{k}(value) ((value).first == {signed32(pair['first'])} "
                      f"&& (value).second == {signed32(pair['second'])})")
     lines.append("#define PASSING_PIN_PAIR(k, value) PASSING_PIN_PAIR_##k(value)")
     if tree is None:  # a flat sequence: no entry of the tree roles' tables (p4/include/tofino_tree_common.p4)
         lines += [f"#define {name} {value}" for name, value in FLAT_ONLY.items()]
     else:
-        lines += tree + [f"#define PASSING_PIN_PHASE(phase) ((phase) == {_register(state, 'slot_phase', index)})"]
+        lines += tree + [f"#define PASSING_PIN_PHASE(phase) ((phase) == {register_of(state, 'slot_phase', index)})"]
     return "\n".join(lines) + "\n"
 
 
-def _admission_hit(test: dict) -> dict | None:
+def admission_hit(test: dict) -> dict | None:
     for entry in test["tables"]:
         if entry["table"].endswith(".admission") and not entry.get("default"):
             return {k.split(".")[-1]: int(v) for k, v in entry["params"].items()}
     return None
 
 
-def _has(test: dict, table: str) -> bool:
+def has_entry(test: dict, table: str) -> bool:
     return any(e["table"].endswith(f".{table}") and not e.get("default") for e in test["tables"])
 
 
@@ -294,7 +294,7 @@ def run_sequence(program: Program, name: str, events: tuple, lanes: int, source:
             test = _pinned_run(program, which, inp, admit, state, index, lanes, source, log)
             for write in test["writes"]:
                 key = (write["register"], write["index"])
-                state[key] = written(write["register"], _register(state, *key), write["fields"])
+                state[key] = written(write["register"], register_of(state, *key), write["fields"])
             test.update(run="sequence", sequence=name, step=len(vectors),
                         allocations=[{"job": a.job, "generation": a.generation, "base": a.base, "pool": a.pool,
                                       "ports": list(a.ports), **a.params()} for a in dict.fromkeys(live.values())])
@@ -317,7 +317,7 @@ def _pinned_run(program: Program, which: int, inp: dict, admit: dict | None, sta
                                     coverage=False)
     log.append(f"{which} {meta['seconds']} s {len(tests)} paths")
     for test in tests:
-        hit = _admission_hit(test)
-        if hit == admit and not _has(test, "l2_forward") and (which == 2 or _has(test, "aggregator_address")):
+        hit = admission_hit(test)
+        if hit == admit and not has_entry(test, "l2_forward") and (which == 2 or has_entry(test, "aggregator_address")):
             return test
     raise SystemExit(f"no path of the pinned packet has the controller's tables: {inp}")

@@ -17,21 +17,12 @@ from pathlib import Path
 
 from testgen_p4testgen import run_p4testgen
 from testgen_programs import PIN_FILE, Program, Run
-from testgen_sequences import Send, _register, pin_source, written
-from testgen_tree_sequences import Role, frame, table_pins
+from testgen_sequences import Send, admission_hit, has_entry, pin_source, register_of, written
+from testgen_tree_sequences import Role, admission, frame, sequence_of, table_pins
 
 SLOTS = 1024  # PASSING_SLOTS: a slot/set is set * SLOTS + base + slot on Tofino
 # in the order the ingress applies them: whether one is applied hangs on the earlier ones' hits
 TREE_TABLES = ("uplink", "tree_role", "owner_map")
-
-
-def _admission(send: Send, inp: dict) -> dict | None:
-    """The admission entry a server's packet meets: its allocation's, when it says the allocation's generation and
-    comes from its worker's port (the controller installs (job, generation, worker, port) of each worker)."""
-    p, a = inp["headers"]["passing_h"], send.alloc
-    if p["generation"] == a.generation and p["worker"] < len(a.ports) and inp["port"] == a.ports[p["worker"]]:
-        return a.params()
-    return None
 
 
 def run_tofino_tree_sequence(program: Program, name: str, roles: tuple[Role, ...], events: tuple, lanes: int,
@@ -46,23 +37,14 @@ def run_tofino_tree_sequence(program: Program, name: str, roles: tuple[Role, ...
         p = inp["headers"]["passing_h"]
         alloc = event.alloc if isinstance(event, Send) else event.role.alloc
         index = (p["set"] & 1) * SLOTS + alloc.base + p["slot"]
-        admit = _admission(event, inp) if isinstance(event, Send) else None
+        admit = admission(event, inp)
         test = _pinned_run(program, pin_source(inp, admit, state, index, lanes, tree), admit, lanes, source, log)
         for write in test["writes"]:
             key = (write["register"], write["index"])
-            state[key] = written(write["register"], _register(state, *key), write["fields"])
-        test.update(run="sequence", sequence=name, step=len(vectors), slot_set=index,
-                    allocations=[{"job": r.alloc.job, "generation": r.alloc.generation, "base": r.alloc.base,
-                                  "pool": r.alloc.pool, "ports": list(r.alloc.ports), **r.alloc.params()}
-                                 for r in roles],
-                    roles=[{"job": r.alloc.job, "role": r.role, "owners": list(r.owners or ()),
-                            "up": None if r.up is None else vars(r.up)} for r in roles])
+            state[key] = written(write["register"], register_of(state, *key), write["fields"])
+        test.update(run="sequence", sequence=name, step=len(vectors), slot_set=index, **sequence_of(roles))
         vectors.append(test)
     return vectors
-
-
-def _hits(test: dict, table: str) -> list[dict]:
-    return [e for e in test["tables"] if e["table"].split(".")[-1] == table and not e.get("default")]
 
 
 def _pinned_run(program: Program, pins: str, admit: dict | None, lanes: int, source: Path, log: list[str]) -> dict:
@@ -77,15 +59,11 @@ def _pinned_run(program: Program, pins: str, admit: dict | None, lanes: int, sou
         tests, meta = run_p4testgen(program, run, 64, 1, {"PASSING_LANES": lanes}, [f"-I{d}"], None, source,
                                     coverage=False)
     log.append(f"{meta['seconds']} s {len(tests)} paths")
-    ours = []
-    for test in tests:
-        hit = _hits(test, "admission")
-        params = {k.split(".")[-1]: int(v) for k, v in hit[0]["params"].items()} if hit else None
-        if params == admit and not _hits(test, "l2_forward") and _hits(test, "aggregator_address"):
-            ours.append(test)
+    ours = [t for t in tests
+            if admission_hit(t) == admit and not has_entry(t, "l2_forward") and has_entry(t, "aggregator_address")]
     if not ours:
         raise SystemExit(f"no path of the pinned packet has the controller's tables: {pins.splitlines()[0]}")
-    hits = [tuple(len(_hits(t, table)) for table in TREE_TABLES) for t in ours]
+    hits = [tuple(int(has_entry(t, table)) for table in TREE_TABLES) for t in ours]  # a path applies a table once
     best = [t for t, n in zip(ours, hits) if n == max(hits)]
     kept = {repr((sorted(repr(e) for e in t["tables"]), t["ingress"], t["writes"])) for t in best}
     if len(kept) != 1:

@@ -285,13 +285,25 @@ def writes_of_trace(trace: str, lanes: int) -> list[dict]:
     return out + [{"register": "lane_acc", "index": base + i, "value": v} for i, v in sorted(lane.items())]
 
 
-def _admission(send: Send, inp: dict) -> dict | None:
-    """The admission entry a server's packet meets: its allocation's, when it says the allocation's generation and
-    comes from its worker's port (the controller installs (job, generation, worker, port) of each worker)."""
-    p, a = inp["headers"]["passing_h"], send.alloc
+def admission(event: Send | Down, inp: dict) -> dict | None:
+    """The admission entry a packet meets: a server's packet, its allocation's when it says the allocation's
+    generation and comes from its worker's port (the controller installs (job, generation, worker, port) of each
+    worker); what comes down from the root, none (the ingress does not apply admission to it)."""
+    if not isinstance(event, Send):
+        return None
+    p, a = inp["headers"]["passing_h"], event.alloc
     if p["generation"] == a.generation and p["worker"] < len(a.ports) and inp["port"] == a.ports[p["worker"]]:
         return a.params()
     return None
+
+
+def sequence_of(roles: tuple[Role, ...]) -> dict:
+    """What every vector of a tree sequence carries of its jobs: their allocations and roles, as the checkers
+    (tests/conformance/tree_sequences.py, tofino_tree.py) install them in the reference."""
+    return {"allocations": [{"job": r.alloc.job, "generation": r.alloc.generation, "base": r.alloc.base,
+                             "pool": r.alloc.pool, "ports": list(r.alloc.ports), **r.alloc.params()} for r in roles],
+            "roles": [{"job": r.alloc.job, "role": r.role, "owners": list(r.owners or ()),
+                       "up": None if r.up is None else vars(r.up)} for r in roles]}
 
 
 def run_tree_sequence(program: Program, name: str, roles: tuple[Role, ...], events: tuple, lanes: int,
@@ -306,8 +318,7 @@ def run_tree_sequence(program: Program, name: str, roles: tuple[Role, ...], even
         p = inp["headers"]["passing_h"]
         a = event.alloc if isinstance(event, Send) else event.role.alloc
         index = (a.base + p["slot"]) * 2 + (p["set"] & 1)
-        admit = _admission(event, inp) if isinstance(event, Send) else None
-        pins = pin_source(inp, admit, roles, state, index, lanes)
+        pins = pin_source(inp, admission(event, inp), roles, state, index, lanes)
         test = _pinned_run(program, variant, pins, lanes, log)
         registers = [{"register": r, "index": index, "value": state.get((r, index), 0)}
                      for r in REGISTERS if r != "lane_acc"]
@@ -316,12 +327,7 @@ def run_tree_sequence(program: Program, name: str, roles: tuple[Role, ...], even
         test["writes"] = writes_of_trace(test.pop("trace"), lanes)
         for w in test["writes"]:
             state[(w["register"], w["index"])] = w["value"]
-        test.update(run="sequence", sequence=name, step=len(vectors), registers=registers,
-                    allocations=[{"job": r.alloc.job, "generation": r.alloc.generation, "base": r.alloc.base,
-                                  "pool": r.alloc.pool, "ports": list(r.alloc.ports), **r.alloc.params()}
-                                 for r in roles],
-                    roles=[{"job": r.alloc.job, "role": r.role, "owners": list(r.owners or ()),
-                            "up": None if r.up is None else vars(r.up)} for r in roles])
+        test.update(run="sequence", sequence=name, step=len(vectors), registers=registers, **sequence_of(roles))
         vectors.append(test)
     return vectors
 
@@ -351,5 +357,5 @@ def _pinned_run(program: Program, variant: str, pins: str, lanes: int, log: list
     return best[0]
 
 
-__all__ = ["REGISTERS", "TREE_SEQUENCES", "Down", "Role", "Up", "frame", "pin_source", "pinned_program",
-           "run_tree_sequence", "table_pins", "writes_of_trace"]
+__all__ = ["REGISTERS", "TREE_SEQUENCES", "Down", "Role", "Up", "admission", "frame", "pin_source", "pinned_program",
+           "run_tree_sequence", "sequence_of", "table_pins", "writes_of_trace"]

@@ -262,10 +262,10 @@ def tna_state(vector: dict, index: int, lanes: int) -> dict[str, object]:
             for name, value in state.items()}
 
 
-def concretize(view: SlotView, job: JobView, flag: int, lanes: int) -> dict[str, object]:
-    """The inverse of slot_view for a round of this allocation: the TNA registers of a reference slot/set (with
-    TNA's round flag ``flag``, the OR of the contributions' flags: TNA flags no saturated lane)."""
-    out: dict[str, object] = {"slot_tag": {"tag": view.tag, "epoch": job.epoch},
+def concretize(view: SlotView, epoch: int, flag: int, lanes: int) -> dict[str, object]:
+    """The inverse of slot_view for a round of the allocation of ``epoch``: the TNA registers of a reference
+    slot/set (with TNA's round flag ``flag``, the OR of the contributions' flags: TNA flags no saturated lane)."""
+    out: dict[str, object] = {"slot_tag": {"tag": view.tag, "epoch": epoch},
                               "slot_bitmap": {"bitmap": view.bitmap, "psn": view.tag}, "slot_overflow": flag}
     for k in range(lanes // 2):
         out[f"lane_pair_{k}"] = {"first": int(view.lanes[2 * k]) % INT32, "second": int(view.lanes[2 * k + 1]) % INT32}
@@ -382,7 +382,7 @@ def first_pass(vector: dict, lanes: int, chip: str = "tofino") -> Expected:
         if after.overflow != (bool(round_flag) or saturated):
             raise Divergence(f"the reference's round overflow is {after.overflow}: the contributions' flags "
                              f"{round_flag}, a lane saturated: {saturated}")
-        effect = concretize(after, job, round_flag, lanes)
+        effect = concretize(after, job.epoch, round_flag, lanes)
     if not results:
         return Expected(f"the state machine drops it ({', '.join(verdict)})", "drop", index=index, after=effect)
     multicast = results[0][2]
@@ -706,7 +706,7 @@ def check_batches(vectors: dict, lanes: int) -> None:
 # ---- the v1model program's vectors (P4Testgen's bmv2 target) --------------------------------------------------
 
 
-def _header_only(raw: bytes) -> dict[str, int] | None:
+def header_only(raw: bytes) -> dict[str, int] | None:
     """The PASSING header of a header-only datagram (UDP length 8 + 16: a root's ACK coming down), which the
     v1model parser extracts after the shared parser (that leaves it as payload); None for any other frame."""
     at = ETH + IPV4 + UDP
@@ -741,8 +741,8 @@ def v1model_expect(vector: dict, lanes: int,
         return "l2: forwarded", out, packet
     at = ETH + IPV4 + UDP
     hdr = p.headers.get("passing_h")
-    header_only = _header_only(raw)
-    down = tree_vectors.down_job(vector, hdr or header_only, port)
+    only = header_only(raw)
+    down = tree_vectors.down_job(vector, hdr or only, port)
     if down is not None:  # the root's answer or relay to a leaf job
         datagram = raw[at:at + (wire.HEADER_SIZE if hdr is None else wire.packet_size(lanes))]
         return v1model_outcome(vector, raw, down, datagram, port, lanes, "down: ", engine)

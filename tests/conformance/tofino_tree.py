@@ -41,7 +41,6 @@ from .tree_vectors import Divergence
 tool = testgen.tool
 SLOTS, INT32, ETH, IPV4, UDP = testgen.SLOTS, testgen.INT32, testgen.ETH, testgen.IPV4, testgen.UDP
 NO_RID = 0xFFFF  # PASSING_NO_RID: the owner map names no worker here
-SLOT_REGISTERS = ("slot_tag", "slot_bitmap", "slot_overflow", "slot_phase")
 KINDS = {wire.DATA: "DATA", wire.RESULT: "RESULT", wire.ACK: "ACK", wire.GATHER: "GATHER", wire.NACK: "NACK"}
 
 
@@ -50,10 +49,9 @@ def reference_index(index: int) -> int:
     return (index % SLOTS) * 2 + index // SLOTS
 
 
-def _leaf_sets(vector: dict) -> set[int]:
-    leaves = {r["job"] for r in vector["roles"] if r["role"] == "leaf"}
-    return {s * SLOTS + a["base"] + slot for a in vector["allocations"] if a["job"] in leaves
-            for slot in range(a["pool"]) for s in (0, 1)}
+def tofino_index(k: int) -> int:
+    """Tofino's slot/set of the reference's ``(base + slot) * 2 + set`` (reference_index's inverse)."""
+    return (k % 2) * SLOTS + k // 2
 
 
 def _registers(vector: dict, index: int, lanes: int) -> dict[str, object]:
@@ -64,31 +62,22 @@ def _registers(vector: dict, index: int, lanes: int) -> dict[str, object]:
 
 
 def _reference_view(engine: reference.AggregationEngine, index: int, lanes: int, leaf: bool) -> dict[str, object]:
-    """A reference slot/set as Tofino's registers (testgen.concretize's abstraction; a slot/set no round of any
-    allocation touched holds 0)."""
+    """A reference slot/set as Tofino's registers (testgen.concretize; a slot/set no round of any allocation
+    touched holds 0), and at a leaf's slot/set ``slot_phase``."""
     k = reference_index(index)
-    epoch = int(engine.state_epoch[k])
-    out: dict[str, object] = {"slot_tag": {"tag": int(engine.tag[k]) % INT32, "epoch": max(epoch, 0)},
-                              "slot_bitmap": {"bitmap": int(engine.bitmap[k]), "psn": int(engine.tag[k]) % INT32},
-                              "slot_overflow": int(engine.overflow[k])}
-    for j in range(lanes // 2):
-        out[f"lane_pair_{j}"] = {"first": int(engine.acc[k, 2 * j]) % INT32,
-                                 "second": int(engine.acc[k, 2 * j + 1]) % INT32}
+    view = testgen.SlotView(int(engine.state_epoch[k]), int(engine.tag[k]) % INT32, int(engine.bitmap[k]),
+                            bool(engine.overflow[k]), engine.acc[k, :lanes])
+    out = testgen.concretize(view, max(view.epoch, 0), int(view.overflow), lanes)
     if leaf:
         out["slot_phase"] = int(engine.phase[k])
     return out
-
-
-def _program_view(state: dict, index: int, lanes: int, leaf: bool) -> dict[str, object]:
-    names = [*SLOT_REGISTERS[:3], *(f"lane_pair_{j}" for j in range(lanes // 2))] + (["slot_phase"] if leaf else [])
-    return {name: state.get((name, index), tool.unwritten(name)) for name in names}
 
 
 def _headers(raw: bytes, lanes: int) -> tuple[dict[str, dict[str, int]], list[int] | None]:
     """The headers the T2NA parser extracts (a header-only datagram's PASSING header too), and the lanes."""
     p = testgen.parse(raw, lanes)
     headers = dict(p.headers)
-    if "passing_h" not in headers and (only := testgen._header_only(raw)) is not None:
+    if "passing_h" not in headers and (only := testgen.header_only(raw)) is not None:
         headers["passing_h"] = only
     return headers, p.lanes
 
@@ -204,8 +193,8 @@ def unpack(datagram: bytes) -> dict[str, int]:
 
 def check_tree_sequence(chain: list[dict], lanes: int) -> list[str]:
     """The rules of a chain of vectors, in order; raises Divergence where the program and the reference part."""
-    engine, _ = tree_sequences.engine_for(chain[0], lanes)
-    leaf_sets = _leaf_sets(chain[0])
+    engine, leaf_slots = tree_sequences.engine_for(chain[0], lanes)
+    leaf_sets = {tofino_index(k) for k in leaf_slots}
     state: dict[tuple[str, int], object] = {}
     rules = []
     for vector in chain:
@@ -236,10 +225,11 @@ def check_tree_sequence(chain: list[dict], lanes: int) -> list[str]:
         for b, a in zip(before, after):
             changed = b != a
             for k in np.flatnonzero(changed.any(axis=1) if changed.ndim > 1 else changed).tolist():
-                touched.add((k % 2) * SLOTS + k // 2)
+                touched.add(tofino_index(k))
         for index in sorted(touched):
             leaf = index in leaf_sets
-            program, ref = _program_view(state, index, lanes, leaf), _reference_view(engine, index, lanes, leaf)
+            ref = _reference_view(engine, index, lanes, leaf)
+            program = {name: state.get((name, index), tool.unwritten(name)) for name in ref}
             wrong = [name for name in ref if program[name] != ref[name]]
             if wrong:
                 raise Divergence(f"{where} ({rules[-1]}): slot/set {index} after the packet: {wrong[0]} = "

@@ -30,7 +30,8 @@ SLOT_REGISTERS = ("slot_epoch", "slot_tag", "slot_bitmap", "slot_overflow", "slo
 
 
 def engine_for(vector: dict, lanes: int) -> tuple[reference.AggregationEngine, set[int]]:
-    """The reference with the sequence's jobs in their roles; and the leaf jobs' slot/sets (``slot_phase``)."""
+    """The reference with the sequence's jobs in their roles; and the leaf jobs' slot/sets (``slot_phase``), as the
+    reference indexes them ((base + slot) * 2 + set, the v1model program's too)."""
     roles = {r["job"]: r for r in vector["roles"]}
     specs, leaf_slots = [], set()
     for a in vector["allocations"]:
