@@ -97,6 +97,7 @@ from tests.differential.program import (
     generate,
     group_members,
     make_tensor,
+    trec,
 )
 
 MODES = ("ring", "embedded", "ps")  # the candidates; "gloo" is the reference
@@ -577,9 +578,7 @@ def _flat(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
     flat = torch.cat([decode(r).reshape(-1) for r in recs])
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
-    flat = flat.sort().values.contiguous()
-    return {"dtype": str(flat.dtype).removeprefix("torch."), "shape": (flat.numel(),),
-            "data": flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""}
+    return trec(flat.sort().values)
 
 
 def _compare_aux(op: Op, r: int, rr: dict[str, Any], cr: dict[str, Any], members: list[int], refs: list,
@@ -588,8 +587,6 @@ def _compare_aux(op: Op, r: int, rr: dict[str, Any], cr: dict[str, Any], members
     outputs the candidate must hold; ``expected``: those of them computed from the inputs."""
     ra, ca = dict(rr["aux"]), cr["aux"]
     if "tensor" in expected:  # the future holds the view: of the expectation, not of gloo's wrong answer
-        from tests.differential.rank import trec
-
         view = trec(apply_view(decode(expected["tensor"]), op.args["tensor"]))
         for key in ("then_value", "future_value"):
             if key in ra:
@@ -634,7 +631,6 @@ def _matches_flat(op: Op, got: dict[str, Any], want: dict[str, Any], members: li
 def independent(program: Program, op: Op, rank: int, members: list[int]) -> dict[str, dict[str, Any]]:
     """Expected outputs computed from the regenerated inputs, where gloo is known to be wrong: views
     that are not dense in all_reduce, broadcast and the list reduce_scatter (module docstring)."""
-    from tests.differential.rank import trec
 
     if not members:
         return {}
@@ -670,9 +666,8 @@ def _compare_among_ranks(program: Program, op: Op, cands: list, div: Any) -> Non
         if rec is None or rec["status"] != "ok" or "tensor" not in rec["values"]:
             continue
         members = tuple(group_members(program, op.args["group"], r) or ())
-        view = apply_view(decode(rec["values"]["tensor"]), op.args["tensor"]).contiguous()
-        data = view.reshape(-1).view(__import__("torch").uint8).numpy().tobytes() if view.numel() else b""
-        views.setdefault(members, []).append((r, data))
+        view = apply_view(decode(rec["values"]["tensor"]), op.args["tensor"])
+        views.setdefault(members, []).append((r, trec(view)["data"]))
     for members, seen in views.items():
         if len({d for _, d in seen}) > 1:
             div(op.id, None, "ranks-disagree", f"the ranks of group {list(members)} hold different results of "
@@ -990,7 +985,6 @@ def check_reference(reference: Launch) -> list[str]:
     """The gloo launch itself: every rank done, and every all_reduce of integer values over a dense view
     (AVG included) as computed from the inputs. A problem here is the fuzzer's own (or gloo's): it is
     no divergence of passing, and a launch with one is no reference."""
-    from tests.differential.rank import trec
 
     problems = [f"gloo rank {r.rank}: {r.status}\n{r.stderr[-2000:]}" for r in reference.ranks if r.status != "done"]
     for index, entry in enumerate(reference.programs):

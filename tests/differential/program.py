@@ -181,6 +181,15 @@ def apply_view(base: Any, spec: dict[str, Any]) -> Any:
     raise ValueError(f"unknown view {view_kind}")
 
 
+def trec(t: Any) -> dict[str, Any]:
+    """A tensor as recorded: dtype, shape and its elements' bytes (row-major)."""
+    import torch
+
+    c = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())  # a one-element view with a step is "contiguous"
+    return {"dtype": str(c.dtype).removeprefix("torch."), "shape": tuple(c.shape),
+            "data": c.reshape(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b""}
+
+
 def dense(spec: dict[str, Any]) -> bool:
     """Whether a view covers its own storage without gaps (gloo handles those right)."""
     return spec.get("view", "contig") in ("contig", "offset", "transpose")

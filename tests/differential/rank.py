@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 import passing.torch  # noqa: F401  registers backend "passing"
-from tests.differential.program import Op, Program, generate, group_members, make_tensor
+from tests.differential.program import Op, Program, generate, group_members, make_tensor, trec
 
 HUNG = 97  # exit code of a rank the watchdog ended
 POLL_SECONDS = 3.0  # how long a wait by is_completed() polls before it waits
@@ -57,13 +57,6 @@ warnings.filterwarnings("ignore", category=UserWarning)
 
 
 # ---- records ------------------------------------------------------------------------------------
-
-
-def trec(t: torch.Tensor) -> dict[str, Any]:
-    """A tensor as recorded: dtype, shape and its elements' bytes (row-major)."""
-    c = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())  # a one-element view with a step is "contiguous"
-    return {"dtype": str(c.dtype).removeprefix("torch."), "shape": tuple(c.shape),
-            "data": c.reshape(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b""}
 
 
 def digest(value: Any) -> list[dict[str, Any]]:
